@@ -1,0 +1,400 @@
+"""File-to-file surgery: resize the position table(s) of a checkpoint on disk.
+
+The model is never instantiated. Tensors are addressed by name; the table(s) and
+length-dependent buffers are rebuilt, every other tensor's bytes are passed through,
+shards that hold nothing to change are copied whole (or hard-linked), ``config.json``
+and ``tokenizer_config.json`` are edited as JSON, and the result appears at ``dst``
+only when complete.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import secrets
+import shutil
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import __version__
+from .errors import DestinationError, InvalidLengthError, SourceError
+from .io import (
+    BIN_INDEX, BIN_SINGLE, DTYPE_CODES, SAFE_INDEX, SAFE_SINGLE, CheckpointReader, Entry,
+    atomic_output, copy_file, write_safetensors,
+)
+from .specs import ArchitectureSpec, spec_for
+from .strategies import get_strategy, resize_table
+
+log = logging.getLogger(__name__)
+
+# Weight files in other formats would still hold the old table: they are not copied.
+_OTHER_WEIGHTS = (".bin", ".safetensors", ".h5", ".msgpack", ".onnx", ".gguf", ".pt", ".pth", ".ckpt", ".ot")
+_TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "vocab.txt", "merges.txt", "spiece.model",
+                    "sentencepiece.bpe.model", "tokenizer.model")
+
+
+@dataclass(frozen=True)
+class TableInfo:
+    name: str
+    rows: int
+    dim: int
+    dtype: str
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """What ``posextend inspect`` reports about a checkpoint."""
+
+    path: str
+    model_type: str
+    architectures: list[str]
+    spec: str  # the spec's model type, or "generic" for the fallback
+    weights_format: str
+    weight_files: list[str]
+    tables: list[TableInfo]
+    usable: int
+    reserved: int
+    config_lengths: dict[str, int]
+    buffers: list[str]
+    tokenizer_max_length: int | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class ResizeReport:
+    """What ``resize_checkpoint`` did."""
+
+    src: str
+    dst: str
+    model_type: str
+    strategy: str
+    params: dict[str, Any]
+    seed: int
+    old_length: int
+    new_length: int
+    reserved: int
+    tables: list[str]
+    buffers: list[str]
+    files_rewritten: list[str] = field(default_factory=list)
+    files_copied: list[str] = field(default_factory=list)
+    files_skipped: list[str] = field(default_factory=list)
+    bytes_written: int = 0
+    seconds: float = 0.0
+
+    def provenance(self) -> dict[str, str]:
+        """String metadata recorded in the safetensors header and index."""
+        return {
+            "posextend.version": __version__,
+            "posextend.source": self.src,
+            "posextend.strategy": self.strategy,
+            "posextend.params": json.dumps(self.params, sort_keys=True),
+            "posextend.seed": str(self.seed),
+            "posextend.old_length": str(self.old_length),
+            "posextend.new_length": str(self.new_length),
+            "posextend.tables": ",".join(self.tables),
+        }
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def resolve_source(src: str | Path) -> Path:
+    """A local checkpoint directory, or a hub id already present in the local HF cache."""
+    path = Path(src).expanduser()
+    if path.is_dir():
+        return path.resolve()
+    if path.exists():
+        raise SourceError(f"{src} is a file; give the checkpoint's directory (the one holding config.json).")
+    if str(src).count("/") == 1 and not str(src).startswith((".", "/", "~")):
+        try:
+            from huggingface_hub import snapshot_download
+
+            return Path(snapshot_download(str(src), local_files_only=True))
+        except Exception:
+            pass
+    raise SourceError(f"{src} does not exist (and is not a model in the local Hugging Face cache).")
+
+
+def read_config(directory: Path) -> dict[str, Any]:
+    path = directory / "config.json"
+    if not path.is_file():
+        raise SourceError(
+            f"No config.json in {directory}: this is not a transformers checkpoint. "
+            "Save the model with save_pretrained() first."
+        )
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise SourceError(f"{path} is not valid JSON ({exc}).") from None
+    if not isinstance(config, dict):
+        raise SourceError(f"{path} does not hold a JSON object.")
+    return config
+
+
+def check_length(new_length: int, old_length: int, *, allow_shrink: bool) -> None:
+    if not isinstance(new_length, int) or isinstance(new_length, bool) or new_length <= 0:
+        raise InvalidLengthError(f"The new length must be a positive number of positions, got {new_length!r}.")
+    if new_length < old_length and not allow_shrink:
+        raise InvalidLengthError(
+            f"The new length {new_length} is below the current {old_length}: positions from "
+            f"{new_length} on would be cut. To shrink on purpose, pass --shrink (allow_shrink=True)."
+        )
+
+
+def check_destination(src: Path, dst: Path, *, overwrite: bool) -> None:
+    src, dst = src.resolve(), dst.resolve()
+    if dst == src or src in dst.parents:
+        raise DestinationError(f"The destination {dst} is the source or inside it; choose a directory outside {src}.")
+    if dst in src.parents:
+        raise DestinationError(f"The destination {dst} contains the source {src}; choose another directory.")
+    if (dst.exists() or dst.is_symlink()) and not overwrite:
+        raise DestinationError(f"{dst} already exists; pass --overwrite (overwrite=True) to replace it.")
+
+
+def _tokenizer_max_length(directory: Path) -> int | None:
+    path = directory / "tokenizer_config.json"
+    if path.is_file():
+        try:
+            value = json.loads(path.read_text()).get("model_max_length")
+            return value if isinstance(value, int) else None
+        except ValueError:
+            return None
+    return None
+
+
+def _shapes(reader: CheckpointReader) -> dict[str, tuple[int, ...]]:
+    return {name: entry.shape for name, entry in reader.entries.items()}
+
+
+# ------------------------------------------------------------------------------- public
+
+
+def inspect_checkpoint(src: str | Path) -> CheckpointInfo:
+    """Describe a checkpoint's position table(s) without loading the model.
+
+    Example::
+
+        >>> info = posextend.inspect_checkpoint("all-MiniLM-L6-v2")
+        >>> info.usable, info.tables[0].name
+        (512, 'embeddings.position_embeddings.weight')
+    """
+    directory = resolve_source(src)
+    config = read_config(directory)
+    spec = spec_for(config)
+    reader = CheckpointReader(directory)
+    try:
+        layout = spec.locate(_shapes(reader), config)
+        return CheckpointInfo(
+            path=str(directory),
+            model_type=config.get("model_type", ""),
+            architectures=list(config.get("architectures") or []),
+            spec=spec.model_type,
+            weights_format=reader.format + (" (sharded)" if reader.sharded else ""),
+            weight_files=[f.name for f in reader.files],
+            tables=[
+                TableInfo(n, reader.entries[n].shape[0], reader.entries[n].shape[1], reader.entries[n].dtype)
+                for n in layout.tables
+            ],
+            usable=layout.usable,
+            reserved=layout.reserved,
+            config_lengths={k: config[k] for k in spec.length_keys if k in config},
+            buffers=list(layout.buffers),
+            tokenizer_max_length=_tokenizer_max_length(directory),
+        )
+    finally:
+        reader.close()
+
+
+def resize_checkpoint(
+    src: str | Path,
+    dst: str | Path,
+    new_length: int,
+    strategy: str = "tile",
+    *,
+    seed: int | None = None,
+    overwrite: bool = False,
+    allow_shrink: bool = False,
+    link: bool = False,
+    progress: Callable[[int, int], None] | None = None,
+    **params: Any,
+) -> ResizeReport:
+    """Write a copy of checkpoint ``src`` at ``dst`` with ``new_length`` usable positions.
+
+    Only the position table(s) and the buffers that follow the length change; every
+    other tensor's bytes are copied as they are. ``src`` is never modified, and ``dst``
+    appears only when complete. ``progress(done_bytes, total_bytes)`` is called while
+    writing. ``link=True`` hard-links shards that need no change instead of copying them.
+
+    Example::
+
+        >>> report = posextend.resize_checkpoint("gpt2", "gpt2-4k", 4096, "interpolate", seed=0)
+        >>> report.old_length, report.new_length
+        (1024, 4096)
+    """
+    start = time.perf_counter()
+    directory = resolve_source(src)
+    dst = Path(dst).expanduser()
+    config = read_config(directory)
+    spec = spec_for(config)
+    check_destination(directory, dst, overwrite=overwrite)
+    get_strategy(strategy)
+    reader = CheckpointReader(directory)
+    try:
+        layout = spec.locate(_shapes(reader), config)
+        check_length(new_length, layout.usable, allow_shrink=allow_shrink)
+        seed = secrets.randbits(63) if seed is None else seed
+        # Tables are resized up front (so a strategy error writes nothing); buffers lazily.
+        new_tables = {
+            name: resize_table(
+                reader.get(name), new_length, strategy, reserved=layout.reserved, seed=seed, params=params,
+                context=config,
+            )
+            for name in layout.tables
+        }
+        report = ResizeReport(
+            src=str(directory), dst=str(dst.resolve()), model_type=spec.model_type, strategy=strategy,
+            params=dict(params), seed=seed, old_length=layout.usable, new_length=new_length,
+            reserved=layout.reserved, tables=list(layout.tables), buffers=list(layout.buffers),
+        )
+        with atomic_output(dst, overwrite=overwrite) as tmp:
+            _write_weights(reader, tmp, spec, new_tables, new_length + layout.reserved, report, link, progress)
+            _copy_other_files(directory, tmp, reader, spec, config, report)
+        report.seconds = time.perf_counter() - start
+        log.info("Resized %s: %d -> %d positions (%s) in %.2fs", directory, report.old_length, new_length, strategy, report.seconds)
+        return report
+    finally:
+        reader.close()
+
+
+def _write_weights(
+    reader: CheckpointReader,
+    out_dir: Path,
+    spec: ArchitectureSpec,
+    new_tables: dict[str, torch.Tensor],
+    new_rows: int,
+    report: ResizeReport,
+    link: bool,
+    progress: Callable[[int, int], None] | None,
+) -> None:
+    rules = {name: spec.buffer_rule(name) for name in report.buffers}
+
+    def plan(entry: Entry) -> tuple[Entry, Callable[[], torch.Tensor] | None]:
+        """The output entry and how to make it (None: copy the source bytes)."""
+        name = entry.name
+        if name in new_tables:
+            t = new_tables[name]
+            return dataclasses.replace(entry, dtype=DTYPE_CODES[t.dtype], shape=tuple(t.shape)), lambda: t
+        if name in rules:
+            rule = rules[name]
+            shape = rule.new_shape(entry.shape, new_rows)
+            return dataclasses.replace(entry, shape=shape), lambda: rule.rebuild(reader.get(name), new_rows)
+        if reader.format == "bin":
+            return entry, lambda: reader.get(name)
+        return entry, None
+
+    plans = {path: [plan(e) for e in entries] for path, entries in reader.by_file()}
+    total = sum(e.nbytes for items in plans.values() for e, _ in items)
+    done = 0
+
+    def advance(n: int) -> None:
+        nonlocal done
+        done += n
+        report.bytes_written = done
+        if progress:
+            progress(done, total)
+
+    provenance = report.provenance()
+    weight_map: dict[str, str] = {}
+    for i, (path, items) in enumerate(plans.items(), start=1):
+        if reader.format == "bin":
+            out_name = SAFE_SINGLE if not reader.sharded else f"model-{i:05d}-of-{len(plans):05d}.safetensors"
+        else:
+            out_name = path.name
+        weight_map.update({e.name: out_name for e, _ in items})
+        if all(make is None for _, make in items):
+            copy_file(path, out_dir / out_name, link=link, progress=advance)
+            report.files_copied.append(out_name)
+        else:
+            metadata = {**reader.metadata.get(path, {"format": "pt"}), **provenance}
+            write_safetensors(out_dir / out_name, items, metadata, progress=advance)
+            report.files_rewritten.append(out_name)
+    if reader.sharded:
+        index = {"metadata": {"total_size": total, **provenance}, "weight_map": dict(sorted(weight_map.items()))}
+        (out_dir / SAFE_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _copy_other_files(
+    src: Path, out_dir: Path, reader: CheckpointReader, spec: ArchitectureSpec,
+    config: dict[str, Any], report: ResizeReport,
+) -> None:
+    """Copy config, tokenizer and every other non-weight file, editing lengths as JSON."""
+    weight_files = {f.resolve() for f in reader.files}
+    for path in sorted(src.rglob("*")):
+        rel = path.relative_to(src)
+        if any(part.startswith(".") and part != ".gitattributes" for part in rel.parts) or path.is_dir():
+            continue
+        if path.resolve() in weight_files or rel.name in (SAFE_INDEX, BIN_INDEX):
+            continue
+        if rel.name.endswith(_OTHER_WEIGHTS) or rel.name.endswith(".index.json"):
+            report.files_skipped.append(str(rel))
+            log.warning("Not copying %s: it holds weights in another format with the old table.", rel)
+            continue
+        target = out_dir / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if rel == Path("config.json"):
+            _write_json(target, {**config, **spec.config_updates(config, report.new_length)})
+        elif rel == Path("tokenizer_config.json"):
+            _write_json(target, {**json.loads(path.read_text()), "model_max_length": report.new_length})
+        elif rel != Path("README.md"):
+            shutil.copy2(path, target)
+    has_tokenizer = any((src / name).is_file() for name in _TOKENIZER_FILES)
+    if has_tokenizer and not (src / "tokenizer_config.json").is_file():
+        _write_json(out_dir / "tokenizer_config.json", {"model_max_length": report.new_length})
+    original_card = (src / "README.md").read_text(errors="replace") if (src / "README.md").is_file() else ""
+    (out_dir / "README.md").write_text(model_card(report, original_card))
+
+
+def _write_json(path: Path, data: Mapping[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+
+
+def model_card(report: ResizeReport, original: str = "") -> str:
+    """A short model card stating how the checkpoint was made."""
+    grew = report.new_length > report.old_length
+    strategy = get_strategy(report.strategy)
+    lines = [
+        "---",
+        "tags:",
+        "- posextend",
+        "---",
+        "",
+        f"# Position table extended with posextend {__version__}",
+        "",
+        f"- Source: `{report.src}`",
+        f"- Usable positions: {report.old_length} → {report.new_length}"
+        + (f" (plus {report.reserved} reserved rows)" if report.reserved else ""),
+        f"- Strategy: `{report.strategy}` — {strategy.description}",
+        f"- Parameters: `{json.dumps(report.params, sort_keys=True)}`, seed {report.seed}",
+        f"- Tables: {', '.join(f'`{t}`' for t in report.tables)}",
+    ]
+    if report.buffers:
+        lines.append(f"- Length-dependent buffers rebuilt: {len(report.buffers)}")
+    if grew:
+        lines += [
+            "",
+            f"Positions {report.old_length}–{report.new_length - 1} have not been trained. "
+            "Fine-tune briefly (`posextend finetune`) before relying on them.",
+        ]
+    if original.startswith("---"):  # drop the original's YAML front matter
+        original = original.split("\n---", 1)[1].partition("\n")[2] if "\n---" in original[3:] else ""
+    if original.strip():
+        lines += ["", "## Original model card", "", original.strip()]
+    return "\n".join(lines) + "\n"

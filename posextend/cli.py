@@ -1,0 +1,200 @@
+"""The ``posextend`` command line. Library errors become one red line and exit code 1."""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import typer
+from rich.console import Console
+
+from . import __version__
+from .errors import PosExtendError
+
+app = typer.Typer(
+    name="posextend",
+    help="Extend the learned position table of GPT-2/BERT-style checkpoints to a longer context.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+console = Console(soft_wrap=True)
+err_console = Console(stderr=True, soft_wrap=True)
+_state = {"debug": False}
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def handle_errors(fn: F) -> F:
+    """Turn PosExtendError into one red line on stderr and exit 1 (traceback with --debug)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except PosExtendError as exc:
+            if _state["debug"]:
+                raise
+            err_console.print(f"[bold red]Error:[/] {exc}", highlight=False, markup=True, soft_wrap=True)
+            raise typer.Exit(1) from None
+        except KeyboardInterrupt:
+            err_console.print("[bold red]Interrupted;[/] nothing was written at the destination.")
+            raise typer.Exit(130) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _version(value: bool) -> None:
+    if value:
+        console.print(f"posextend {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+    debug: Annotated[bool, typer.Option("--debug", help="Show full tracebacks on errors.")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log what the library does.")] = False,
+) -> None:
+    """Extend learned absolute position tables (GPT-2, BERT and relatives)."""
+    from rich.logging import RichHandler
+
+    _state["debug"] = debug
+    logging.basicConfig(
+        level=logging.INFO if verbose or debug else logging.WARNING,
+        format="%(message)s",
+        handlers=[RichHandler(console=err_console, show_path=False, show_time=False)],
+        force=True,
+    )
+
+
+def _params(items: list[str] | None) -> dict[str, Any]:
+    from .strategies import parse_param
+
+    return dict(parse_param(item) for item in items or [])
+
+
+def byte_progress(description: str):
+    """A rich progress bar in bytes; returns (progress, callback(done, total))."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+    progress = Progress(
+        TextColumn("[progress.description]{task.description}"), BarColumn(), DownloadColumn(),
+        TransferSpeedColumn(), TimeRemainingColumn(), console=err_console, transient=True,
+    )
+    task = progress.add_task(description, total=None)
+
+    def update(done: int, total: int) -> None:
+        progress.update(task, completed=done, total=total)
+
+    return progress, update
+
+
+Length = Annotated[int, typer.Option("--length", "-n", help="New length in usable positions (what the tokenizer's model_max_length will say).")]
+Strategy = Annotated[str, typer.Option("--strategy", "-s", help="How to fill the table: see `posextend strategies`.")]
+Seed = Annotated[int | None, typer.Option("--seed", help="Seed for strategies that draw random numbers.")]
+Params = Annotated[list[str] | None, typer.Option("--param", "-p", help="Strategy parameter key=value (repeatable), e.g. std=matched.")]
+
+
+@app.command("resize-model")
+@handle_errors
+def resize_model(
+    src: Annotated[str, typer.Argument(help="Checkpoint directory (or a hub id in the local HF cache).")],
+    dst: Annotated[Path, typer.Argument(help="Output directory; created atomically.")],
+    length: Length,
+    strategy: Strategy = "tile",
+    seed: Seed = None,
+    param: Params = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace DST if it exists.")] = False,
+    shrink: Annotated[bool, typer.Option("--shrink", help="Allow a length below the current one (cuts positions).")] = False,
+    link: Annotated[bool, typer.Option("--link", help="Hard-link shards that need no change instead of copying them.")] = False,
+) -> None:
+    """Resize the position table(s) of a checkpoint on disk, without loading the model."""
+    from .checkpoint import resize_checkpoint
+
+    progress, update = byte_progress("Writing")
+    with progress:
+        report = resize_checkpoint(
+            src, dst, length, strategy, seed=seed, overwrite=overwrite, allow_shrink=shrink, link=link,
+            progress=update, **_params(param),
+        )
+    params = ", ".join(f"{k}={v}" for k, v in report.params.items())
+    console.print(
+        f"[green]Resized[/] {report.model_type} checkpoint: {report.old_length} → [bold]{report.new_length}[/] "
+        f"usable positions with [bold]{report.strategy}[/]" + (f" ({params})" if params else "")
+        + f", seed {report.seed}, in {report.seconds:.2f} s",
+        highlight=False,
+    )
+    console.print(f"  tables: {', '.join(report.tables)}", highlight=False)
+    if report.buffers:
+        console.print(f"  buffers rebuilt: {len(report.buffers)}", highlight=False)
+    console.print(
+        f"  weights: {len(report.files_rewritten)} file(s) rewritten, {len(report.files_copied)} copied whole; "
+        f"{report.bytes_written / 2**20:.1f} MiB",
+        highlight=False,
+    )
+    console.print(f"  written to {report.dst}", highlight=False)
+
+
+@app.command("inspect")
+@handle_errors
+def inspect_cmd(
+    src: Annotated[str, typer.Argument(help="Checkpoint directory (or a hub id in the local HF cache).")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+) -> None:
+    """Show where a checkpoint keeps its positions and how long its context is."""
+    from rich.table import Table
+
+    from .checkpoint import inspect_checkpoint
+
+    info = inspect_checkpoint(src)
+    if as_json:
+        print(json.dumps(info.to_dict(), indent=2))
+        return
+    console.print(
+        f"[bold]{info.path}[/]\n  model type {info.model_type} (spec: {info.spec}), "
+        f"{', '.join(info.architectures) or 'no architectures listed'}\n"
+        f"  weights: {info.weights_format}, {len(info.weight_files)} file(s)\n"
+        f"  usable positions: [bold]{info.usable}[/], reserved rows: {info.reserved}, "
+        f"config: {', '.join(f'{k}={v}' for k, v in info.config_lengths.items())}\n"
+        f"  tokenizer model_max_length: {info.tokenizer_max_length if info.tokenizer_max_length is not None else 'no tokenizer_config.json'}",
+        highlight=False,
+    )
+    table = Table("table", "rows", "dim", "dtype")
+    for t in info.tables:
+        table.add_row(t.name, str(t.rows), str(t.dim), t.dtype)
+    console.print(table)
+    if info.buffers:
+        console.print(f"  length-dependent buffers: {len(info.buffers)} ({info.buffers[0]}, ...)", highlight=False)
+
+
+@app.command("strategies")
+@handle_errors
+def strategies_cmd() -> None:
+    """List the registered strategies (plugins included)."""
+    from rich.table import Table
+
+    from .strategies import CONTEXT_PARAMS, available_strategies
+
+    table = Table("strategy", "description", "parameters", "keeps old rows")
+    for s in available_strategies().values():
+        params = ", ".join(
+            f"{n}={p.default!r}" for n, p in s.params.items() if n not in CONTEXT_PARAMS
+        )
+        table.add_row(s.name, s.description, params or "-", "yes" if s.keeps_rows else "no")
+    console.print(table)
+
+
+def run() -> None:
+    """Console-script entry point."""
+    app()
+
+
+if __name__ == "__main__":
+    sys.exit(run())

@@ -1,0 +1,47 @@
+"""One error hierarchy for the whole library.
+
+Every message says what went wrong *and* what to do next. Only the CLI turns these
+into a red line and an exit code; library code just raises them.
+"""
+
+from __future__ import annotations
+
+
+class PosExtendError(Exception):
+    """Base class of every error posextend raises on bad input."""
+
+
+class SourceError(PosExtendError):
+    """The source checkpoint is missing, incomplete or unreadable."""
+
+
+class CorruptCheckpointError(SourceError):
+    """A weights file is truncated, malformed or inconsistent with its config."""
+
+
+class UnsupportedArchitectureError(PosExtendError):
+    """No architecture spec (and no safe fallback) knows this model type."""
+
+
+class NotLearnedPositionsError(UnsupportedArchitectureError):
+    """The model's positions are not a learned absolute table (rotary, relative, ALiBi...)."""
+
+
+class InvalidLengthError(PosExtendError):
+    """The requested length is not usable (<= 0, or a shrink that was not asked for)."""
+
+
+class StrategyError(PosExtendError):
+    """Unknown strategy, bad strategy parameters, or a strategy that broke its contract."""
+
+
+class DestinationError(PosExtendError):
+    """The destination exists, overlaps the source, or cannot be written."""
+
+
+class DataError(PosExtendError):
+    """Training or evaluation data is missing, empty or too short."""
+
+
+class TrainingError(PosExtendError):
+    """Fine-tuning cannot start or had to stop (e.g. a non-finite loss)."""

@@ -1,0 +1,254 @@
+"""Architecture specs: the one place that knows where each family keeps its positions.
+
+Both the file path (``resize_checkpoint``) and the in-memory path (``extend_model``)
+read these specs; nothing else in the package names a model family.
+
+Lengths are in *usable* positions (what a tokenizer's ``model_max_length`` holds).
+``rows = usable + reserved`` where ``reserved`` are leading rows that no token
+position ever uses directly (RoBERTa's padding rows, OPT/BART's offset of 2).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from .errors import CorruptCheckpointError, NotLearnedPositionsError, UnsupportedArchitectureError
+
+BufferKind = Literal["arange", "zeros", "toeplitz"]
+
+
+@dataclass(frozen=True)
+class BufferRule:
+    """A buffer whose trailing dimension(s) follow the number of table rows.
+
+    ``pattern`` is matched with ``re.search`` against the full tensor/buffer name.
+    ``kind`` says how to rebuild it for a new number of rows:
+
+    - ``arange``: ``[..., rows]`` holding ``0..rows-1`` (``position_ids``);
+    - ``zeros``: ``[..., rows]`` of zeros (``token_type_ids``);
+    - ``toeplitz``: ``[..., rows, rows]`` whose value depends only on ``i - j``
+      (causal masks, GPT-Neo's local band); extended by its own boundary values.
+    """
+
+    pattern: str
+    kind: BufferKind
+
+    def matches(self, name: str) -> bool:
+        return re.search(self.pattern, name) is not None
+
+    def new_shape(self, shape: tuple[int, ...], rows: int) -> tuple[int, ...]:
+        n = 2 if self.kind == "toeplitz" else 1
+        return (*shape[:-n], *([rows] * n))
+
+    def rebuild(self, old: torch.Tensor, rows: int) -> torch.Tensor:
+        """Return the buffer for ``rows`` table rows, same dtype, device and leading dims."""
+        lead = old.shape[:-1]
+        if self.kind == "arange":
+            new = torch.arange(rows, dtype=old.dtype, device=old.device)
+        elif self.kind == "zeros":
+            new = torch.zeros(rows, dtype=old.dtype, device=old.device)
+        else:
+            return _extend_toeplitz(old, rows)
+        return new.expand(*lead, rows).contiguous()
+
+
+def _extend_toeplitz(old: torch.Tensor, rows: int) -> torch.Tensor:
+    """Rebuild a ``[..., n, n]`` mask whose entries depend on ``i - j`` only, at ``rows``."""
+    n = old.shape[-1]
+    if n == 0:
+        raise CorruptCheckpointError("A causal-mask buffer has zero rows; the checkpoint is damaged.")
+    flat = old.reshape(-1, n, n)[0]
+    # value at offset k = i - j: column 0 for k >= 0, row 0 for k < 0 (clamped at the edges)
+    diag_pos = flat[:, 0]  # k = 0..n-1
+    diag_neg = flat[0, :]  # k = 0..-(n-1)
+    i = torch.arange(rows, device=old.device)
+    k = i[:, None] - i[None, :]
+    out = torch.where(
+        k >= 0,
+        diag_pos[k.clamp(0, n - 1)],
+        diag_neg[(-k).clamp(0, n - 1)],
+    )
+    return out.expand(*old.shape[:-2], rows, rows).contiguous()
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a spec found its tables and buffers in one model or checkpoint."""
+
+    tables: tuple[str, ...]
+    buffers: tuple[str, ...]
+    reserved: int
+    usable: int
+
+
+@dataclass(frozen=True)
+class ArchitectureSpec:
+    """Where one family keeps its learned absolute position table(s).
+
+    - ``tables``: tensor names relative to the base model (``wpe.weight``); in a
+      checkpoint of a headed model they appear under ``prefix`` (``transformer.wpe.weight``).
+    - ``length_keys``: config fields holding the length; the first must be present,
+      the others are updated when present (GPT-2's legacy ``n_ctx``).
+    - ``reserved``: leading rows no token position uses (int, or a function of the config).
+    - ``config_counts_reserved``: whether the config length includes the reserved rows
+      (RoBERTa: ``max_position_embeddings = usable + pad_token_id + 1``).
+    - ``buffers``: length-dependent buffers, rebuilt to the new number of rows.
+    """
+
+    model_type: str
+    prefix: str
+    tables: tuple[str, ...]
+    length_keys: tuple[str, ...] = ("max_position_embeddings",)
+    reserved: int | Callable[[Mapping[str, Any]], int] = 0
+    config_counts_reserved: bool = False
+    buffers: tuple[BufferRule, ...] = ()
+    note: str = ""
+
+    def reserved_rows(self, config: Mapping[str, Any]) -> int:
+        return self.reserved(config) if callable(self.reserved) else self.reserved
+
+    def table_names(self, names: set[str] | frozenset[str]) -> list[str]:
+        """The full names of this spec's tables among ``names`` (bare or prefixed).
+
+        Raises ``CorruptCheckpointError`` when a table is missing.
+        """
+        found = []
+        for table in self.tables:
+            candidates = [n for n in (table, f"{self.prefix}.{table}") if n in names]
+            if not candidates:
+                raise CorruptCheckpointError(
+                    f"No position table {table!r} (or {self.prefix}.{table!r}) in this "
+                    f"{self.model_type} checkpoint; is config.json's model_type right?"
+                )
+            if len(candidates) > 1:
+                raise CorruptCheckpointError(
+                    f"Both {candidates[0]!r} and {candidates[1]!r} are present; "
+                    "the checkpoint mixes a bare and a headed model."
+                )
+            found.append(candidates[0])
+        return found
+
+    def config_length(self, config: Mapping[str, Any]) -> int:
+        key = self.length_keys[0]
+        if not isinstance(config.get(key), int):
+            raise CorruptCheckpointError(
+                f"config.json of this {self.model_type} model has no integer {key!r}; "
+                "add it (the number of positions the model was trained with)."
+            )
+        return config[key]
+
+    def usable_from_config(self, config: Mapping[str, Any]) -> int:
+        n = self.config_length(config)
+        return n - self.reserved_rows(config) if self.config_counts_reserved else n
+
+    def locate(self, shapes: Mapping[str, tuple[int, ...]], config: Mapping[str, Any]) -> Layout:
+        """Find this spec's tables and buffers among named tensor ``shapes``; check rows against config."""
+        tables = self.table_names(frozenset(shapes))
+        reserved = self.reserved_rows(config)
+        rows = self.usable_from_config(config) + reserved
+        for name in tables:
+            if len(shapes[name]) != 2 or shapes[name][0] != rows:
+                raise CorruptCheckpointError(
+                    f"{name} has shape {list(shapes[name])} but the config implies {rows} rows "
+                    f"({self.length_keys[0]}={self.config_length(config)}, {reserved} reserved); "
+                    "the config and the weights disagree."
+                )
+        buffers = tuple(n for n in sorted(shapes) if any(rule.matches(n) for rule in self.buffers))
+        return Layout(tables=tuple(tables), buffers=buffers, reserved=reserved, usable=rows - reserved)
+
+    def buffer_rule(self, name: str) -> BufferRule:
+        return next(rule for rule in self.buffers if rule.matches(name))
+
+    def config_updates(self, config: Mapping[str, Any], usable: int) -> dict[str, int]:
+        """Config fields and values that describe ``usable`` positions."""
+        value = usable + self.reserved_rows(config) if self.config_counts_reserved else usable
+        return {k: value for i, k in enumerate(self.length_keys) if i == 0 or k in config}
+
+
+def _roberta_reserved(config: Mapping[str, Any]) -> int:
+    # RoBERTa's positions start at padding_idx + 1: rows 0..pad_token_id are reserved.
+    return int(config.get("pad_token_id", 1)) + 1
+
+
+_BERT_BUFFERS = (
+    BufferRule(r"(^|\.)embeddings\.position_ids$", "arange"),
+    BufferRule(r"(^|\.)embeddings\.token_type_ids$", "zeros"),
+)
+
+SPECS: dict[str, ArchitectureSpec] = {
+    s.model_type: s
+    for s in [
+        ArchitectureSpec(
+            "gpt2",
+            prefix="transformer",
+            tables=("wpe.weight",),
+            length_keys=("n_positions", "n_ctx"),
+            # Older checkpoints store the causal mask; match it exactly, never attn.c_attn.bias.
+            buffers=(BufferRule(r"(^|\.)(attn|crossattention)\.bias$", "toeplitz"),),
+        ),
+        ArchitectureSpec(
+            "bert",
+            prefix="bert",
+            tables=("embeddings.position_embeddings.weight",),
+            buffers=_BERT_BUFFERS,
+        ),
+    ]
+}
+
+# Model types whose positions are not a learned absolute table, with what they use.
+_NOT_LEARNED = {
+    "llama": "rotary embeddings (RoPE)", "mistral": "rotary embeddings (RoPE)",
+    "qwen2": "rotary embeddings (RoPE)", "gemma": "rotary embeddings (RoPE)",
+    "gpt_neox": "rotary embeddings (RoPE)", "gptj": "rotary embeddings (RoPE)",
+    "phi": "rotary embeddings (RoPE)", "falcon": "rotary embeddings or ALiBi",
+    "bloom": "ALiBi attention biases", "mpt": "ALiBi attention biases",
+    "t5": "relative attention buckets", "mt5": "relative attention buckets",
+    "deberta": "relative attention", "deberta-v2": "relative attention",
+    "transfo-xl": "relative sinusoidal positions", "xlnet": "relative positions",
+    "modernbert": "rotary embeddings (RoPE)", "roformer": "rotary embeddings (RoPE)",
+}
+
+
+def positions_kind_problem(config: Mapping[str, Any]) -> str | None:
+    """Why this config's positions are not a learned absolute table, or None if they are."""
+    model_type = config.get("model_type", "")
+    if model_type in _NOT_LEARNED:
+        return _NOT_LEARNED[model_type]
+    pet = config.get("position_embedding_type", "absolute")
+    if pet not in (None, "absolute"):
+        return f"position_embedding_type={pet!r} (relative positions)"
+    if config.get("sinusoidal_pos_embds"):
+        return "fixed sinusoidal positions (sinusoidal_pos_embds=true)"
+    if any(k in config for k in ("rope_theta", "rope_scaling", "rotary_dim", "rotary_pct")):
+        return "rotary embeddings (RoPE)"
+    if config.get("alibi"):
+        return "ALiBi attention biases"
+    return None
+
+
+def spec_for(config: Mapping[str, Any]) -> ArchitectureSpec:
+    """The spec for a config (dict from ``config.json``), or an actionable error."""
+    model_type = config.get("model_type")
+    problem = positions_kind_problem(config)
+    if problem:
+        advice = (
+            "use its own length scaling (e.g. rope_scaling) instead"
+            if "rotary" in problem
+            else "there is no learned table to extend"
+        )
+        raise NotLearnedPositionsError(
+            f"Model type {model_type!r} uses {problem}, not a learned absolute position "
+            f"table; posextend does not apply: {advice}."
+        )
+    if model_type not in SPECS:
+        raise UnsupportedArchitectureError(
+            f"Unsupported architecture {model_type!r}. Supported model types: "
+            f"{', '.join(sorted(SPECS))}. For another model with a learned position "
+            "nn.Embedding, load it and call posextend.extend_model (it has a generic fallback)."
+        )
+    return SPECS[model_type]

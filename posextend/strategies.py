@@ -1,0 +1,281 @@
+"""Strategies that give a position table a new number of usable rows.
+
+A strategy is a pure function on the *usable* rows::
+
+    fn(table: Tensor[L, D], new_len: int, *, generator: torch.Generator, **params) -> Tensor[new_len, D]
+
+It receives float32 and must not modify its input. :func:`resize_table` strips the
+reserved rows before calling it, checks the result's shape and finiteness, casts back
+to the table's dtype and re-attaches the reserved rows bit-exact, so no plugin can
+corrupt a checkpoint.
+
+Context parameters: a strategy that declares a keyword named ``initializer_range``
+receives the model config's ``initializer_range`` (0.02 when absent) unless the user
+passes one.
+
+Third-party packages register strategies through the entry-point group
+``posextend.strategies``; each entry point names a module (or callable) whose import
+registers them with :func:`register_strategy`. They are imported lazily, on the first
+lookup.
+
+Example::
+
+    import posextend
+
+    @posextend.register_strategy("mirror", description="Reflect the table at its end.")
+    def mirror(table, new_len, *, generator):
+        idx = torch.arange(new_len) % (2 * len(table))
+        idx = torch.where(idx < len(table), idx, 2 * len(table) - 1 - idx)
+        return table[idx]
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .errors import StrategyError
+
+log = logging.getLogger(__name__)
+
+StrategyFn = Callable[..., torch.Tensor]
+ENTRY_POINT_GROUP = "posextend.strategies"
+_NAME = re.compile(r"^[a-z][a-z0-9_-]*$")
+CONTEXT_PARAMS = ("initializer_range",)
+
+
+@dataclass(frozen=True)
+class Strategy:
+    name: str
+    fn: StrategyFn
+    description: str
+    keeps_rows: bool  # whether rows below the old length come out bit-exact when growing
+
+    @property
+    def params(self) -> dict[str, inspect.Parameter]:
+        sig = inspect.signature(self.fn)
+        return {
+            n: p
+            for n, p in sig.parameters.items()
+            if p.kind is inspect.Parameter.KEYWORD_ONLY and n != "generator"
+        }
+
+
+_REGISTRY: dict[str, Strategy] = {}
+_plugins_loaded = False
+
+
+def register_strategy(
+    name: str, *, description: str | None = None, keeps_rows: bool = False
+) -> Callable[[StrategyFn], StrategyFn]:
+    """Decorator registering ``fn`` as strategy ``name``; refuses invalid or duplicate names.
+
+    Example::
+
+        @register_strategy("zeros", description="New rows are zero.", keeps_rows=True)
+        def zeros(table, new_len, *, generator):
+            out = table.new_zeros(new_len, table.shape[1])
+            out[: min(len(table), new_len)] = table[:new_len]
+            return out
+    """
+    if not _NAME.match(name):
+        raise StrategyError(
+            f"Invalid strategy name {name!r}: use lowercase letters, digits, '-' and '_', "
+            "starting with a letter."
+        )
+
+    def decorator(fn: StrategyFn) -> StrategyFn:
+        if name in _REGISTRY:
+            raise StrategyError(
+                f"A strategy named {name!r} is already registered "
+                f"(by {_REGISTRY[name].fn.__module__}); choose another name."
+            )
+        params = inspect.signature(fn).parameters
+        if "generator" not in params or params["generator"].kind is not inspect.Parameter.KEYWORD_ONLY:
+            raise StrategyError(
+                f"Strategy {name!r} must accept a keyword-only 'generator' argument: "
+                "fn(table, new_len, *, generator, **params)."
+            )
+        doc = description or (inspect.getdoc(fn) or "").split("\n")[0]
+        _REGISTRY[name] = Strategy(name, fn, doc, keeps_rows)
+        return fn
+
+    return decorator
+
+
+def _load_plugins() -> None:
+    global _plugins_loaded
+    if _plugins_loaded:
+        return
+    _plugins_loaded = True
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            ep.load()
+        except Exception as exc:  # a broken plugin must not break the built-ins
+            log.warning("Could not load posextend strategy plugin %r: %s", ep.name, exc)
+
+
+def available_strategies() -> dict[str, Strategy]:
+    """All registered strategies (built-ins and plugins), by name."""
+    _load_plugins()
+    return dict(sorted(_REGISTRY.items()))
+
+
+def get_strategy(name: str) -> Strategy:
+    strategies = available_strategies()
+    if name not in strategies:
+        raise StrategyError(f"Unknown strategy {name!r}. Valid strategies: {', '.join(strategies)}.")
+    return strategies[name]
+
+
+def parse_param(text: str) -> tuple[str, Any]:
+    """Parse a CLI ``key=value`` into a typed pair (int, float, bool, None or str)."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise StrategyError(f"Strategy parameter {text!r} is not key=value (e.g. --param std=matched).")
+    value: Any = raw.strip()
+    lowered = value.lower()
+    if lowered in ("true", "false"):
+        value = lowered == "true"
+    elif lowered in ("none", "null"):
+        value = None
+    else:
+        for cast in (int, float):
+            try:
+                value = cast(value)
+                break
+            except ValueError:
+                pass
+    return key.strip(), value
+
+
+def resize_table(
+    table: torch.Tensor,
+    new_usable: int,
+    strategy: str = "tile",
+    *,
+    reserved: int = 0,
+    seed: int | None = None,
+    params: Mapping[str, Any] | None = None,
+    context: Mapping[str, Any] | None = None,
+) -> torch.Tensor:
+    """Return ``table`` with ``new_usable`` usable rows, its ``reserved`` leading rows kept.
+
+    Example::
+
+        >>> t = torch.randn(514, 8)            # RoBERTa-style: 2 reserved + 512 usable
+        >>> resize_table(t, 1024, "tile", reserved=2).shape
+        torch.Size([1026, 8])
+    """
+    strat = get_strategy(strategy)
+    params = dict(params or {})
+    accepted = strat.params
+    unknown = sorted(set(params) - set(accepted))
+    if unknown:
+        names = ", ".join(n for n in accepted if n not in CONTEXT_PARAMS) or "none"
+        raise StrategyError(
+            f"Strategy {strategy!r} does not take parameter(s) {', '.join(unknown)}; it accepts: {names}."
+        )
+    for key in CONTEXT_PARAMS:
+        if key in accepted and key not in params and context and context.get(key) is not None:
+            params[key] = context[key]
+    if table.dim() != 2 or table.shape[0] <= reserved:
+        raise StrategyError(
+            f"Expected a 2-D table with more than {reserved} reserved rows, got shape {tuple(table.shape)}."
+        )
+    generator = torch.Generator(device="cpu")
+    generator.manual_seed(seed if seed is not None else torch.seed())
+
+    usable = table[reserved:]
+    with torch.no_grad():
+        try:
+            out = strat.fn(usable.detach().to("cpu", torch.float32).clone(), new_usable, generator=generator, **params)
+        except (ValueError, TypeError) as exc:
+            raise StrategyError(f"Strategy {strategy!r} rejected its parameters: {exc}") from exc
+    expected = (new_usable, table.shape[1])
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != expected:
+        got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise StrategyError(f"Strategy {strategy!r} returned {got}, expected shape {expected}.")
+    if not torch.isfinite(out).all():
+        raise StrategyError(f"Strategy {strategy!r} produced non-finite values; the table was not changed.")
+    out = out.to(device=table.device, dtype=table.dtype)
+    return torch.cat([table[:reserved].detach(), out]) if reserved else out.contiguous()
+
+
+# ---------------------------------------------------------------------------- built-ins
+
+
+def _keep_then(table: torch.Tensor, new_len: int, fill: torch.Tensor) -> torch.Tensor:
+    """The first ``min(L, new_len)`` rows of ``table``, then ``fill`` rows."""
+    return torch.cat([table[:new_len], fill])
+
+
+@register_strategy(
+    "tile",
+    description="Copy-tiling (Longformer): old rows kept bit-exact, then repeated cyclically.",
+    keeps_rows=True,
+)
+def tile(table: torch.Tensor, new_len: int, *, generator: torch.Generator) -> torch.Tensor:
+    """Row ``i`` of the result is row ``i mod L`` of the old table (any new length).
+
+    Shrinking keeps the first ``new_len`` rows.
+    """
+    return table[torch.arange(new_len) % table.shape[0]]
+
+
+@register_strategy(
+    "interpolate",
+    description="Position interpolation: stretch the old table linearly over the new length.",
+)
+def interpolate(table: torch.Tensor, new_len: int, *, generator: torch.Generator) -> torch.Tensor:
+    """Linear interpolation with aligned ends (``align_corners=True``).
+
+    New row ``i`` samples the old table at ``x = i * (L - 1) / (new_len - 1)``:
+    ``(1 - w) * old[floor(x)] + w * old[floor(x) + 1]`` with ``w = x - floor(x)``.
+    The first and last rows are kept exactly; shrinking compresses the same way.
+    """
+    old_len = table.shape[0]
+    if old_len == 1 or new_len == 1:
+        return table[:1].expand(new_len, -1).clone()
+    x = torch.arange(new_len, dtype=torch.float64) * ((old_len - 1) / (new_len - 1))
+    lo = x.floor().long().clamp(max=old_len - 2)
+    w = (x - lo).to(table.dtype)[:, None]
+    return (1 - w) * table[lo] + w * table[lo + 1]
+
+
+@register_strategy(
+    "random",
+    description="Old rows kept bit-exact; new rows ~ N(0, std), std = initializer_range or 'matched'.",
+    keeps_rows=True,
+)
+def random(
+    table: torch.Tensor,
+    new_len: int,
+    *,
+    generator: torch.Generator,
+    std: float | str | None = None,
+    initializer_range: float = 0.02,
+) -> torch.Tensor:
+    """New rows drawn from N(0, std).
+
+    ``std`` defaults to the config's ``initializer_range`` (0.02 if absent);
+    ``std="matched"`` uses the standard deviation of the existing table.
+    Shrinking keeps the first ``new_len`` rows.
+    """
+    if std is None:
+        std = initializer_range
+    elif std == "matched":
+        std = table.std().item()
+    elif not isinstance(std, (int, float)) or std < 0:
+        raise ValueError(f"std must be a non-negative number or 'matched', got {std!r}")
+    extra = max(new_len - table.shape[0], 0)
+    fill = torch.randn(extra, table.shape[1], generator=generator) * float(std)
+    return _keep_then(table, new_len, fill)
