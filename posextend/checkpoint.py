@@ -83,6 +83,7 @@ class ResizeReport:
     reserved: int
     tables: list[str]
     buffers: list[str]
+    dropped: list[str] = field(default_factory=list)
     files_rewritten: list[str] = field(default_factory=list)
     files_copied: list[str] = field(default_factory=list)
     files_skipped: list[str] = field(default_factory=list)
@@ -263,6 +264,7 @@ def resize_checkpoint(
             src=str(directory), dst=str(dst.resolve()), model_type=spec.model_type, strategy=strategy,
             params=dict(params), seed=seed, old_length=layout.usable, new_length=new_length,
             reserved=layout.reserved, tables=list(layout.tables), buffers=list(layout.buffers),
+            dropped=list(layout.dropped),
         )
         with atomic_output(dst, overwrite=overwrite) as tmp:
             _write_weights(reader, tmp, spec, new_tables, new_length + layout.reserved, report, link, progress)
@@ -300,7 +302,9 @@ def _write_weights(
             return entry, lambda: reader.get(name)
         return entry, None
 
-    plans = {path: [plan(e) for e in entries] for path, entries in reader.by_file()}
+    dropped = set(report.dropped)
+    sources = dict(reader.by_file())
+    plans = {path: [plan(e) for e in entries if e.name not in dropped] for path, entries in sources.items()}
     total = sum(e.nbytes for items in plans.values() for e, _ in items)
     done = 0
 
@@ -319,7 +323,7 @@ def _write_weights(
         else:
             out_name = path.name
         weight_map.update({e.name: out_name for e, _ in items})
-        if all(make is None for _, make in items):
+        if len(items) == len(sources[path]) and all(make is None for _, make in items):
             copy_file(path, out_dir / out_name, link=link, progress=advance)
             report.files_copied.append(out_name)
         else:
@@ -387,6 +391,8 @@ def model_card(report: ResizeReport, original: str = "") -> str:
     ]
     if report.buffers:
         lines.append(f"- Length-dependent buffers rebuilt: {len(report.buffers)}")
+    if report.dropped:
+        lines.append(f"- Obsolete tensors left out: {len(report.dropped)} (e.g. `{report.dropped[0]}`)")
     if grew:
         lines += [
             "",

@@ -82,6 +82,7 @@ class Layout:
 
     tables: tuple[str, ...]
     buffers: tuple[str, ...]
+    dropped: tuple[str, ...]
     reserved: int
     usable: int
 
@@ -98,6 +99,8 @@ class ArchitectureSpec:
     - ``config_counts_reserved``: whether the config length includes the reserved rows
       (RoBERTa: ``max_position_embeddings = usable + pad_token_id + 1``).
     - ``buffers``: length-dependent buffers, rebuilt to the new number of rows.
+    - ``dropped``: patterns of obsolete tensors left out of the output because current
+      transformers rejects them as unexpected and no version needs them.
     """
 
     model_type: str
@@ -107,6 +110,7 @@ class ArchitectureSpec:
     reserved: int | Callable[[Mapping[str, Any]], int] = 0
     config_counts_reserved: bool = False
     buffers: tuple[BufferRule, ...] = ()
+    dropped: tuple[str, ...] = ()
     note: str = ""
 
     def reserved_rows(self, config: Mapping[str, Any]) -> int:
@@ -159,7 +163,8 @@ class ArchitectureSpec:
                     "the config and the weights disagree."
                 )
         buffers = tuple(n for n in sorted(shapes) if any(rule.matches(n) for rule in self.buffers))
-        return Layout(tables=tuple(tables), buffers=buffers, reserved=reserved, usable=rows - reserved)
+        dropped = tuple(n for n in sorted(shapes) if any(re.search(p, n) for p in self.dropped))
+        return Layout(tuple(tables), buffers, dropped, reserved=reserved, usable=rows - reserved)
 
     def buffer_rule(self, name: str) -> BufferRule:
         return next(rule for rule in self.buffers if rule.matches(name))
@@ -190,6 +195,8 @@ SPECS: dict[str, ArchitectureSpec] = {
             length_keys=("n_positions", "n_ctx"),
             # Older checkpoints store the causal mask; match it exactly, never attn.c_attn.bias.
             buffers=(BufferRule(r"(^|\.)(attn|crossattention)\.bias$", "toeplitz"),),
+            # A constant (-1e4) older checkpoints stored; 4.x ignored it, 5.x reports it unexpected.
+            dropped=(r"(^|\.)(attn|crossattention)\.masked_bias$",),
         ),
         ArchitectureSpec(
             "bert",

@@ -1,0 +1,138 @@
+"""The posextend CLI: what users run, including every bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from conftest import tree_digest
+from posextend.cli import app
+
+runner = CliRunner()
+
+
+def run(*args: str):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def test_resize_model_prints_what_it_did(tiny, tmp_path):
+    r = run("resize-model", tiny["gpt2"], tmp_path / "out", "--length", "64", "--strategy", "random",
+            "--param", "std=matched", "--seed", "3")
+    assert r.exit_code == 0, r.output
+    assert "37 → 64 usable positions with random (std=matched), seed 3" in r.output
+    meta = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert meta["n_positions"] == 64
+
+
+def test_inspect_json_and_table(tiny):
+    r = run("inspect", tiny["bert"], "--json")
+    assert r.exit_code == 0, r.output
+    info = json.loads(r.output)
+    assert (info["usable"], info["reserved"], info["spec"]) == (37, 0, "bert")
+    assert info["tables"] == [{"name": "bert.embeddings.position_embeddings.weight", "rows": 37, "dim": 16, "dtype": "F32"}]
+    assert info["tokenizer_max_length"] == 37
+    r = run("inspect", tiny["gpt2"])
+    assert r.exit_code == 0 and "transformer.wpe.weight" in r.output and "usable positions: 37" in r.output
+
+
+def test_strategies_and_version():
+    r = run("strategies")
+    assert r.exit_code == 0
+    for name in ("tile", "interpolate", "random"):
+        assert name in r.output
+    r = run("--version")
+    assert r.exit_code == 0 and r.output.startswith("posextend ")
+
+
+def _corrupt(src, tmp_path, how):
+    bad = tmp_path / "bad"
+    shutil.copytree(src, bad)
+    weights = bad / "model.safetensors"
+    data = weights.read_bytes()
+    if how == "truncated":
+        weights.write_bytes(data[: len(data) // 2])
+    else:
+        weights.write_bytes(b"\xff" * 8 + data[8:])
+    return bad
+
+
+def _no_config(src, tmp_path):
+    bad = tmp_path / "noconf"
+    shutil.copytree(src, bad)
+    (bad / "config.json").unlink()
+    return bad
+
+
+def _retype(src, tmp_path, model_type):
+    bad = tmp_path / model_type
+    shutil.copytree(src, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["model_type"] = model_type
+    (bad / "config.json").write_text(json.dumps(cfg))
+    return bad
+
+
+BAD = {
+    "missing src": (lambda s, t: t / "nope", [], "does not exist"),
+    "no config": (_no_config, [], "No config.json in"),
+    "unsupported": (lambda s, t: _retype(s, t, "funnelnet"), [], "Unsupported architecture 'funnelnet'. Supported model types: bert,"),
+    "not learned": (lambda s, t: _retype(s, t, "llama"), [], "uses rotary embeddings (RoPE), not a learned absolute position table"),
+    "length zero": (lambda s, t: s, ["--length", "0"], "must be a positive number of positions, got 0"),
+    "length negative": (lambda s, t: s, ["--length", "-5"], "must be a positive number of positions, got -5"),
+    "unknown strategy": (lambda s, t: s, ["--strategy", "zigzag"], "Unknown strategy 'zigzag'. Valid strategies: interpolate, random, tile"),
+    "bad param": (lambda s, t: s, ["--param", "sdt=1", "--strategy", "random"], "does not take parameter(s) sdt"),
+    "truncated": (lambda s, t: _corrupt(s, t, "truncated"), [], "is not a valid safetensors file"),
+    "garbage header": (lambda s, t: _corrupt(s, t, "header"), [], "is not a valid safetensors file"),
+    "shrink": (lambda s, t: s, ["--length", "10"], "is below the current 37"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_input_one_red_line_exit_1_nothing_written(tiny, tmp_path, case):
+    make_src, extra, message = BAD[case]
+    src = make_src(tiny["gpt2"], tmp_path)
+    before = tree_digest(src) if src.exists() else None
+    dst = tmp_path / "dst"
+    args = ["resize-model", src, dst, "--length", "64", *extra]
+    r = run(*args)
+    assert r.exit_code == 1, r.output
+    assert message in r.output
+    assert "Traceback" not in r.output
+    assert not dst.exists()
+    assert not list(tmp_path.glob(".dst.posextend-*"))
+    if before is not None:
+        assert tree_digest(src) == before
+
+
+def test_dst_exists_without_overwrite(tiny, tmp_path):
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    (dst / "keep.txt").write_text("mine")
+    r = run("resize-model", tiny["gpt2"], dst, "--length", "64")
+    assert r.exit_code == 1 and "already exists; pass --overwrite" in r.output
+    assert [p.name for p in dst.iterdir()] == ["keep.txt"]
+
+
+@pytest.mark.parametrize("where", ["same", "inside"])
+def test_dst_equal_to_or_inside_src(tiny, tmp_path, where):
+    src = tmp_path / "src"
+    shutil.copytree(tiny["gpt2"], src)
+    before = tree_digest(src)
+    dst = src if where == "same" else src / "sub"
+    r = run("resize-model", src, dst, "--length", "64", "--overwrite")
+    assert r.exit_code == 1 and "is the source or inside it" in r.output
+    assert tree_digest(src) == before
+
+
+def test_console_script_error_is_one_line_and_debug_shows_traceback(tiny, tmp_path):
+    cmd = [sys.executable, "-m", "posextend.cli", "resize-model", str(tmp_path / "nope"), str(tmp_path / "d"), "-n", "64"]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 1
+    assert r.stderr.strip().count("\n") == 0 and "Error:" in r.stderr and "does not exist" in r.stderr
+    r = subprocess.run([*cmd[:3], "--debug", *cmd[3:]], capture_output=True, text=True)
+    assert r.returncode == 1 and "Traceback" in r.stderr and "SourceError" in r.stderr

@@ -1,0 +1,166 @@
+from __future__ import annotations
+
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import posextend
+from posextend import strategies as S
+from posextend.errors import StrategyError
+
+OLD, DIM = 37, 16
+
+
+@pytest.fixture
+def table() -> torch.Tensor:
+    torch.manual_seed(1)
+    return torch.randn(OLD, DIM) * 0.05
+
+
+@pytest.mark.parametrize("name", list(posextend.available_strategies()))
+@pytest.mark.parametrize("new_len", [OLD, 50, 4 * OLD, 150, 20])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_contract_every_strategy(name, new_len, dtype, table):
+    """Shape, dtype, finiteness, determinism for a seed, kept rows where promised, input untouched."""
+    strat = posextend.get_strategy(name)
+    t = table.to(dtype)
+    before = t.clone()
+    a = S.resize_table(t, new_len, name, seed=3)
+    b = S.resize_table(t, new_len, name, seed=3)
+    assert a.shape == (new_len, DIM) and a.dtype == dtype
+    assert torch.isfinite(a.float()).all()
+    assert torch.equal(a, b), "same seed must give the same table"
+    assert torch.equal(t, before), "the input table must not be modified"
+    keep = min(OLD, new_len)
+    if strat.keeps_rows:
+        assert torch.equal(a[:keep], t[:keep]), "promised to keep the old rows bit-exact"
+    # the first row is kept by every built-in strategy
+    assert torch.equal(a[0], t[0])
+
+
+@pytest.mark.parametrize("name", list(posextend.available_strategies()))
+def test_reserved_rows_are_never_seen_or_changed(name, table):
+    reserved = torch.full((2, DIM), 7.0)  # a strategy that saw these would spread 7s around
+    full = torch.cat([reserved, table])
+    out = S.resize_table(full, 100, name, reserved=2, seed=0)
+    assert out.shape == (102, DIM)
+    assert torch.equal(out[:2], reserved)
+    assert (out[2:] != 7.0).all()
+
+
+def test_tile_repeats_cyclically_for_any_length(table):
+    out = S.resize_table(table, 100, "tile")
+    idx = torch.arange(100) % OLD
+    assert torch.equal(out, table[idx])
+
+
+def test_interpolate_mapping(table):
+    new = 4 * OLD
+    out = S.resize_table(table, new, "interpolate")
+    x = torch.arange(new, dtype=torch.float64) * (OLD - 1) / (new - 1)
+    lo = x.floor().long().clamp(max=OLD - 2)
+    w = (x - lo)[:, None]
+    ref = ((1 - w) * table[lo].double() + w * table[lo + 1].double()).float()
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-6)
+    assert torch.equal(out[0], table[0]) and torch.equal(out[-1], table[-1])
+    # same length: identity
+    assert torch.equal(S.resize_table(table, OLD, "interpolate"), table)
+
+
+def test_random_std_default_config_and_matched(table):
+    n = 20000
+    default = S.resize_table(table, n, "random", seed=0)[OLD:]
+    assert abs(default.std().item() - 0.02) < 0.001
+    from_config = S.resize_table(table, n, "random", seed=0, context={"initializer_range": 0.1})[OLD:]
+    assert abs(from_config.std().item() - 0.1) < 0.005
+    matched = S.resize_table(table, n, "random", seed=0, params={"std": "matched"})[OLD:]
+    assert abs(matched.std().item() - table.std().item()) < 0.002
+    explicit = S.resize_table(table, n, "random", seed=0, params={"std": 0.5})[OLD:]
+    assert abs(explicit.std().item() - 0.5) < 0.02
+    other_seed = S.resize_table(table, n, "random", seed=1)[OLD:]
+    assert not torch.equal(default, other_seed)
+
+
+def test_shrink_keeps_the_first_rows(table):
+    for name in ("tile", "random"):
+        assert torch.equal(S.resize_table(table, 10, name, seed=0), table[:10])
+
+
+def test_unknown_strategy_lists_the_valid_ones(table):
+    with pytest.raises(StrategyError, match=r"Unknown strategy 'nope'. Valid strategies: interpolate, random, tile"):
+        S.resize_table(table, 50, "nope")
+
+
+def test_unknown_and_bad_params(table):
+    with pytest.raises(StrategyError, match=r"does not take parameter\(s\) sdt; it accepts: std"):
+        S.resize_table(table, 50, "random", params={"sdt": 1})
+    with pytest.raises(StrategyError, match=r"std must be a non-negative number or 'matched'"):
+        S.resize_table(table, 50, "random", params={"std": "wide"})
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [("std=matched", ("std", "matched")), ("std=0.5", ("std", 0.5)), ("k=3", ("k", 3)),
+     ("flag=true", ("flag", True)), ("x=None", ("x", None))],
+)
+def test_parse_param(text, expected):
+    assert S.parse_param(text) == expected
+
+
+def test_parse_param_rejects_non_pairs():
+    with pytest.raises(StrategyError, match="is not key=value"):
+        S.parse_param("std")
+
+
+def test_registration_refuses_duplicates_and_bad_names(monkeypatch):
+    monkeypatch.setattr(S, "_REGISTRY", dict(S._REGISTRY))
+    with pytest.raises(StrategyError, match="already registered"):
+        S.register_strategy("tile")(lambda t, n, *, generator: t)
+    with pytest.raises(StrategyError, match="Invalid strategy name"):
+        S.register_strategy("Bad Name")
+    with pytest.raises(StrategyError, match="keyword-only 'generator'"):
+        S.register_strategy("nogen")(lambda t, n: t)
+
+
+def test_core_rejects_a_strategy_that_breaks_the_contract(monkeypatch, table):
+    monkeypatch.setattr(S, "_REGISTRY", dict(S._REGISTRY))
+
+    @S.register_strategy("short")
+    def short(t, n, *, generator):
+        return t[:1]
+
+    @S.register_strategy("nan")
+    def nan(t, n, *, generator):
+        return torch.full((n, t.shape[1]), float("nan"))
+
+    with pytest.raises(StrategyError, match=r"returned \(1, 16\), expected shape \(50, 16\)"):
+        S.resize_table(table, 50, "short")
+    with pytest.raises(StrategyError, match="non-finite"):
+        S.resize_table(table, 50, "nan")
+
+
+def test_entry_point_plugin_is_discovered(tmp_path, monkeypatch, table):
+    """A third-party package registers a strategy through the posextend.strategies group."""
+    (tmp_path / "mirror_plugin.py").write_text(textwrap.dedent('''
+        import torch
+        import posextend
+
+        @posextend.register_strategy("mirror", description="Reflect the table at its end.")
+        def mirror(table, new_len, *, generator):
+            n = table.shape[0]
+            idx = torch.arange(new_len) % (2 * n)
+            return table[torch.where(idx < n, idx, 2 * n - 1 - idx)]
+    '''))
+    dist = tmp_path / "mirror_plugin-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: mirror-plugin\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[posextend.strategies]\nmirror = mirror_plugin\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(S, "_REGISTRY", dict(S._REGISTRY))
+    monkeypatch.setattr(S, "_plugins_loaded", False)
+    monkeypatch.delitem(sys.modules, "mirror_plugin", raising=False)
+    assert "mirror" in posextend.available_strategies()
+    out = S.resize_table(table, 2 * OLD, "mirror")
+    assert torch.equal(out[OLD:], table.flip(0))
