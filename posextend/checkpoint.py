@@ -189,15 +189,15 @@ def inspect_checkpoint(src: str | Path) -> CheckpointInfo:
     """
     directory = resolve_source(src)
     config = read_config(directory)
-    spec = spec_for(config)
     reader = CheckpointReader(directory)
     try:
+        spec = spec_for(config, _shapes(reader))
         layout = spec.locate(_shapes(reader), config)
         return CheckpointInfo(
             path=str(directory),
             model_type=config.get("model_type", ""),
             architectures=list(config.get("architectures") or []),
-            spec=spec.model_type,
+            spec="generic fallback" if spec.note == "generic" else spec.model_type,
             weights_format=reader.format + (" (sharded)" if reader.sharded else ""),
             weight_files=[f.name for f in reader.files],
             tables=[
@@ -244,11 +244,13 @@ def resize_checkpoint(
     directory = resolve_source(src)
     dst = Path(dst).expanduser()
     config = read_config(directory)
-    spec = spec_for(config)
     check_destination(directory, dst, overwrite=overwrite)
     get_strategy(strategy)
     reader = CheckpointReader(directory)
     try:
+        spec = spec_for(config, _shapes(reader))
+        if spec.note == "generic":
+            log.warning("No spec for model type %r: generic fallback resizes %s", spec.model_type, spec.tables[0])
         layout = spec.locate(_shapes(reader), config)
         check_length(new_length, layout.usable, allow_shrink=allow_shrink)
         seed = secrets.randbits(63) if seed is None else seed
@@ -267,7 +269,7 @@ def resize_checkpoint(
             dropped=list(layout.dropped),
         )
         with atomic_output(dst, overwrite=overwrite) as tmp:
-            _write_weights(reader, tmp, spec, new_tables, new_length + layout.reserved, report, link, progress)
+            _write_weights(reader, tmp, spec, new_tables, spec.config_value(config, new_length), report, link, progress)
             _copy_other_files(directory, tmp, reader, spec, config, report)
         report.seconds = time.perf_counter() - start
         log.info("Resized %s: %d -> %d positions (%s) in %.2fs", directory, report.old_length, new_length, strategy, report.seconds)
@@ -281,7 +283,7 @@ def _write_weights(
     out_dir: Path,
     spec: ArchitectureSpec,
     new_tables: dict[str, torch.Tensor],
-    new_rows: int,
+    buffer_length: int,
     report: ResizeReport,
     link: bool,
     progress: Callable[[int, int], None] | None,
@@ -296,8 +298,8 @@ def _write_weights(
             return dataclasses.replace(entry, dtype=DTYPE_CODES[t.dtype], shape=tuple(t.shape)), lambda: t
         if name in rules:
             rule = rules[name]
-            shape = rule.new_shape(entry.shape, new_rows)
-            return dataclasses.replace(entry, shape=shape), lambda: rule.rebuild(reader.get(name), new_rows)
+            shape = rule.new_shape(entry.shape, buffer_length)
+            return dataclasses.replace(entry, shape=shape), lambda: rule.rebuild(reader.get(name), buffer_length)
         if reader.format == "bin":
             return entry, lambda: reader.get(name)
         return entry, None

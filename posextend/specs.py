@@ -24,13 +24,15 @@ BufferKind = Literal["arange", "zeros", "toeplitz"]
 
 @dataclass(frozen=True)
 class BufferRule:
-    """A buffer whose trailing dimension(s) follow the number of table rows.
+    """A buffer whose trailing dimension(s) follow the config's length value ``n``.
 
+    (``n`` is what the spec's first length key holds: the rows for BERT, GPT-2 and
+    RoBERTa, the usable positions for Nystromformer-style models.)
     ``pattern`` is matched with ``re.search`` against the full tensor/buffer name.
-    ``kind`` says how to rebuild it for a new number of rows:
+    ``kind`` says how to rebuild it for a new ``n``:
 
-    - ``arange``: ``[..., rows]`` holding ``0..rows-1`` (``position_ids``);
-    - ``zeros``: ``[..., rows]`` of zeros (``token_type_ids``);
+    - ``arange``: ``[..., n]`` counting up from the old buffer's first value (``position_ids``);
+    - ``zeros``: ``[..., n]`` of zeros (``token_type_ids``);
     - ``toeplitz``: ``[..., rows, rows]`` whose value depends only on ``i - j``
       (causal masks, GPT-Neo's local band); extended by its own boundary values.
     """
@@ -46,10 +48,11 @@ class BufferRule:
         return (*shape[:-n], *([rows] * n))
 
     def rebuild(self, old: torch.Tensor, rows: int) -> torch.Tensor:
-        """Return the buffer for ``rows`` table rows, same dtype, device and leading dims."""
+        """Return the buffer for length ``rows``, same dtype, device and leading dims."""
         lead = old.shape[:-1]
         if self.kind == "arange":
-            new = torch.arange(rows, dtype=old.dtype, device=old.device)
+            start = int(old.reshape(-1)[0]) if old.numel() else 0
+            new = torch.arange(start, start + rows, dtype=old.dtype, device=old.device)
         elif self.kind == "zeros":
             new = torch.zeros(rows, dtype=old.dtype, device=old.device)
         else:
@@ -169,9 +172,13 @@ class ArchitectureSpec:
     def buffer_rule(self, name: str) -> BufferRule:
         return next(rule for rule in self.buffers if rule.matches(name))
 
+    def config_value(self, config: Mapping[str, Any], usable: int) -> int:
+        """What the first length key holds for ``usable`` positions (buffers follow it too)."""
+        return usable + self.reserved_rows(config) if self.config_counts_reserved else usable
+
     def config_updates(self, config: Mapping[str, Any], usable: int) -> dict[str, int]:
         """Config fields and values that describe ``usable`` positions."""
-        value = usable + self.reserved_rows(config) if self.config_counts_reserved else usable
+        value = self.config_value(config, usable)
         return {k: value for i, k in enumerate(self.length_keys) if i == 0 or k in config}
 
 
@@ -184,6 +191,25 @@ _BERT_BUFFERS = (
     BufferRule(r"(^|\.)embeddings\.position_ids$", "arange"),
     BufferRule(r"(^|\.)embeddings\.token_type_ids$", "zeros"),
 )
+_CAUSAL_MASK = BufferRule(r"(^|\.)attn\.bias$", "toeplitz")
+
+
+def _bert_like(model_type: str, prefix: str, **kw: Any) -> ArchitectureSpec:
+    """BERT's embeddings module: ``embeddings.position_embeddings`` + position/token-type ids."""
+    return ArchitectureSpec(model_type, prefix, ("embeddings.position_embeddings.weight",), buffers=_BERT_BUFFERS, **kw)
+
+
+def _roberta_like(model_type: str, prefix: str) -> ArchitectureSpec:
+    """RoBERTa: positions start at ``padding_idx + 1``; the config counts the reserved rows."""
+    return _bert_like(model_type, prefix, reserved=_roberta_reserved, config_counts_reserved=True)
+
+
+def _seq2seq(model_type: str, offset: int) -> ArchitectureSpec:
+    """BART-style encoder-decoders: two tables, each ``offset`` rows longer than the config says."""
+    return ArchitectureSpec(
+        model_type, "model", ("encoder.embed_positions.weight", "decoder.embed_positions.weight"), reserved=offset
+    )
+
 
 SPECS: dict[str, ArchitectureSpec] = {
     s.model_type: s
@@ -199,11 +225,60 @@ SPECS: dict[str, ArchitectureSpec] = {
             dropped=(r"(^|\.)(attn|crossattention)\.masked_bias$",),
         ),
         ArchitectureSpec(
-            "bert",
-            prefix="bert",
-            tables=("embeddings.position_embeddings.weight",),
-            buffers=_BERT_BUFFERS,
+            "gpt_neo", "transformer", ("wpe.weight",),
+            # causal mask, banded for local-attention layers: both depend only on i - j
+            buffers=(BufferRule(r"(^|\.)attn\.attention\.bias$", "toeplitz"),),
+            dropped=(r"(^|\.)attn\.attention\.masked_bias$",),
         ),
+        ArchitectureSpec(
+            "gpt_bigcode", "transformer", ("wpe.weight",), length_keys=("n_positions",),
+            buffers=(BufferRule(r"^(transformer\.)?bias$", "toeplitz"),),
+        ),
+        ArchitectureSpec(
+            "openai-gpt", "transformer", ("positions_embed.weight",), length_keys=("n_positions",),
+            buffers=(BufferRule(r"^(transformer\.)?position_ids$", "arange"), _CAUSAL_MASK),
+        ),
+        _bert_like("bert", "bert"),
+        _bert_like("big_bird", "bert"),
+        _bert_like("megatron-bert", "bert"),
+        _bert_like("bert-generation", "bert"),
+        _bert_like("ernie", "ernie"),
+        _bert_like("electra", "electra"),
+        _bert_like("albert", "albert"),
+        _bert_like("convbert", "convbert"),
+        _bert_like("mobilebert", "mobilebert"),
+        _bert_like("rembert", "rembert"),
+        _bert_like("splinter", "splinter"),
+        _bert_like("fnet", "fnet"),
+        _bert_like("layoutlm", "layoutlm"),
+        _bert_like("distilbert", "distilbert"),
+        # positions start at 2: two unused rows, the config counts usable positions only
+        _bert_like("nystromformer", "nystromformer", reserved=2),
+        _bert_like("yoso", "yoso", reserved=2),
+        _bert_like("mra", "mra", reserved=2),
+        _roberta_like("roberta", "roberta"),
+        _roberta_like("xlm-roberta", "roberta"),
+        _roberta_like("camembert", "roberta"),
+        _roberta_like("roberta-prelayernorm", "roberta_prelayernorm"),
+        _roberta_like("data2vec-text", "data2vec_text"),
+        _roberta_like("longformer", "longformer"),
+        _roberta_like("markuplm", "markuplm"),
+        ArchitectureSpec(
+            "xlm", "transformer", ("position_embeddings.weight",),
+            buffers=(BufferRule(r"^(transformer\.)?position_ids$", "arange"),),
+        ),
+        ArchitectureSpec(
+            "flaubert", "transformer", ("position_embeddings.weight",),
+            buffers=(BufferRule(r"^(transformer\.)?position_ids$", "arange"),),
+        ),
+        ArchitectureSpec("opt", "model", ("decoder.embed_positions.weight",), reserved=2),
+        ArchitectureSpec("biogpt", "biogpt", ("embed_positions.weight",), reserved=2),
+        _seq2seq("bart", 2),
+        _seq2seq("mbart", 2),
+        _seq2seq("plbart", 2),
+        _seq2seq("mvp", 2),
+        _seq2seq("blenderbot", 0),
+        _seq2seq("blenderbot-small", 0),
     ]
 }
 
@@ -218,6 +293,9 @@ _NOT_LEARNED = {
     "deberta": "relative attention", "deberta-v2": "relative attention",
     "transfo-xl": "relative sinusoidal positions", "xlnet": "relative positions",
     "modernbert": "rotary embeddings (RoPE)", "roformer": "rotary embeddings (RoPE)",
+    "xglm": "fixed sinusoidal positions", "m2m_100": "fixed sinusoidal positions",
+    "marian": "fixed sinusoidal positions", "pegasus": "fixed sinusoidal positions",
+    "speech_to_text": "fixed sinusoidal positions", "funnel": "relative attention",
 }
 
 
@@ -229,8 +307,9 @@ def positions_kind_problem(config: Mapping[str, Any]) -> str | None:
     pet = config.get("position_embedding_type", "absolute")
     if pet not in (None, "absolute"):
         return f"position_embedding_type={pet!r} (relative positions)"
-    if config.get("sinusoidal_pos_embds"):
-        return "fixed sinusoidal positions (sinusoidal_pos_embds=true)"
+    for key in ("sinusoidal_pos_embds", "sinusoidal_embeddings"):  # DistilBERT, XLM/FlauBERT
+        if config.get(key):
+            return f"fixed sinusoidal positions ({key}=true)"
     if any(k in config for k in ("rope_theta", "rope_scaling", "rotary_dim", "rotary_pct")):
         return "rotary embeddings (RoPE)"
     if config.get("alibi"):
@@ -238,8 +317,69 @@ def positions_kind_problem(config: Mapping[str, Any]) -> str | None:
     return None
 
 
-def spec_for(config: Mapping[str, Any]) -> ArchitectureSpec:
-    """The spec for a config (dict from ``config.json``), or an actionable error."""
+_GENERIC_LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "max_sequence_length", "n_ctx")
+_GENERIC_BUFFERS = (BufferRule(r"(^|\.)position_ids$", "arange"), BufferRule(r"(^|\.)token_type_ids$", "zeros"))
+
+
+def generic_spec(
+    config: Mapping[str, Any],
+    shapes: Mapping[str, tuple[int, ...]],
+    offsets: Mapping[str, int] | None = None,
+) -> ArchitectureSpec:
+    """A spec for a model type without one: the single position table the config sizes.
+
+    Candidates are 2-D ``*.weight`` tensors whose module name mentions ``pos``. One
+    matches when its rows equal the config's length plus its reserved rows: the
+    module's ``offset`` attribute when known (``offsets``, in memory), else 0 or 2
+    (OPT/BART-style offsets) on disk. Refuses when none or several match.
+
+    What the fallback cannot see: positions computed from ``padding_idx`` (RoBERTa-style
+    models whose config counts reserved rows). Such families need a real spec.
+    """
+    model_type = config.get("model_type")
+    key = next((k for k in _GENERIC_LENGTH_KEYS if isinstance(config.get(k), int)), None)
+    supported = f"Supported model types: {', '.join(sorted(SPECS))}."
+    if key is None:
+        raise UnsupportedArchitectureError(
+            f"Unsupported architecture {model_type!r}: no spec, and its config has no length field "
+            f"({', '.join(_GENERIC_LENGTH_KEYS)}). {supported}"
+        )
+    length = config[key]
+    candidates = {
+        name: shape for name, shape in shapes.items()
+        if name.endswith(".weight") and len(shape) == 2 and "pos" in name.rsplit(".", 2)[-2].lower()
+    }
+    matches = {}
+    for name, shape in candidates.items():
+        module = name.rsplit(".", 1)[0]
+        allowed = (offsets[module],) if offsets is not None and module in offsets else (0, 2)
+        for reserved in allowed:
+            if shape[0] == length + reserved:
+                matches[name] = reserved
+    if len(matches) != 1:
+        found = ", ".join(f"{n} ({s[0]} rows)" for n, s in candidates.items()) or "none"
+        why = "none matches" if not matches else "several match"
+        raise UnsupportedArchitectureError(
+            f"Unsupported architecture {model_type!r}: no spec, and the generic fallback found no "
+            f"single position table ({why} {key}={length}; position-named tables: {found}). {supported}"
+        )
+    (name, reserved), = matches.items()
+    return ArchitectureSpec(
+        model_type=str(model_type), prefix="", tables=(name,), length_keys=(key,), reserved=reserved,
+        buffers=_GENERIC_BUFFERS, note="generic",
+    )
+
+
+def spec_for(
+    config: Mapping[str, Any],
+    shapes: Mapping[str, tuple[int, ...]] | None = None,
+    offsets: Mapping[str, int] | None = None,
+) -> ArchitectureSpec:
+    """The spec for a config (dict from ``config.json``), or an actionable error.
+
+    With ``shapes`` (tensor name -> shape), a model type without a spec gets the
+    generic fallback (:func:`generic_spec`); its ``note`` is ``"generic"``.
+    """
     model_type = config.get("model_type")
     problem = positions_kind_problem(config)
     if problem:
@@ -252,10 +392,10 @@ def spec_for(config: Mapping[str, Any]) -> ArchitectureSpec:
             f"Model type {model_type!r} uses {problem}, not a learned absolute position "
             f"table; posextend does not apply: {advice}."
         )
-    if model_type not in SPECS:
-        raise UnsupportedArchitectureError(
-            f"Unsupported architecture {model_type!r}. Supported model types: "
-            f"{', '.join(sorted(SPECS))}. For another model with a learned position "
-            "nn.Embedding, load it and call posextend.extend_model (it has a generic fallback)."
-        )
-    return SPECS[model_type]
+    if model_type in SPECS:
+        return SPECS[model_type]
+    if shapes is not None:
+        return generic_spec(config, shapes, offsets)
+    raise UnsupportedArchitectureError(
+        f"Unsupported architecture {model_type!r}. Supported model types: {', '.join(sorted(SPECS))}."
+    )

@@ -16,7 +16,7 @@ from tiny import FAMILIES, POSITIONS
 def test_extend_model_then_save_and_load(family, headed, strategy, tmp_path):
     fam = FAMILIES[family]
     torch.manual_seed(0)
-    model = (fam.headed if headed else fam.bare)(fam.config()).eval()
+    model = (fam.headed if headed else fam.bare).from_config(fam.config()).eval()
     table_name = next(n for n in dict(model.named_parameters()) if n.endswith(("wpe.weight", "position_embeddings.weight")))
     old_table = dict(model.named_parameters())[table_name].detach().clone()
     returned = posextend.extend_model(model, 90, strategy, seed=1)
@@ -37,7 +37,7 @@ def test_extend_model_then_save_and_load(family, headed, strategy, tmp_path):
 
 def test_extend_model_keeps_dtype_device_and_frozen_state():
     fam = FAMILIES["bert"]
-    model = fam.bare(fam.config()).to(torch.bfloat16)
+    model = fam.bare.from_config(fam.config()).to(torch.bfloat16)
     model.embeddings.position_embeddings.weight.requires_grad_(False)
     posextend.extend_model(model, 64, "tile")
     w = model.embeddings.position_embeddings.weight
@@ -48,7 +48,7 @@ def test_extend_model_keeps_dtype_device_and_frozen_state():
 
 def test_extend_model_refuses_shrink_unless_asked():
     fam = FAMILIES["gpt2"]
-    model = fam.bare(fam.config())
+    model = fam.bare.from_config(fam.config())
     with pytest.raises(posextend.InvalidLengthError, match=f"below the current {POSITIONS}"):
         posextend.extend_model(model, 10)
     posextend.extend_model(model, 10, allow_shrink=True)

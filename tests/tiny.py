@@ -36,34 +36,76 @@ def bert_tokenizer(max_length: int):
 
 @dataclass(frozen=True)
 class Family:
-    """One architecture family for the test matrix: config, model classes, tokenizer."""
+    """One architecture family for the test matrix: a tiny config, model classes, tokenizer."""
 
     model_type: str
-    config: Callable[[], transformers.PretrainedConfig]
-    headed: type
-    bare: type
-    tokenizer: Callable[[int], object] | None
+    overrides: dict
+    headed: type = transformers.AutoModelForMaskedLM
+    tokenizer: Callable[[int], object] | None = bert_tokenizer
     usable: int = POSITIONS
+    bare: type = transformers.AutoModel
+    seq2seq: bool = False
 
+    def config(self) -> transformers.PretrainedConfig:
+        return transformers.AutoConfig.for_model(self.model_type, **self.overrides)
+
+
+_BERT = dict(vocab_size=1000, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=48,
+             max_position_embeddings=POSITIONS)
+_ROBERTA = {**_BERT, "max_position_embeddings": POSITIONS + 2, "pad_token_id": 1}  # + padding_idx + 1
+_SEQ2SEQ = dict(vocab_size=1000, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                decoder_attention_heads=2, encoder_ffn_dim=48, decoder_ffn_dim=48, max_position_embeddings=POSITIONS)
+_GPT = dict(vocab_size=1000, n_positions=POSITIONS, n_embd=16, n_layer=2, n_head=2)
+CAUSAL, SEQ2SEQ = transformers.AutoModelForCausalLM, transformers.AutoModelForSeq2SeqLM
 
 FAMILIES: dict[str, Family] = {
     f.model_type: f
     for f in [
-        Family(
-            "gpt2",
-            lambda: transformers.GPT2Config(
-                vocab_size=50257, n_positions=POSITIONS, n_embd=16, n_layer=2, n_head=2, n_inner=48
-            ),
-            transformers.GPT2LMHeadModel, transformers.GPT2Model, gpt2_tokenizer,
-        ),
-        Family(
-            "bert",
-            lambda: transformers.BertConfig(
-                vocab_size=30522, max_position_embeddings=POSITIONS, hidden_size=16, num_hidden_layers=2,
-                num_attention_heads=2, intermediate_size=48, type_vocab_size=3,
-            ),
-            transformers.BertForMaskedLM, transformers.BertModel, bert_tokenizer,
-        ),
+        Family("gpt2", {**_GPT, "vocab_size": 50257, "n_inner": 48}, CAUSAL, gpt2_tokenizer),
+        Family("gpt_neo", dict(vocab_size=1000, max_position_embeddings=POSITIONS, hidden_size=16, num_layers=2,
+                               num_heads=2, intermediate_size=48, window_size=5,
+                               attention_types=[[["global", "local"], 1]]), CAUSAL, gpt2_tokenizer),
+        Family("gpt_bigcode", {**_GPT, "n_inner": 48}, CAUSAL, gpt2_tokenizer),
+        Family("openai-gpt", _GPT, CAUSAL, None),
+        Family("bert", {**_BERT, "vocab_size": 30522, "type_vocab_size": 3}),
+        Family("big_bird", {**_BERT, "attention_type": "original_full"}),
+        Family("megatron-bert", _BERT),
+        Family("bert-generation", _BERT, CAUSAL),
+        Family("ernie", _BERT),
+        Family("electra", {**_BERT, "embedding_size": 8}),  # table width is embedding_size
+        Family("albert", {**_BERT, "embedding_size": 8}),
+        Family("convbert", {**_BERT, "embedding_size": 8}),
+        Family("mobilebert", {**_BERT, "embedding_size": 16, "intra_bottleneck_size": 16, "true_hidden_size": 16,
+                              "num_feedforward_networks": 1}),
+        Family("rembert", {**_BERT, "input_embedding_size": 8, "output_embedding_size": 8}),
+        Family("splinter", _BERT, transformers.AutoModelForQuestionAnswering),
+        Family("fnet", {k: v for k, v in _BERT.items() if k != "num_attention_heads"}),
+        Family("layoutlm", _BERT),
+        Family("distilbert", dict(vocab_size=1000, dim=16, n_layers=2, n_heads=2, hidden_dim=48,
+                                  max_position_embeddings=POSITIONS)),
+        Family("nystromformer", {**_BERT, "num_landmarks": 4, "segment_means_seq_len": 4}),
+        Family("yoso", _BERT),
+        Family("mra", _BERT),
+        Family("roberta", _ROBERTA, tokenizer=gpt2_tokenizer),
+        Family("xlm-roberta", _ROBERTA, tokenizer=gpt2_tokenizer),
+        Family("camembert", _ROBERTA, tokenizer=gpt2_tokenizer),
+        Family("roberta-prelayernorm", _ROBERTA, tokenizer=gpt2_tokenizer),
+        Family("data2vec-text", _ROBERTA, tokenizer=gpt2_tokenizer),
+        Family("markuplm", _ROBERTA, transformers.AutoModelForQuestionAnswering, gpt2_tokenizer),
+        Family("longformer", {**_ROBERTA, "attention_window": 4}, tokenizer=gpt2_tokenizer),
+        Family("xlm", dict(vocab_size=1000, emb_dim=16, n_layers=2, n_heads=2, max_position_embeddings=POSITIONS),
+               transformers.AutoModelForMaskedLM, None),
+        Family("flaubert", dict(vocab_size=1000, emb_dim=16, n_layers=2, n_heads=2, max_position_embeddings=POSITIONS),
+               transformers.AutoModelForMaskedLM, None),
+        Family("opt", dict(vocab_size=1000, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, ffn_dim=48,
+                           word_embed_proj_dim=16, max_position_embeddings=POSITIONS), CAUSAL, gpt2_tokenizer),
+        Family("biogpt", {**_BERT}, CAUSAL, None),
+        Family("bart", _SEQ2SEQ, SEQ2SEQ, gpt2_tokenizer, seq2seq=True),
+        Family("mbart", _SEQ2SEQ, SEQ2SEQ, gpt2_tokenizer, seq2seq=True),
+        Family("plbart", _SEQ2SEQ, SEQ2SEQ, None, seq2seq=True),
+        Family("mvp", _SEQ2SEQ, SEQ2SEQ, None, seq2seq=True),
+        Family("blenderbot", _SEQ2SEQ, SEQ2SEQ, None, seq2seq=True),
+        Family("blenderbot-small", _SEQ2SEQ, SEQ2SEQ, None, seq2seq=True),
     ]
 }
 
@@ -72,7 +114,7 @@ def build(family: Family, path: Path, *, headed: bool = True, dtype: torch.dtype
     """Save a randomly initialised model (and its tokenizer) at ``path``."""
     torch.manual_seed(seed)
     cls = family.headed if headed else family.bare
-    model = cls(family.config()).to(dtype).eval()
+    model = cls.from_config(family.config()).to(dtype).eval()
     model.save_pretrained(path)
     if family.tokenizer is not None:
         family.tokenizer(family.usable).save_pretrained(path)
