@@ -9,13 +9,14 @@ only when complete.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import secrets
 import shutil
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ from .io import (
     BIN_INDEX, BIN_SINGLE, DTYPE_CODES, SAFE_INDEX, SAFE_SINGLE, CheckpointReader, Entry,
     atomic_output, copy_file, write_safetensors,
 )
-from .specs import ArchitectureSpec, spec_for
+from .specs import ArchitectureSpec, Layout, spec_for
 from .strategies import get_strategy, resize_table
 
 log = logging.getLogger(__name__)
@@ -171,8 +172,26 @@ def _tokenizer_max_length(directory: Path) -> int | None:
     return None
 
 
-def _shapes(reader: CheckpointReader) -> dict[str, tuple[int, ...]]:
-    return {name: entry.shape for name, entry in reader.entries.items()}
+@contextlib.contextmanager
+def _opened(src: str | Path) -> Iterator[tuple[Path, dict[str, Any], CheckpointReader, ArchitectureSpec, Layout]]:
+    """Resolve, read the config, open the weights lazily and locate the position table(s)."""
+    directory = resolve_source(src)
+    config = read_config(directory)
+    reader = CheckpointReader(directory)
+    try:
+        shapes = {name: entry.shape for name, entry in reader.entries.items()}
+        spec = spec_for(config, shapes)
+        if spec.note == "generic":
+            log.warning("No spec for model type %r: generic fallback uses %s", spec.model_type, spec.tables[0])
+        yield directory, config, reader, spec, spec.locate(shapes, config)
+    finally:
+        reader.close()
+
+
+def read_position_table(src: str | Path) -> torch.Tensor:
+    """The usable rows of a checkpoint's (first) position table, read by name only."""
+    with _opened(src) as (_, _, reader, _, layout):
+        return reader.get(layout.tables[0])[layout.reserved :]
 
 
 # ------------------------------------------------------------------------------- public
@@ -187,12 +206,7 @@ def inspect_checkpoint(src: str | Path) -> CheckpointInfo:
         >>> info.usable, info.tables[0].name
         (512, 'embeddings.position_embeddings.weight')
     """
-    directory = resolve_source(src)
-    config = read_config(directory)
-    reader = CheckpointReader(directory)
-    try:
-        spec = spec_for(config, _shapes(reader))
-        layout = spec.locate(_shapes(reader), config)
+    with _opened(src) as (directory, config, reader, spec, layout):
         return CheckpointInfo(
             path=str(directory),
             model_type=config.get("model_type", ""),
@@ -210,8 +224,6 @@ def inspect_checkpoint(src: str | Path) -> CheckpointInfo:
             buffers=list(layout.buffers),
             tokenizer_max_length=_tokenizer_max_length(directory),
         )
-    finally:
-        reader.close()
 
 
 def resize_checkpoint(
@@ -241,17 +253,10 @@ def resize_checkpoint(
         (1024, 4096)
     """
     start = time.perf_counter()
-    directory = resolve_source(src)
     dst = Path(dst).expanduser()
-    config = read_config(directory)
-    check_destination(directory, dst, overwrite=overwrite)
     get_strategy(strategy)
-    reader = CheckpointReader(directory)
-    try:
-        spec = spec_for(config, _shapes(reader))
-        if spec.note == "generic":
-            log.warning("No spec for model type %r: generic fallback resizes %s", spec.model_type, spec.tables[0])
-        layout = spec.locate(_shapes(reader), config)
+    with _opened(src) as (directory, config, reader, spec, layout):
+        check_destination(directory, dst, overwrite=overwrite)
         check_length(new_length, layout.usable, allow_shrink=allow_shrink)
         seed = secrets.randbits(63) if seed is None else seed
         # Tables are resized up front (so a strategy error writes nothing); buffers lazily.
@@ -274,8 +279,6 @@ def resize_checkpoint(
         report.seconds = time.perf_counter() - start
         log.info("Resized %s: %d -> %d positions (%s) in %.2fs", directory, report.old_length, new_length, strategy, report.seconds)
         return report
-    finally:
-        reader.close()
 
 
 def _write_weights(

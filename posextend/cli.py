@@ -147,6 +147,8 @@ def resize_model(
 def inspect_cmd(
     src: Annotated[str, typer.Argument(help="Checkpoint directory (or a hub id in the local HF cache).")],
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+    plot: Annotated[Path | None, typer.Option("--plot", help="Write diagnostics of the table (PNGs, analysis.json) to this directory.")] = None,
+    compare: Annotated[str | None, typer.Option("--compare", help="Another checkpoint to compare the table with (e.g. the original).")] = None,
 ) -> None:
     """Show where a checkpoint keeps its positions and how long its context is."""
     from rich.table import Table
@@ -154,8 +156,9 @@ def inspect_cmd(
     from .checkpoint import inspect_checkpoint
 
     info = inspect_checkpoint(src)
+    analysis = _diagnostics(src, compare, plot) if plot or compare else None
     if as_json:
-        print(json.dumps(info.to_dict(), indent=2))
+        print(json.dumps({**info.to_dict(), **({"analysis": analysis} if analysis else {})}, indent=2))
         return
     console.print(
         f"[bold]{info.path}[/]\n  model type {info.model_type} (spec: {info.spec}), "
@@ -172,6 +175,37 @@ def inspect_cmd(
     console.print(table)
     if info.buffers:
         console.print(f"  length-dependent buffers: {len(info.buffers)} ({info.buffers[0]}, ...)", highlight=False)
+    if analysis:
+        stats = Table("diagnostic", *analysis)
+        rows = {
+            "positions": "length", "components for 90% variance": "components_90",
+            "components for 99% variance": "components_99", "cosine similarity at distance 1": "similarity_at_1",
+            "row norm: mean": "norm_mean", "row norm: first": "norm_first", "row norm: last": "norm_last",
+        }
+        for label, key in rows.items():
+            stats.add_row(label, *(_fmt(a[key]) for a in analysis.values()))
+        console.print(stats)
+        if plot:
+            console.print(f"  diagnostics written to {plot}/ (analysis.json and PNGs)", highlight=False)
+
+
+def _fmt(value: Any) -> str:
+    return f"{value:.3f}" if isinstance(value, float) else str(value)
+
+
+def _diagnostics(src: str, compare: str | None, out: Path | None) -> dict[str, dict[str, Any]]:
+    from .analysis import analyze, plot, table_of
+
+    tables = {"this": table_of(src)}
+    if compare:
+        tables["compare"] = table_of(compare)
+    analysis = {label: analyze(t).to_dict() for label, t in tables.items()}
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "analysis.json").write_text(json.dumps(analysis, indent=2))
+        lengths = [t.shape[0] for t in tables.values()]
+        plot(tables, out, mark=min(lengths) if len(set(lengths)) > 1 else None)
+    return analysis
 
 
 @app.command("strategies")

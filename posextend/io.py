@@ -270,8 +270,6 @@ def write_safetensors(
                     out.write(memoryview(data.numpy()))
                     if progress:
                         progress(data.numel())
-            out.flush()
-            os.fsync(out.fileno())
     finally:
         if source is not None:
             os.close(source[1])

@@ -1,0 +1,179 @@
+"""Resize speed and memory: posextend vs the naive transformers path vs `cp`, side by side.
+
+    python benchmarks/resize_speed.py                      # small, medium, xl; 3 repetitions
+    python benchmarks/resize_speed.py --sizes tiny --reps 1
+
+Builds random GPT-2-shaped checkpoints (fp32; xl sharded into 2 GB files) under --workdir,
+then times whole processes (wall clock, peak RSS of the process tree's largest member):
+  posextend   `posextend resize-model SRC DST --length 2*n_positions`
+  naive       from_pretrained → swap the wpe table → save_pretrained (transformers only)
+  cp          `cp -r SRC DST`
+  startup     `python -c "import posextend.cli, posextend.checkpoint"` (interpreter + imports, no work)
+The source files are read once before timing so every method starts from a warm page cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import filecmp
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+from posextend.io import Entry, write_safetensors
+
+SIZES = {  # n_embd, n_layer, n_head, shard size
+    "tiny": (64, 2, 2, None),
+    "small": (768, 12, 12, None),  # 124M
+    "medium": (1024, 24, 16, None),  # 355M
+    "xl": (1600, 48, 25, 2 * 2**30),  # 1.5B, sharded
+}
+
+NAIVE = """
+import sys, torch
+from transformers import GPT2LMHeadModel
+src, dst, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+model = GPT2LMHeadModel.from_pretrained(src)
+old = model.transformer.wpe.weight.data
+new = torch.nn.Embedding(n, old.shape[1])
+new.weight.data.copy_(old[torch.arange(n) % old.shape[0]])
+model.transformer.wpe = new
+model.config.n_positions = n
+model.save_pretrained(dst)
+"""
+
+MEASURE = """
+import resource, subprocess, sys, time
+t = time.perf_counter()
+rc = subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL).returncode
+wall = time.perf_counter() - t
+print(wall, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024, rc)
+"""
+
+
+def build_checkpoint(path: Path, size: str) -> Path:
+    """A random GPT-2 checkpoint written tensor by tensor (never holding the model in memory)."""
+    if (path / "config.json").exists():
+        return path
+    n_embd, n_layer, n_head, shard_bytes = SIZES[size]
+    config = transformers.GPT2Config(n_embd=n_embd, n_layer=n_layer, n_head=n_head)
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in transformers.GPT2LMHeadModel(config).state_dict().items()}
+    shapes.pop("lm_head.weight")  # tied to wte, not saved (as save_pretrained does)
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    shards, current, used = [], [], 0
+    for name, shape in shapes.items():
+        nbytes = 4 * int(torch.Size(shape).numel())
+        if shard_bytes and current and used + nbytes > shard_bytes:
+            shards.append(current)
+            current, used = [], 0
+        current.append((name, shape))
+        used += nbytes
+    shards.append(current)
+    gen = torch.Generator().manual_seed(0)
+    weight_map = {}
+    for i, names in enumerate(shards, 1):
+        fname = "model.safetensors" if len(shards) == 1 else f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        items = [
+            (Entry(n, Path(fname), "F32", s), (lambda s=s: torch.randn(s, generator=gen) * 0.02)) for n, s in names
+        ]
+        write_safetensors(tmp / fname, items, {"format": "pt"})
+        weight_map.update({n: fname for n, _ in names})
+    if len(shards) > 1:
+        total = sum(4 * int(torch.Size(s).numel()) for s in shapes.values())
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    config.save_pretrained(tmp)
+    os.rename(tmp, path)
+    return path
+
+
+def measure(cmd: list[str]) -> tuple[float, float]:
+    out = subprocess.run([sys.executable, "-c", MEASURE, *cmd], capture_output=True, text=True, check=True)
+    wall, rss, rc = out.stdout.split()
+    if rc != "0":
+        raise SystemExit(f"command failed ({rc}): {' '.join(cmd)}")
+    return float(wall), float(rss)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", nargs="+", default=["small", "medium", "xl"], choices=list(SIZES))
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--workdir", type=Path, default=Path(".bench"))
+    ap.add_argument("--keep", action="store_true", help="keep the built checkpoints for the next run")
+    args = ap.parse_args()
+    posextend_bin = str(Path(sys.executable).with_name("posextend"))
+    rows = []
+    for size in args.sizes:
+        src = build_checkpoint(args.workdir / f"gpt2-{size}", size)
+        files = sorted(src.glob("*.safetensors"))
+        nbytes = sum(f.stat().st_size for f in files)
+        n = 2 * json.loads((src / "config.json").read_text())["n_positions"]
+        for f in files:  # warm the page cache
+            with open(f, "rb") as h:
+                while h.read(1 << 26):
+                    pass
+        methods = {
+            "startup": [sys.executable, "-c", "import posextend.cli, posextend.checkpoint"],
+            "cp": ["cp", "-r", str(src), "DST"],
+            "posextend": [posextend_bin, "resize-model", str(src), "DST", "--length", str(n)],
+            "posextend --link": [posextend_bin, "resize-model", str(src), "DST", "--length", str(n), "--link"],
+            "naive": [sys.executable, "-c", NAIVE, str(src), "DST", str(n)],
+        }
+        if len(files) == 1:
+            methods.pop("posextend --link")
+        results = {}
+        for method, cmd in methods.items():
+            walls, rsss = [], []
+            for _ in range(args.reps):
+                dst = args.workdir / "dst"
+                shutil.rmtree(dst, ignore_errors=True)
+                os.sync()
+                wall, rss = measure([str(dst) if c == "DST" else c for c in cmd])
+                walls.append(wall)
+                rsss.append(rss)
+            results[method] = (statistics.median(walls), max(rsss))
+            if method == "posextend" and len(files) > 1:
+                dst = args.workdir / "dst"
+                same = sum(filecmp.cmp(f, dst / f.name, shallow=False) for f in files)
+                print(f"  {size}: {same} of {len(files)} shards byte-identical to the source (not rewritten)")
+            if method == "posextend --link":
+                dst = args.workdir / "dst"
+                linked = sum(os.stat(f).st_ino == os.stat(dst / f.name).st_ino for f in files)
+                print(f"  {size}: {linked} of {len(files)} shards hard-linked (same inode)")
+            print(f"  {size} {method:17s} {results[method][0]:7.2f} s  {results[method][1]:8.0f} MiB", flush=True)
+        rows.append((size, nbytes, len(files), results))
+        shutil.rmtree(args.workdir / "dst", ignore_errors=True)
+        if not args.keep:
+            shutil.rmtree(src)
+
+    print(f"\nGPT-2-shaped fp32 checkpoints, table doubled; median of {args.reps} runs; "
+          f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}\n")
+    print("| size | checkpoint | files | method | wall s | peak RSS MiB | wall vs cp | wall vs cp + startup |")
+    print("|---|---|---|---|---|---|---|---|")
+    for size, nbytes, nfiles, results in rows:
+        cp, startup = results["cp"][0], results["startup"][0]
+        for method, (wall, rss) in results.items():
+            print(f"| {size} | {nbytes / 2**30:.2f} GiB | {nfiles} | {method} | {wall:.2f} | {rss:.0f} | "
+                  f"{wall / cp:.2f}× | {wall / (cp + startup):.2f}× |")
+    print("\n| size | naive / posextend (wall) | naive / posextend (peak RSS) |")
+    print("|---|---|---|")
+    for size, _, _, results in rows:
+        print(f"| {size} | {results['naive'][0] / results['posextend'][0]:.1f}× | "
+              f"{results['naive'][1] / results['posextend'][1]:.1f}× |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,180 @@
+"""What a position table learned: similarity, rank, and boundary effects.
+
+Works on a tensor, a :class:`~posextend.nn.LearnedPositionalEmbedding`, an ``nn.Embedding``,
+a transformers model, or a checkpoint directory (reserved rows are stripped for models
+and checkpoints, via the architecture spec).
+
+Example::
+
+    >>> stats = analyze(table_of("gpt2-4k"))
+    >>> stats.components_90, stats.similarity_by_distance[:3]
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .errors import PosExtendError
+
+
+def table_of(obj: Any) -> torch.Tensor:
+    """The usable rows of a position table, as float32 on the CPU."""
+    from .nn import LearnedPositionalEmbedding
+
+    if isinstance(obj, torch.Tensor):
+        table = obj
+    elif isinstance(obj, (LearnedPositionalEmbedding, nn.Embedding)):
+        table = obj.weight
+    elif isinstance(obj, nn.Module) and hasattr(obj, "config"):
+        from .specs import spec_for
+
+        config = obj.config.to_dict()
+        params = dict(obj.named_parameters())
+        spec = spec_for(config, {n: tuple(p.shape) for n, p in params.items()})
+        layout = spec.locate({n: tuple(p.shape) for n, p in params.items()}, config)
+        table = params[layout.tables[0]][layout.reserved :]
+    elif isinstance(obj, (str, Path)):
+        from .checkpoint import read_position_table
+
+        table = read_position_table(obj)
+    else:
+        raise PosExtendError(f"Cannot find a position table in a {type(obj).__name__}.")
+    if table.dim() != 2:
+        raise PosExtendError(f"A position table is 2-D, got shape {tuple(table.shape)}.")
+    return table.detach().to("cpu", torch.float32)
+
+
+def cosine_similarity_matrix(table: torch.Tensor) -> torch.Tensor:
+    """``[L, L]`` cosine similarity between every pair of positions."""
+    unit = torch.nn.functional.normalize(table.float(), dim=1)
+    return unit @ unit.T
+
+
+def similarity_by_distance(table: torch.Tensor) -> torch.Tensor:
+    """Mean cosine similarity of positions ``d`` apart, for ``d = 0 .. L-1``."""
+    sim = cosine_similarity_matrix(table)
+    return torch.stack([torch.diagonal(sim, d).mean() for d in range(sim.shape[0])])
+
+
+def singular_values(table: torch.Tensor) -> torch.Tensor:
+    """Singular values of the centred table (the spectrum of its variance across positions)."""
+    centred = table.float() - table.float().mean(dim=0, keepdim=True)
+    return torch.linalg.svdvals(centred)
+
+
+def components_for(table: torch.Tensor, fraction: float) -> int:
+    """How many principal components explain ``fraction`` of the variance across positions."""
+    energy = singular_values(table).pow(2)
+    total = energy.sum()
+    if total <= 0:
+        return 0
+    cumulative = energy.cumsum(0) / total
+    return int((cumulative < fraction - 1e-6).sum().item()) + 1
+
+
+def row_norms(table: torch.Tensor) -> torch.Tensor:
+    """L2 norm of each position's row (boundary effects show at the ends)."""
+    return table.float().norm(dim=1)
+
+
+@dataclass(frozen=True)
+class TableStats:
+    length: int
+    dim: int
+    components_90: int
+    components_99: int
+    similarity_at_1: float  # mean cosine similarity of neighbouring positions
+    similarity_by_distance: list[float]
+    norm_mean: float
+    norm_first: float
+    norm_last: float
+    norms: list[float]
+    singular_values: list[float]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def analyze(table: Any) -> TableStats:
+    """All diagnostics of one table."""
+    t = table_of(table)
+    by_distance, norms = similarity_by_distance(t), row_norms(t)
+    return TableStats(
+        length=t.shape[0],
+        dim=t.shape[1],
+        components_90=components_for(t, 0.90),
+        components_99=components_for(t, 0.99),
+        similarity_at_1=float(by_distance[1]) if len(by_distance) > 1 else float("nan"),
+        similarity_by_distance=by_distance.tolist(),
+        norm_mean=float(norms.mean()),
+        norm_first=float(norms[0]),
+        norm_last=float(norms[-1]),
+        norms=norms.tolist(),
+        singular_values=singular_values(t).tolist(),
+    )
+
+
+def _pyplot():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise PosExtendError(
+            "Plots need matplotlib, which is not installed: pip install 'posextend[plot]'."
+        ) from None
+    return plt
+
+
+def plot(tables: dict[str, Any], out_dir: str | Path, *, mark: int | None = None) -> list[Path]:
+    """Write PNGs comparing one or more tables (label -> table); returns the files written.
+
+    ``similarity.png`` (heatmaps side by side), ``similarity_by_distance.png``,
+    ``spectrum.png`` and ``norms.png``. ``mark`` draws a line at a position (the old length).
+    """
+    plt = _pyplot()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    data = {label: table_of(t) for label, t in tables.items()}
+    written = []
+
+    fig, axes = plt.subplots(1, len(data), figsize=(5 * len(data), 4.4), squeeze=False)
+    for ax, (label, t) in zip(axes[0], data.items()):
+        im = ax.imshow(cosine_similarity_matrix(t).numpy(), cmap="RdBu_r", vmin=-1, vmax=1)
+        ax.set_title(f"{label}: cosine similarity ({t.shape[0]} positions)")
+        ax.set_xlabel("position")
+        ax.set_ylabel("position")
+        fig.colorbar(im, ax=ax, shrink=0.8)
+    written.append(_save(fig, out / "similarity.png", plt))
+
+    curves = {
+        "similarity_by_distance.png": ("distance", "mean cosine similarity", similarity_by_distance),
+        "spectrum.png": ("component", "singular value (centred table)", singular_values),
+        "norms.png": ("position", "row L2 norm", row_norms),
+    }
+    for fname, (xlabel, ylabel, fn) in curves.items():
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for label, t in data.items():
+            ax.plot(fn(t).numpy(), label=label, linewidth=1)
+        if fname == "spectrum.png":
+            ax.set_yscale("log")
+        if mark is not None and fname != "spectrum.png":
+            ax.axvline(mark, color="grey", linestyle="--", linewidth=1, label=f"old length {mark}")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.legend()
+        written.append(_save(fig, out / fname, plt))
+    return written
+
+
+def _save(fig, path: Path, plt) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
