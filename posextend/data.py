@@ -1,0 +1,116 @@
+"""Training and evaluation text: read, tokenise, pack into sequences of exactly the new length."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import torch
+
+from .errors import DataError
+
+log = logging.getLogger(__name__)
+
+TEXT_SUFFIXES = (".txt", ".md", ".rst", ".text", ".jsonl", ".json")
+
+
+def _files(paths: Iterable[str | Path]) -> list[Path]:
+    files: list[Path] = []
+    for raw in paths:
+        path = Path(raw).expanduser()
+        if path.is_dir():
+            found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
+            if not found:
+                raise DataError(f"{path} holds no text files ({', '.join(TEXT_SUFFIXES)}).")
+            files += found
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise DataError(f"Data path {path} does not exist.")
+    return files
+
+
+def read_documents(paths: Sequence[str | Path], *, text_field: str = "text") -> list[str]:
+    """Documents from plain-text files, directories of them, and JSON Lines (``text_field``)."""
+    if not paths:
+        raise DataError("No data given: pass --data PATH (a text file, a directory, or JSON Lines).")
+    docs: list[str] = []
+    for path in _files(paths):
+        try:
+            content = path.read_text(encoding="utf-8", errors="replace")
+        except OSError as exc:
+            raise DataError(f"Cannot read {path}: {exc}") from None
+        if path.suffix.lower() == ".jsonl":
+            for i, line in enumerate(content.splitlines(), 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                    docs.append(str(record[text_field]))
+                except (ValueError, KeyError, TypeError):
+                    raise DataError(f"{path}:{i} is not a JSON object with a {text_field!r} field.") from None
+        else:
+            docs.append(content)
+    docs = [d for d in docs if d.strip()]
+    if not docs:
+        raise DataError(f"The data ({', '.join(map(str, paths))}) holds no text.")
+    return docs
+
+
+def pack(tokenizer, documents: Sequence[str], length: int) -> torch.Tensor:
+    """Tokenise, join documents with the EOS (or SEP) token, cut into ``[n, length]`` sequences.
+
+    Every sequence is exactly ``length`` tokens long, so every step sees every position;
+    the tail shorter than ``length`` is dropped.
+    """
+    sep = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.sep_token_id
+    ids: list[int] = []
+    for doc in documents:
+        ids += tokenizer(doc, add_special_tokens=False, verbose=False)["input_ids"]
+        if sep is not None:
+            ids.append(sep)
+    n = len(ids) // length
+    if n == 0:
+        raise DataError(
+            f"The data has {len(ids)} tokens, fewer than one sequence of {length}: give more text or a shorter --length."
+        )
+    return torch.tensor(ids[: n * length], dtype=torch.long).view(n, length)
+
+
+def split(sequences: torch.Tensor, eval_fraction: float = 0.1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Train and held-out parts (the held-out part comes from the end of the corpus)."""
+    if len(sequences) < 2:
+        raise DataError(
+            f"The data packs into {len(sequences)} sequence(s) of {sequences.shape[1]} tokens; at least 2 are needed "
+            "(one to train on, one held out): give more text or a shorter --length."
+        )
+    n_eval = max(1, int(round(len(sequences) * eval_fraction)))
+    n_eval = min(n_eval, len(sequences) - 1)
+    return sequences[:-n_eval], sequences[-n_eval:]
+
+
+def mask_tokens(
+    input_ids: torch.Tensor, tokenizer, generator: torch.Generator, probability: float = 0.15
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """BERT's masking: 15% of tokens chosen; of those 80% ``[MASK]``, 10% random, 10% kept.
+
+    Returns ``(inputs, labels)`` with labels -100 where nothing is predicted. Special
+    tokens are never chosen. Deterministic given ``generator``.
+    """
+    if tokenizer.mask_token_id is None:
+        raise DataError("The tokenizer has no mask token, which masked-LM training needs.")
+    labels = input_ids.clone()
+    special = torch.zeros_like(input_ids, dtype=torch.bool)
+    for token_id in tokenizer.all_special_ids:
+        special |= input_ids == token_id
+    chosen = (torch.rand(input_ids.shape, generator=generator) < probability) & ~special
+    labels[~chosen] = -100
+    inputs = input_ids.clone()
+    roll = torch.rand(input_ids.shape, generator=generator)
+    inputs[chosen & (roll < 0.8)] = tokenizer.mask_token_id
+    random_tokens = torch.randint(len(tokenizer), input_ids.shape, generator=generator)
+    swap = chosen & (roll >= 0.8) & (roll < 0.9)
+    inputs[swap] = random_tokens[swap]
+    return inputs, labels

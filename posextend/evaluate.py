@@ -1,0 +1,199 @@
+"""Loss and perplexity by position: did the new positions learn anything?
+
+Causal LMs are scored on every next token (credited to the predicted token's position);
+masked LMs on 15% masked tokens (BERT masking, a fixed seed so runs compare), repeated
+over ``rounds`` masks: a masked-LM ("pseudo") perplexity.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .data import mask_tokens
+from .errors import PosExtendError
+
+
+@dataclass(frozen=True)
+class Bucket:
+    start: int  # first position (inclusive)
+    end: int  # last position + 1
+    loss: float
+    perplexity: float
+    tokens: int
+
+
+@dataclass
+class EvalReport:
+    objective: str
+    length: int
+    sequences: int
+    loss: float
+    perplexity: float
+    tokens: int
+    buckets: list[Bucket] = field(default_factory=list)
+    old_length: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def bucket_edges(length: int, buckets: int, *, old_length: int | None = None) -> list[int]:
+    """Edges of contiguous buckets covering ``0..length-1`` exactly once.
+
+    With ``old_length`` (< length): the original range as one bucket, then the new range
+    split into ``buckets - 1`` parts; otherwise ``buckets`` equal parts.
+    """
+    if buckets < 1:
+        raise PosExtendError(f"--buckets must be at least 1, got {buckets}.")
+    if old_length and 0 < old_length < length and buckets > 1:
+        rest = torch.linspace(old_length, length, buckets).round().long().tolist()
+        edges = [0, *rest]
+    else:
+        edges = torch.linspace(0, length, min(buckets, length) + 1).round().long().tolist()
+    return sorted(set(edges))
+
+
+@torch.no_grad()
+def position_losses(
+    model: torch.nn.Module,
+    sequences: torch.Tensor,
+    objective: str,
+    *,
+    tokenizer=None,
+    batch_size: int = 4,
+    seed: int = 0,
+    rounds: int = 2,
+    device: torch.device | str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed loss and token count at every position: two ``[L]`` float64 tensors."""
+    device = device or next(model.parameters()).device
+    length = sequences.shape[1]
+    total = torch.zeros(length, dtype=torch.float64)
+    count = torch.zeros(length, dtype=torch.float64)
+    was_training = model.training
+    model.eval()
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(rounds if objective == "masked" else 1):
+        for batch in sequences.split(batch_size):
+            if objective == "causal":
+                logits = model(input_ids=batch.to(device)).logits.float().cpu()
+                losses = F.cross_entropy(logits[:, :-1].transpose(1, 2), batch[:, 1:], reduction="none")
+                total[1:] += losses.double().sum(0)
+                count[1:] += batch.shape[0]
+            else:
+                inputs, labels = mask_tokens(batch, tokenizer, generator)
+                logits = model(input_ids=inputs.to(device)).logits.float().cpu()
+                losses = F.cross_entropy(logits.transpose(1, 2), labels, reduction="none", ignore_index=-100)
+                chosen = (labels != -100).double()
+                total += (losses.double() * chosen).sum(0)
+                count += chosen.sum(0)
+    model.train(was_training)
+    return total, count
+
+
+def report_from(
+    total: torch.Tensor, count: torch.Tensor, edges: Sequence[int], *, objective: str, sequences: int,
+    old_length: int | None = None,
+) -> EvalReport:
+    buckets = []
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        n = float(count[lo:hi].sum())
+        loss = float(total[lo:hi].sum()) / n if n else float("nan")
+        buckets.append(Bucket(lo, hi, loss, math.exp(min(loss, 50)) if n else float("nan"), int(n)))
+    n = float(count.sum())
+    loss = float(total.sum()) / n if n else float("nan")
+    return EvalReport(
+        objective=objective, length=len(total), sequences=sequences, loss=loss,
+        perplexity=math.exp(min(loss, 50)) if n else float("nan"), tokens=int(n), buckets=buckets,
+        old_length=old_length,
+    )
+
+
+def evaluate_model(
+    model: torch.nn.Module,
+    sequences: torch.Tensor,
+    objective: str,
+    *,
+    tokenizer=None,
+    buckets: int = 8,
+    old_length: int | None = None,
+    batch_size: int = 4,
+    seed: int = 0,
+) -> EvalReport:
+    """Loss and perplexity per position bucket (and overall) of ``model`` on ``sequences``."""
+    total, count = position_losses(model, sequences, objective, tokenizer=tokenizer, batch_size=batch_size, seed=seed)
+    edges = bucket_edges(sequences.shape[1], buckets, old_length=old_length)
+    return report_from(total, count, edges, objective=objective, sequences=len(sequences), old_length=old_length)
+
+
+def evaluate(
+    model_path: str | Path,
+    data: Sequence[str | Path],
+    *,
+    length: int | None = None,
+    buckets: int = 8,
+    batch_size: int = 4,
+    max_sequences: int | None = 64,
+    seed: int = 0,
+    json_path: str | Path | None = None,
+    plot_path: str | Path | None = None,
+) -> EvalReport:
+    """``posextend eval``: load a checkpoint, pack ``data`` at its length, report by position.
+
+    Example::
+
+        >>> report = posextend.evaluate("gpt2-4k", ["held_out.txt"], buckets=4)
+        >>> [round(b.perplexity, 1) for b in report.buckets]
+    """
+    from .data import pack, read_documents
+    from .finetune import load_for_training
+
+    docs = read_documents(data)
+    loaded = load_for_training(model_path)
+    length = length or loaded.usable
+    if length > loaded.usable:
+        raise PosExtendError(
+            f"--length {length} exceeds the model's {loaded.usable} positions; extend it first (posextend resize-model)."
+        )
+    sequences = pack(loaded.tokenizer, docs, length)
+    if max_sequences:
+        sequences = sequences[:max_sequences]
+    report = evaluate_model(
+        loaded.model, sequences, loaded.objective, tokenizer=loaded.tokenizer, buckets=buckets,
+        old_length=loaded.old_length, batch_size=batch_size, seed=seed,
+    )
+    if json_path:
+        Path(json_path).write_text(json.dumps(report.to_dict(), indent=2))
+    if plot_path:
+        plot_reports({"model": report}, plot_path)
+    return report
+
+
+def plot_reports(reports: dict[str, EvalReport], path: str | Path) -> Path:
+    """Perplexity against position (bucket centres), old length marked; one line per report."""
+    from .analysis import _pyplot, _save
+
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    old = None
+    for label, report in reports.items():
+        xs = [(b.start + b.end - 1) / 2 for b in report.buckets]
+        ax.plot(xs, [b.perplexity for b in report.buckets], marker="o", label=label)
+        old = old or report.old_length
+    if old:
+        ax.axvline(old, color="grey", linestyle="--", linewidth=1, label=f"old length {old}")
+    ax.set_xlabel("position")
+    ax.set_ylabel("perplexity" if next(iter(reports.values())).objective == "causal" else "masked-LM perplexity")
+    ax.set_yscale("log")
+    ax.legend()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return _save(fig, path, plt)

@@ -1,0 +1,386 @@
+"""Short fine-tune that adapts the new positions (accelerate: CPU, one GPU, many).
+
+Data are packed into sequences of exactly the new length, so every step exercises every
+position. The order of sequences and the MLM masks are pure functions of (seed, step), so
+``resume`` continues exactly where a run stopped. Multi-GPU::
+
+    accelerate launch -m posextend.cli finetune SRC DST --data corpus/ --length 2048
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import json
+import logging
+import math
+import shutil
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from .checkpoint import TOKENIZER_FILES, check_destination, model_card, read_config, resolve_source
+from .errors import PosExtendError, SourceError, TrainingError
+from .evaluate import EvalReport, evaluate_model
+from .io import SAFE_INDEX, atomic_output, read_header, write_safetensors
+from .specs import ArchitectureSpec, spec_for
+
+log = logging.getLogger(__name__)
+TrainMode = Literal["new-rows", "positions", "all"]
+DEFAULT_LR = {"new-rows": 1e-3, "positions": 1e-3, "all": 1e-4}
+
+
+@dataclass
+class Loaded:
+    model: torch.nn.Module
+    tokenizer: Any
+    spec: ArchitectureSpec
+    objective: str
+    usable: int
+    reserved: int
+    tables: tuple[str, ...]
+    old_length: int | None  # from posextend provenance, when the checkpoint was extended by it
+
+
+def _provenance(directory: Path) -> dict[str, str]:
+    files = [directory / SAFE_INDEX] if (directory / SAFE_INDEX).is_file() else sorted(directory.glob("*.safetensors"))
+    for f in files[:1]:
+        try:
+            if f.name == SAFE_INDEX:
+                return json.loads(f.read_text()).get("metadata", {})
+            return read_header(f)[1]
+        except (PosExtendError, ValueError):
+            return {}
+    return {}
+
+
+def load_for_training(src: str | Path, *, init_head: bool = False) -> Loaded:
+    """Model with the head its objective needs (causal or masked LM), tokenizer, and layout."""
+    import transformers
+
+    directory = resolve_source(src)
+    config = read_config(directory)
+    spec = spec_for(config)
+    if spec.objective == "seq2seq":
+        raise TrainingError(
+            f"Fine-tuning {spec.model_type} (an encoder-decoder) is not supported yet; "
+            "resize it with posextend resize-model and train it with your seq2seq trainer."
+        )
+    advice = "save the tokenizer there (tokenizer.save_pretrained) so text can be tokenised."
+    if not any((directory / name).is_file() for name in TOKENIZER_FILES):
+        raise SourceError(f"No usable tokenizer in {directory} (none of {', '.join(TOKENIZER_FILES)}); {advice}")
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    except (OSError, ValueError, TypeError) as exc:
+        raise SourceError(f"No usable tokenizer in {directory} ({str(exc).splitlines()[0]}); {advice}") from None
+    if len(tokenizer) < 10:
+        raise SourceError(f"No usable tokenizer in {directory} (its vocabulary has {len(tokenizer)} entries); {advice}")
+    cls = transformers.AutoModelForCausalLM if spec.objective == "causal" else transformers.AutoModelForMaskedLM
+    model, info = cls.from_pretrained(directory, output_loading_info=True)
+    missing = sorted(info["missing_keys"])
+    if missing:
+        head = "causal-LM" if spec.objective == "causal" else "masked-LM"
+        if not init_head:
+            raise TrainingError(
+                f"{directory} has no {head} head ({len(missing)} missing weights, e.g. {missing[0]}); "
+                f"pass --init-head to train a freshly initialised one."
+            )
+        log.warning("Initialising a fresh %s head (%d weights, e.g. %s)", head, len(missing), missing[0])
+    params = dict(model.named_parameters())
+    layout = spec.locate({n: tuple(p.shape) for n, p in params.items()}, model.config.to_dict())
+    old = _provenance(directory).get("posextend.old_length")
+    return Loaded(model, tokenizer, spec, spec.objective, layout.usable, layout.reserved, layout.tables,
+                  int(old) if old else None)
+
+
+@dataclass
+class FinetuneReport:
+    dst: str
+    train: str
+    steps: int
+    old_length: int
+    new_length: int
+    lr: float
+    batch_size: int
+    grad_accum: int
+    tokens: int
+    seconds: float
+    tokens_per_second: float
+    losses: list[float] = field(default_factory=list)
+    before: EvalReport | None = None
+    after: EvalReport | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@contextlib.contextmanager
+def _stop_at_step_boundary() -> Iterator[Callable[[], bool]]:
+    """Ctrl-C asks to stop after the current step (so saved state is consistent); twice, stops now."""
+    requested = []
+    if threading.current_thread() is not threading.main_thread():
+        yield lambda: False
+        return
+
+    def handler(signum, frame):
+        if requested:
+            raise KeyboardInterrupt
+        requested.append(signum)
+        log.warning("Stopping after this step and saving state (Ctrl-C again to stop at once)")
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield lambda: bool(requested)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+@functools.lru_cache(maxsize=8)
+def _epoch_order(n: int, seed: int, epoch: int) -> torch.Tensor:
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+
+
+def batch_indices(k: int, batch_size: int, n: int, seed: int, world: int = 1, rank: int = 0) -> torch.Tensor:
+    """Sequence indices of micro-batch ``k`` on process ``rank``: a pure function of its arguments."""
+    start = (k * world + rank) * batch_size
+    return torch.stack([_epoch_order(n, seed, pos // n)[pos % n] for pos in range(start, start + batch_size)])
+
+
+def _loss(model, batch: torch.Tensor, objective: str, tokenizer, generator: torch.Generator, device) -> torch.Tensor:
+    if objective == "causal":
+        batch = batch.to(device)
+        return model(input_ids=batch, labels=batch).loss
+    from .data import mask_tokens
+
+    inputs, labels = mask_tokens(batch, tokenizer, generator)
+    return model(input_ids=inputs.to(device), labels=labels.to(device)).loss
+
+
+def _fingerprint(**kwargs: Any) -> str:
+    return hashlib.sha256(json.dumps(kwargs, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def finetune(
+    src: str | Path,
+    dst: str | Path,
+    data: Sequence[str | Path],
+    *,
+    length: int | None = None,
+    strategy: str = "tile",
+    steps: int = 200,
+    train: TrainMode = "new-rows",
+    lr: float | None = None,
+    batch_size: int = 4,
+    grad_accum: int = 1,
+    mixed_precision: Literal["no", "fp16", "bf16"] = "no",
+    gradient_checkpointing: bool = False,
+    eval_every: int = 0,
+    save_every: int = 0,
+    resume: bool = False,
+    seed: int = 0,
+    old_length: int | None = None,
+    init_head: bool = False,
+    eval_sequences: int = 16,
+    buckets: int = 8,
+    overwrite: bool = False,
+    progress: Callable[[int, int, float, float], None] | None = None,
+    fail_at_step: int | None = None,  # testing hook: make the loss non-finite at this step
+) -> FinetuneReport:
+    """Extend (optionally) and fine-tune ``src``, evaluate before and after, save to ``dst``.
+
+    ``train``: ``new-rows`` trains only the rows beyond the old length (everything else,
+    the old rows included, stays bit-identical), ``positions`` the whole table, ``all``
+    every parameter. ``progress(step, steps, loss, tokens_per_second)`` is called per step.
+    Resumable state lives in ``DST.state/`` (``save_every``, Ctrl-C, non-finite loss).
+
+    Example::
+
+        >>> report = posextend.finetune("gpt2", "gpt2-2k", ["corpus/"], length=2048, steps=500)
+        >>> report.before.perplexity, report.after.perplexity
+    """
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+
+    from .data import pack, read_documents, split
+    from .model import extend_model
+
+    if train not in DEFAULT_LR:
+        raise TrainingError(f"--train must be one of {', '.join(DEFAULT_LR)}, got {train!r}.")
+    for name, value in (("steps", steps), ("batch_size", batch_size), ("grad_accum", grad_accum)):
+        if value < 1:
+            raise TrainingError(f"{name} must be at least 1, got {value}.")
+    directory = resolve_source(src)
+    dst = Path(dst).expanduser()
+    check_destination(directory, dst, overwrite=overwrite)
+    state_dir = dst.with_name(dst.name + ".state")
+    docs = read_documents(data)
+    loaded = load_for_training(directory, init_head=init_head)
+    model, tokenizer = loaded.model, loaded.tokenizer
+    current = loaded.usable
+    if length is not None and length != current:
+        extend_model(model, length, strategy, seed=seed, allow_shrink=False)
+        old_len = current
+    else:
+        length = current
+        old_len = old_length or loaded.old_length or current
+    if train == "new-rows" and old_len >= length:
+        raise TrainingError(
+            f"--train new-rows needs new rows, but the model has {length} positions and its old length is "
+            f"{old_len}: pass --length above {current}, or --old-length for a checkpoint extended elsewhere."
+        )
+    tokenizer.model_max_length = length
+    train_seqs, eval_seqs = split(pack(tokenizer, docs, length))
+    eval_seqs = eval_seqs[:eval_sequences]
+    lr = lr if lr is not None else DEFAULT_LR[train]
+    fingerprint = _fingerprint(src=str(directory), data=[str(d) for d in data], length=length, train=train, lr=lr,
+                               batch_size=batch_size, grad_accum=grad_accum, seed=seed, strategy=strategy)
+
+    # what trains
+    tables = [dict(model.named_parameters())[n] for n in loaded.tables]
+    keep_rows = old_len + loaded.reserved
+    for p in model.parameters():
+        p.requires_grad_(train == "all")
+    for t in tables:
+        t.requires_grad_(True)
+    saved_rows = [t.detach()[:keep_rows].clone() for t in tables] if train == "new-rows" else []
+    if train == "new-rows":
+        for t in tables:
+            t.register_hook(lambda g: torch.cat([torch.zeros_like(g[:keep_rows]), g[keep_rows:]]))
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+
+    accelerator = Accelerator(mixed_precision=mixed_precision, gradient_accumulation_steps=grad_accum)
+    set_seed(seed)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=lr, weight_decay=0.0)
+    warmup = max(1, steps // 10)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    unwrapped = accelerator.unwrap_model(model)
+
+    def evaluate_now() -> EvalReport:
+        return evaluate_model(unwrapped, eval_seqs, loaded.objective, tokenizer=tokenizer, buckets=buckets,
+                              old_length=old_len if old_len < length else None, batch_size=batch_size, seed=seed)
+
+    def save_state(step: int) -> None:
+        accelerator.save_state(str(state_dir))
+        if accelerator.is_main_process:
+            (state_dir / "posextend.json").write_text(json.dumps({"step": step, "fingerprint": fingerprint}))
+
+    start_step = 0
+    before = None
+    if resume:
+        meta = state_dir / "posextend.json"
+        if not meta.is_file():
+            raise TrainingError(f"--resume: no saved state at {state_dir}; run without --resume to start.")
+        info = json.loads(meta.read_text())
+        if info["fingerprint"] != fingerprint:
+            raise TrainingError(
+                f"--resume: the state in {state_dir} was saved by a run with other settings "
+                "(source, data, length, train mode, lr, batch, seed); use the same ones or remove it."
+            )
+        accelerator.load_state(str(state_dir))
+        start_step = info["step"]
+        log.info("Resuming at step %d from %s", start_step, state_dir)
+    else:
+        before = evaluate_now()
+
+    losses: list[float] = []
+    tokens = 0
+    t0 = time.perf_counter()
+    with _stop_at_step_boundary() as stop_requested:
+        for step in range(start_step, steps):
+            step_loss = 0.0
+            for micro in range(grad_accum):
+                k = step * grad_accum + micro
+                idx = batch_indices(k, batch_size, len(train_seqs), seed, accelerator.num_processes,
+                                    accelerator.process_index)
+                generator = torch.Generator().manual_seed(seed * 1_000_003 + k * accelerator.num_processes
+                                                          + accelerator.process_index)
+                with accelerator.accumulate(model):
+                    loss = _loss(model, train_seqs[idx], loaded.objective, tokenizer, generator, accelerator.device)
+                    if fail_at_step == step:
+                        loss = loss * float("nan")
+                    if not torch.isfinite(loss):
+                        save_state(step)
+                        raise TrainingError(
+                            f"The loss became {loss.item()} at step {step}; training stopped. The last good state "
+                            f"(step {step}) is in {state_dir}: lower --lr or use --mixed-precision bf16, then --resume."
+                        )
+                    accelerator.backward(loss)
+                    optimizer.step()
+                    scheduler.step()
+                    optimizer.zero_grad()
+                step_loss += loss.item() / grad_accum
+                tokens += idx.numel() * length * accelerator.num_processes
+            if saved_rows:
+                with torch.no_grad():
+                    for t, rows in zip(tables, saved_rows):
+                        t[:keep_rows] = rows
+            losses.append(step_loss)
+            elapsed = time.perf_counter() - t0
+            if progress:
+                progress(step + 1, steps, step_loss, tokens / max(elapsed, 1e-9))
+            if eval_every and (step + 1) % eval_every == 0 and step + 1 < steps:
+                mid = evaluate_now()
+                log.info("step %d: held-out loss %.4f (perplexity %.2f)", step + 1, mid.loss, mid.perplexity)
+            if save_every and (step + 1) % save_every == 0:
+                save_state(step + 1)
+            if stop_requested():
+                save_state(step + 1)
+                raise TrainingError(
+                    f"Interrupted after step {step + 1}; state saved in {state_dir}: rerun with --resume to continue."
+                )
+    seconds = time.perf_counter() - t0
+    after = evaluate_now()
+    accelerator.wait_for_everyone()
+    report = FinetuneReport(
+        dst=str(dst.resolve()), train=train, steps=steps, old_length=old_len, new_length=length, lr=lr,
+        batch_size=batch_size, grad_accum=grad_accum, tokens=tokens, seconds=seconds,
+        tokens_per_second=tokens / max(seconds, 1e-9), losses=losses, before=before, after=after,
+    )
+    if accelerator.is_main_process:
+        _save(unwrapped, tokenizer, dst, report, directory, loaded, strategy, seed, overwrite)
+        shutil.rmtree(state_dir, ignore_errors=True)
+    return report
+
+
+def _save(model, tokenizer, dst: Path, report: FinetuneReport, src: Path, loaded: Loaded, strategy: str,
+          seed: int, overwrite: bool) -> None:
+    """The fine-tuned model through the same atomic writer, with provenance and a model card."""
+    from .checkpoint import ResizeReport
+
+    card = ResizeReport(
+        src=str(src), dst=report.dst, model_type=model.config.model_type, strategy=strategy, params={}, seed=seed,
+        old_length=report.old_length, new_length=report.new_length, reserved=loaded.reserved,
+        tables=list(loaded.tables), buffers=[],
+    )
+    provenance = {
+        **card.provenance(),
+        "posextend.finetune": json.dumps({"train": report.train, "steps": report.steps, "lr": report.lr,
+                                          "tokens": report.tokens}),
+    }
+    with atomic_output(dst, overwrite=overwrite) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        for f in sorted(tmp.glob("*.safetensors")):  # add provenance to each header
+            entries, metadata = read_header(f)
+            rewritten = f.with_suffix(".tmp")
+            write_safetensors(rewritten, [(e, None) for e in entries], {**metadata, **provenance})
+            rewritten.replace(f)
+        lines = [model_card(card, trained=True).rstrip(), "", "## Fine-tune", "",
+                 f"- Trained: `{report.train}` for {report.steps} steps ({report.tokens} tokens, lr {report.lr})"]
+        for label, ev in (("before", report.before), ("after", report.after)):
+            if ev is not None and math.isfinite(ev.perplexity):
+                lines.append(f"- Held-out perplexity {label}: {ev.perplexity:.3f}")
+        (tmp / "README.md").write_text("\n".join(lines) + "\n")
+        if report.before or report.after:
+            (tmp / "posextend_eval.json").write_text(json.dumps(
+                {"before": report.before and report.before.to_dict(), "after": report.after.to_dict()}, indent=2))

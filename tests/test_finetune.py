@@ -1,0 +1,182 @@
+"""posextend finetune / eval on tiny models and real text (CPU)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+import posextend
+from posextend.cli import app
+from posextend.evaluate import bucket_edges, evaluate_model
+from posextend.finetune import finetune
+from tiny import FAMILIES, build
+
+AUSTEN = Path(__file__).resolve().parents[2] / "shared" / "data" / "austen"
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    """~40k characters of real English: Austen where shared/ is present, else Python's own docs."""
+    out = tmp_path_factory.mktemp("corpus") / "text.txt"
+    source = AUSTEN / "northangerabbey.txt"
+    if not source.exists():
+        import sysconfig
+
+        source = Path(sysconfig.get_paths()["stdlib"]) / "argparse.py"
+    out.write_text(source.read_text(encoding="utf-8")[20_000:60_000])
+    return out
+
+
+@pytest.fixture(scope="module")
+def gpt(tmp_path_factory) -> Path:
+    fam = FAMILIES["gpt2"]
+    fam = dataclasses.replace(fam, overrides={**fam.overrides, "n_positions": 32, "resid_pdrop": 0.0,
+                                              "embd_pdrop": 0.0, "attn_pdrop": 0.0}, usable=32)
+    return build(fam, tmp_path_factory.mktemp("gpt") / "src")
+
+
+@pytest.fixture(scope="module")
+def bert(tmp_path_factory) -> Path:
+    fam = dataclasses.replace(FAMILIES["bert"], overrides={**FAMILIES["bert"].overrides, "max_position_embeddings": 32}, usable=32)
+    return build(fam, tmp_path_factory.mktemp("bert") / "src")
+
+
+def _state(path: Path) -> dict[str, torch.Tensor]:
+    return load_file(path / "model.safetensors")
+
+
+def test_loss_goes_down_on_real_text(gpt, corpus, tmp_path):
+    report = finetune(gpt, tmp_path / "out", [corpus], steps=30, train="all", lr=3e-3, batch_size=4, seed=0)
+    first, last = sum(report.losses[:5]) / 5, sum(report.losses[-5:]) / 5
+    assert last < first - 1.0, (first, last)
+    assert report.after.loss < report.before.loss
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert model.config.n_positions == 32
+
+
+def test_new_rows_trains_only_the_new_rows(gpt, corpus, tmp_path):
+    report = finetune(gpt, tmp_path / "out", [corpus], length=64, steps=8, train="new-rows", batch_size=2)
+    assert (report.old_length, report.new_length) == (32, 64)
+    before, after = _state(gpt), _state(tmp_path / "out")
+    table = "transformer.wpe.weight"
+    assert torch.equal(after[table][:32], before[table][:32])
+    assert not torch.equal(after[table][32:], before[table][torch.arange(32, 64) % 32])  # trained
+    for name in before.keys() - {table}:
+        assert torch.equal(after[name], before[name]), name
+    # the old range scores identically before and after (causal: old positions never see new ones)
+    old = [b.perplexity for b in report.before.buckets if b.end <= 32]
+    new = [b.perplexity for b in report.after.buckets if b.end <= 32]
+    assert old == new
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path / "out").model_max_length == 64
+    info = posextend.inspect_checkpoint(tmp_path / "out")
+    assert info.usable == 64
+
+
+def test_masked_lm_positions_mode(bert, corpus, tmp_path):
+    report = finetune(bert, tmp_path / "out", [corpus], length=48, steps=4, train="positions", batch_size=2)
+    before, after = _state(bert), _state(tmp_path / "out")
+    table = "bert.embeddings.position_embeddings.weight"
+    assert after[table].shape == (48, 16) and not torch.equal(after[table][:32], before[table])
+    for name in before.keys() - {table, "bert.embeddings.position_ids"}:
+        if name in after:
+            assert torch.equal(after[name], before[name]), name
+    assert report.before.objective == "masked" and report.after.tokens > 0
+
+
+def test_resume_gives_the_same_result_as_an_uninterrupted_run(gpt, corpus, tmp_path):
+    kwargs = dict(length=48, steps=6, train="positions", batch_size=2, seed=3)
+    finetune(gpt, tmp_path / "straight", [corpus], **kwargs)
+
+    def interrupt(step, total, loss, tps):
+        if step == 4:
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C: stop after this step, save state
+
+    with pytest.raises(posextend.TrainingError, match="Interrupted after step 4; state saved in"):
+        finetune(gpt, tmp_path / "resumed", [corpus], progress=interrupt, **kwargs)
+    assert not (tmp_path / "resumed").exists() and (tmp_path / "resumed.state").is_dir()
+    finetune(gpt, tmp_path / "resumed", [corpus], resume=True, **kwargs)
+    a, b = _state(tmp_path / "straight"), _state(tmp_path / "resumed")
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    assert not (tmp_path / "resumed.state").exists()
+
+
+def test_resume_refuses_other_settings(gpt, corpus, tmp_path):
+    with pytest.raises(posextend.TrainingError, match="no saved state"):
+        finetune(gpt, tmp_path / "out", [corpus], length=48, steps=2, resume=True)
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_good_state(gpt, corpus, tmp_path):
+    with pytest.raises(posextend.TrainingError, match=r"The loss became nan at step 2; .*last good state \(step 2\)"):
+        finetune(gpt, tmp_path / "out", [corpus], length=48, steps=5, batch_size=2, fail_at_step=2)
+    assert not (tmp_path / "out").exists()
+    assert (tmp_path / "out.state" / "posextend.json").read_text().startswith('{"step": 2')
+
+
+def test_eval_buckets_cover_every_position_once(gpt, corpus):
+    for length, k, old in [(64, 8, None), (100, 5, 37), (7, 10, None), (128, 4, 32)]:
+        edges = bucket_edges(length, k, old_length=old)
+        covered = [p for lo, hi in zip(edges[:-1], edges[1:]) for p in range(lo, hi)]
+        assert covered == list(range(length))
+        if old:
+            assert old in edges
+    from posextend.data import pack, read_documents, split
+
+    tok = transformers.AutoTokenizer.from_pretrained(gpt)
+    seqs = split(pack(tok, read_documents([corpus]), 32))[1][:4]
+    model = transformers.AutoModelForCausalLM.from_pretrained(gpt)
+    report = evaluate_model(model, seqs, "causal", buckets=4)
+    assert sum(b.tokens for b in report.buckets) == report.tokens == len(seqs) * 31
+
+
+def test_eval_cli_json_and_plot(gpt, corpus, tmp_path):
+    r = CliRunner().invoke(app, ["eval", str(gpt), "--data", str(corpus), "--buckets", "4", "--json",
+                                 str(tmp_path / "e.json"), "--plot", str(tmp_path / "e.png")])
+    assert r.exit_code == 0, r.output
+    import json
+
+    data = json.loads((tmp_path / "e.json").read_text())
+    assert [b["start"] for b in data["buckets"]] == [0, 8, 16, 24] and data["objective"] == "causal"
+    assert (tmp_path / "e.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def _no_tokenizer(src, tmp_path):
+    import shutil
+
+    out = tmp_path / "notok"
+    shutil.copytree(src, out)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (out / name).unlink()
+    return out
+
+
+@pytest.mark.parametrize(
+    "case, args, message",
+    [
+        ("missing data", lambda g, c, t: [g, "--data", t / "nope.txt"], "does not exist"),
+        ("empty corpus", lambda g, c, t: [g, "--data", (t / "e.txt", (t / "e.txt").write_text("  \n"))[0]], "holds no text"),
+        ("too short", lambda g, c, t: [g, "--data", (t / "s.txt", (t / "s.txt").write_text("Too short."))[0]], "fewer than one sequence of 32"),
+        ("no tokenizer", lambda g, c, t: [_no_tokenizer(g, t), "--data", c], "No usable tokenizer in"),
+        ("no new rows", lambda g, c, t: [g, "--data", c, "--train", "new-rows"], "needs new rows"),
+        ("bad mode", lambda g, c, t: [g, "--data", c, "--train", "some"], "--train must be one of"),
+    ],
+)
+def test_finetune_bad_input(gpt, corpus, tmp_path, case, args, message):
+    src, *rest = args(gpt, corpus, tmp_path)
+    rest = [*rest, "--train", "all"] if "--train" not in rest else rest
+    r = CliRunner().invoke(app, ["finetune", str(src), str(tmp_path / "dst"), *map(str, rest), "--steps", "2"])
+    assert r.exit_code == 1 and message in r.output, r.output
+    assert not (tmp_path / "dst").exists() and not (tmp_path / "dst.state").exists()
+
+
+def test_model_without_head_needs_init_head(minilm, corpus, tmp_path):
+    with pytest.raises(posextend.TrainingError, match="has no masked-LM head .* pass --init-head"):
+        finetune(minilm, tmp_path / "out", [corpus], length=600, steps=1)
