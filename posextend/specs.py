@@ -289,28 +289,23 @@ SPECS: dict[str, ArchitectureSpec] = {
     ]
 }
 
-# Model types whose positions are not a learned absolute table, with what they use.
+# Model types whose positions are not a learned absolute table, by what they use instead.
 _NOT_LEARNED = {
-    "llama": "rotary embeddings (RoPE)", "mistral": "rotary embeddings (RoPE)",
-    "qwen2": "rotary embeddings (RoPE)", "gemma": "rotary embeddings (RoPE)",
-    "gpt_neox": "rotary embeddings (RoPE)", "gptj": "rotary embeddings (RoPE)",
-    "phi": "rotary embeddings (RoPE)", "falcon": "rotary embeddings or ALiBi",
-    "bloom": "ALiBi attention biases", "mpt": "ALiBi attention biases",
-    "t5": "relative attention buckets", "mt5": "relative attention buckets",
-    "deberta": "relative attention", "deberta-v2": "relative attention",
-    "transfo-xl": "relative sinusoidal positions", "xlnet": "relative positions",
-    "modernbert": "rotary embeddings (RoPE)", "roformer": "rotary embeddings (RoPE)",
-    "xglm": "fixed sinusoidal positions", "m2m_100": "fixed sinusoidal positions",
-    "marian": "fixed sinusoidal positions", "pegasus": "fixed sinusoidal positions",
-    "speech_to_text": "fixed sinusoidal positions", "funnel": "relative attention",
+    "rotary embeddings (RoPE)": ("llama", "mistral", "qwen2", "gemma", "gpt_neox", "gptj", "phi", "modernbert",
+                                 "roformer"),
+    "rotary embeddings or ALiBi": ("falcon",),
+    "ALiBi attention biases": ("bloom", "mpt"),
+    "relative attention": ("t5", "mt5", "deberta", "deberta-v2", "funnel", "xlnet", "transfo-xl"),
+    "fixed sinusoidal positions": ("xglm", "m2m_100", "marian", "pegasus", "speech_to_text"),
 }
 
 
 def positions_kind_problem(config: Mapping[str, Any]) -> str | None:
     """Why this config's positions are not a learned absolute table, or None if they are."""
     model_type = config.get("model_type", "")
-    if model_type in _NOT_LEARNED:
-        return _NOT_LEARNED[model_type]
+    for kind, model_types in _NOT_LEARNED.items():
+        if model_type in model_types:
+            return kind
     pet = config.get("position_embedding_type", "absolute")
     if pet not in (None, "absolute"):
         return f"position_embedding_type={pet!r} (relative positions)"

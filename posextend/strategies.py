@@ -213,11 +213,6 @@ def resize_table(
 # ---------------------------------------------------------------------------- built-ins
 
 
-def _keep_then(table: torch.Tensor, new_len: int, fill: torch.Tensor) -> torch.Tensor:
-    """The first ``min(L, new_len)`` rows of ``table``, then ``fill`` rows."""
-    return torch.cat([table[:new_len], fill])
-
-
 @register_strategy(
     "tile",
     description="Copy-tiling (Longformer): old rows kept bit-exact, then repeated cyclically.",
@@ -278,4 +273,4 @@ def random(
         raise ValueError(f"std must be a non-negative number or 'matched', got {std!r}")
     extra = max(new_len - table.shape[0], 0)
     fill = torch.randn(extra, table.shape[1], generator=generator) * float(std)
-    return _keep_then(table, new_len, fill)
+    return torch.cat([table[:new_len], fill])

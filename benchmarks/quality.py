@@ -1,0 +1,192 @@
+"""Which strategy works? A small-scale Longformer Table 5, measured on real text.
+
+    python benchmarks/quality.py --data ../shared/data/austen             # full (~30 min, 2 CPU cores)
+    python benchmarks/quality.py --data ../shared/data/austen --quick     # a few minutes
+
+No GPT-2 or MLM checkpoint is available offline, so the reference model is made here,
+honestly: a small GPT-2 pretrained from random init (with posextend's own training loop,
+``--train all``) at a short context, with a byte-level BPE trained on the training text
+(4k vocabulary: a 50k one makes each CPU step ~8x slower). One novel (``--heldout``) is
+never trained on and is the evaluation text. The reference is cached under ``--cache``.
+
+Then, for every registered strategy, the reference is extended 4x through the public API
+(``posextend.resize_checkpoint``) and evaluated with no training, and after a short
+fine-tune (one fixed budget of steps) in each ``--train`` mode. Reported: held-out
+perplexity per position bucket (the original range, then each quarter of the new range).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import shutil
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+import posextend
+from posextend.data import pack, read_documents
+from posextend.evaluate import bucket_edges, plot_reports, position_losses, report_from
+from posextend.finetune import finetune
+
+MODES = ("new-rows", "positions", "all")
+SETTINGS = {
+    #          short ctx, layers, width, vocab, pretrain steps, pretrain lr, ft steps, batch, eval seqs
+    "quick": dict(length=64, n_layer=2, n_embd=64, vocab=1024, pretrain_steps=300, pretrain_lr=3e-3,
+                  ft_steps=12, batch_size=8, eval_sequences=6, train_chars=600_000),
+    "full": dict(length=128, n_layer=4, n_embd=192, vocab=4096, pretrain_steps=2500, pretrain_lr=2e-3,
+                 ft_steps=150, batch_size=8, eval_sequences=48, train_chars=None),
+}
+
+
+def split_corpus(data: Path, heldout: str) -> tuple[list[Path], Path]:
+    files = sorted(p for p in data.glob("*.txt"))
+    held = data / heldout
+    if held not in files:
+        raise SystemExit(f"--heldout {heldout} is not among {', '.join(p.name for p in files)}")
+    train = [p for p in files if p != held]
+    if not train:
+        raise SystemExit("need at least one training text besides the held-out one")
+    return train, held
+
+
+def build_reference(cache: Path, train_files: list[Path], s: dict, seed: int) -> tuple[Path, dict]:
+    """Train tokenizer and model once; reuse them while the settings and data are the same."""
+    key = hashlib.sha256(json.dumps([s, [p.name for p in train_files], seed]).encode()).hexdigest()[:12]
+    ref = cache / f"reference-{key}"
+    if (ref / "reference.json").exists():
+        return ref, json.loads((ref / "reference.json").read_text())
+    from tokenizers import ByteLevelBPETokenizer
+
+    t0 = time.perf_counter()
+    texts = [p.read_text(encoding="utf-8") for p in train_files]
+    if s["train_chars"]:
+        texts = [t[: s["train_chars"] // len(texts)] for t in texts]
+    work = cache / f"work-{key}"
+    shutil.rmtree(work, ignore_errors=True)
+    (work / "init").mkdir(parents=True)
+    for i, text in enumerate(texts):
+        (work / f"train{i}.txt").write_text(text, encoding="utf-8")
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(texts, vocab_size=s["vocab"], special_tokens=["<|endoftext|>"])
+    tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=bpe._tokenizer, eos_token="<|endoftext|>", bos_token="<|endoftext|>",
+        unk_token="<|endoftext|>", model_max_length=s["length"],
+    )
+    torch.manual_seed(seed)
+    cfg = transformers.GPT2Config(
+        vocab_size=len(tok), n_positions=s["length"], n_embd=s["n_embd"], n_layer=s["n_layer"],
+        n_head=max(1, s["n_embd"] // 32), eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id,
+    )
+    transformers.GPT2LMHeadModel(cfg).save_pretrained(work / "init")
+    tok.save_pretrained(work / "init")
+    print(f"pretraining the reference ({s['n_layer']}x{s['n_embd']}, vocab {len(tok)}, {s['length']} positions, "
+          f"{s['pretrain_steps']} steps)...", flush=True)
+    report = finetune(
+        work / "init", ref, sorted(work.glob("train*.txt")), steps=s["pretrain_steps"], train="all",
+        lr=s["pretrain_lr"], batch_size=16, eval_sequences=8, seed=seed, overwrite=True,
+        progress=lambda step, total, loss, tps: step % max(1, total // 10) == 0
+        and print(f"  step {step}/{total}: loss {loss:.3f} ({tps:,.0f} tok/s)", flush=True),
+    )
+    n = len(report.losses)
+    curve = {f"{q}%": sum(report.losses[int(n * q / 100) - n // 20: int(n * q / 100)]) / max(1, n // 20)
+             for q in (25, 50, 75, 100)}
+    info = {"tokens": report.tokens, "seconds": time.perf_counter() - t0, "loss_curve": curve,
+            "vocab": len(tok), "length": s["length"]}
+    (ref / "reference.json").write_text(json.dumps(info, indent=2))
+    shutil.rmtree(work, ignore_errors=True)
+    return ref, info
+
+
+def evaluate(path: Path, sequences: torch.Tensor, edges: list[int], old: int | None):
+    model = transformers.AutoModelForCausalLM.from_pretrained(path)
+    total, count = position_losses(model, sequences, "causal", batch_size=8)
+    return report_from(total, count, edges, objective="causal", sequences=len(sequences), old_length=old)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", type=Path, required=True, help="directory of .txt files (one is held out)")
+    ap.add_argument("--heldout", default="emma.txt", help="file in --data used only for evaluation")
+    ap.add_argument("--quick", action="store_true", help="small settings that finish in a few minutes")
+    ap.add_argument("--factor", type=int, default=4, help="extend the context this many times")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--cache", type=Path, default=Path(".cache/quality"), help="reference model cache")
+    ap.add_argument("--out", type=Path, default=Path("quality-results"), help="table, JSON and plot go here")
+    args = ap.parse_args()
+    s = SETTINGS["quick" if args.quick else "full"]
+    t_start = time.perf_counter()
+    train_files, held = split_corpus(args.data, args.heldout)
+    ref, ref_info = build_reference(args.cache, train_files, s, args.seed)
+    old, new = s["length"], s["length"] * args.factor
+    tok = transformers.AutoTokenizer.from_pretrained(ref)
+    held_text = read_documents([held])
+    seq_new = pack(tok, held_text, new)[: s["eval_sequences"]]
+    seq_old = seq_new.reshape(-1, old)  # the same tokens, cut at the reference's own length
+    edges = bucket_edges(new, 5, old_length=old)
+    ft_data = [p for p in train_files]
+    work = args.out / "models"
+    shutil.rmtree(work, ignore_errors=True)
+
+    rows: dict[str, dict] = {}
+    reports = {}
+    r = evaluate(ref, seq_old, bucket_edges(old, 1), None)
+    rows["reference @ own length"] = {"buckets": [r.buckets[0].perplexity], "overall": r.perplexity, "steps": 0}
+    for strategy in posextend.available_strategies():
+        ext = work / f"{strategy}-0"
+        posextend.resize_checkpoint(ref, ext, new, strategy, seed=args.seed)
+        r = evaluate(ext, seq_new, edges, old)
+        rows[f"{strategy}, no training"] = {"buckets": [b.perplexity for b in r.buckets], "overall": r.perplexity,
+                                            "steps": 0}
+        reports[f"{strategy}, no training"] = r
+        for mode in MODES:
+            out = work / f"{strategy}-{mode}"
+            t0 = time.perf_counter()
+            ft = finetune(ext, out, ft_data, steps=s["ft_steps"], train=mode, batch_size=s["batch_size"] // 2,
+                          eval_sequences=1, seed=args.seed, old_length=old)
+            r = evaluate(out, seq_new, edges, old)
+            label = f"{strategy} + {mode}"
+            rows[label] = {"buckets": [b.perplexity for b in r.buckets], "overall": r.perplexity,
+                           "steps": s["ft_steps"], "tokens": ft.tokens, "seconds": time.perf_counter() - t0}
+            reports[label] = r
+            shutil.rmtree(out)
+            print(f"  {label}: overall perplexity {r.perplexity:.2f}", flush=True)
+        shutil.rmtree(ext)
+
+    hardware = (torch.cuda.get_device_name() if torch.cuda.is_available()
+                else f"{platform.machine()} CPU, {os.cpu_count()} cores")
+    meta = {"mode": "quick" if args.quick else "full", "seed": args.seed, "settings": s, "reference": ref_info,
+            "old_length": old, "new_length": new, "heldout": held.name, "train": [p.name for p in train_files],
+            "eval_tokens": int(seq_new.numel()), "wall_seconds": time.perf_counter() - t_start,
+            "hardware": hardware, "torch": torch.__version__, "posextend": posextend.__version__}
+    labels = ["0–%d (original)" % (old - 1)] + [f"{lo}–{hi - 1}" for lo, hi in zip(edges[1:-1], edges[2:])]
+    lines = [
+        f"Held-out perplexity ({held.name}, {meta['eval_tokens']:,} tokens) by position; reference GPT-2 "
+        f"{s['n_layer']}x{s['n_embd']} pretrained {s['pretrain_steps']} steps at {old} positions, extended to {new}; "
+        f"fine-tunes: {s['ft_steps']} steps, batch {s['batch_size'] // 2} x {new} tokens; seed {args.seed}; "
+        f"{hardware}; {meta['wall_seconds'] / 60:.1f} min in all.",
+        "",
+        "| model | steps | " + " | ".join(labels) + " | all |",
+        "|---|---|" + "---|" * (len(labels) + 1),
+    ]
+    for label, row in rows.items():
+        cells = row["buckets"] + [float("nan")] * (len(labels) - len(row["buckets"]))
+        lines.append(f"| {label} | {row['steps']} | " + " | ".join("-" if c != c else f"{c:.2f}" for c in cells)
+                     + f" | {row['overall']:.2f} |")
+    table = "\n".join(lines)
+    print("\n" + table)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "quality.md").write_text(table + "\n")
+    (args.out / "quality.json").write_text(json.dumps({"meta": meta, "rows": rows, "columns": labels}, indent=2))
+    plot_reports(reports, args.out / "quality.png")
+    shutil.rmtree(work, ignore_errors=True)
+    print(f"\nwritten: {args.out}/quality.md, quality.json, quality.png")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""The benchmark scripts run as written (small settings) and print what they promise."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+AUSTEN = ROOT.parent / "shared" / "data" / "austen"
+
+
+def _run(*args, cwd):
+    r = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, cwd=cwd)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout
+
+
+@pytest.mark.skipif(not AUSTEN.is_dir(), reason="needs ../shared/data/austen")
+def test_quality_quick(tmp_path):
+    out = _run(ROOT / "benchmarks" / "quality.py", "--data", AUSTEN, "--quick", "--out", tmp_path / "q",
+               "--cache", tmp_path / "cache", cwd=tmp_path)
+    data = json.loads((tmp_path / "q" / "quality.json").read_text())
+    import posextend
+
+    strategies = list(posextend.available_strategies())
+    expected = ["reference @ own length"] + [
+        label for s in strategies for label in (f"{s}, no training", *(f"{s} + {m}" for m in ("new-rows", "positions", "all")))
+    ]
+    assert list(data["rows"]) == expected
+    assert data["columns"][0].endswith("(original)") and len(data["columns"]) == 5
+    for label, row in data["rows"].items():
+        assert all(math.isfinite(v) and v > 1 for v in row["buckets"] + [row["overall"]]), label
+        assert len(row["buckets"]) == (1 if label.startswith("reference") else 5)
+    new_rows = {k: v for k, v in data["rows"].items() if k.endswith("+ new-rows")}
+    for label, row in new_rows.items():  # new-rows never changes the original range
+        base = data["rows"][label.replace(" + new-rows", ", no training")]
+        assert row["buckets"][0] == pytest.approx(base["buckets"][0], rel=1e-9)
+    assert data["meta"]["heldout"] == "emma.txt" and "emma.txt" not in data["meta"]["train"]
+    assert "| model | steps |" in out and (tmp_path / "q" / "quality.png").exists()
+
+
+def test_resize_speed_tiny(tmp_path):
+    out = _run(ROOT / "benchmarks" / "resize_speed.py", "--sizes", "tiny", "--reps", "1", "--workdir", tmp_path,
+               cwd=ROOT)
+    assert "| tiny |" in out and "naive / posextend" in out
+    for method in ("startup", "cp", "posextend", "naive"):
+        assert f"| {method} |" in out
+
+
+def test_finetune_speed_tiny(tmp_path):
+    corpus = tmp_path / "c.txt"
+    import sysconfig
+
+    corpus.write_text((Path(sysconfig.get_paths()["stdlib"]) / "argparse.py").read_text())
+    out = _run(ROOT / "benchmarks" / "finetune_speed.py", "--data", corpus, "--steps", "2", "--length", "32",
+               "--n-embd", "32", "--n-layer", "1", "--batch-size", "2", "--workdir", tmp_path / "w", cwd=ROOT)
+    assert "| posextend |" in out and "| trainer |" in out and "posextend / Trainer throughput" in out
