@@ -169,7 +169,8 @@ def main() -> None:
         f"Held-out perplexity ({held.name}, {meta['eval_tokens']:,} tokens) by position; reference GPT-2 "
         f"{s['n_layer']}x{s['n_embd']} pretrained {s['pretrain_steps']} steps at {old} positions, extended to {new}; "
         f"fine-tunes: {s['ft_steps']} steps, batch {s['batch_size'] // 2} x {new} tokens; seed {args.seed}; "
-        f"{hardware}; {meta['wall_seconds'] / 60:.1f} min in all.",
+        f"{hardware}; reference pretraining {ref_info['seconds'] / 60:.1f} min (cached after the first run), "
+        f"extensions, fine-tunes and evaluations {meta['wall_seconds'] / 60:.1f} min.",
         "",
         "| model | steps | " + " | ".join(labels) + " | all |",
         "|---|---|" + "---|" * (len(labels) + 1),
@@ -183,7 +184,11 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "quality.md").write_text(table + "\n")
     (args.out / "quality.json").write_text(json.dumps({"meta": meta, "rows": rows, "columns": labels}, indent=2))
-    plot_reports(reports, args.out / "quality.png")
+    colors = {name: f"C{i}" for i, name in enumerate(posextend.available_strategies())}
+    dashes = {"no training": ":", "new-rows": "--", "positions": "-.", "all": "-"}
+    styles = {label: {"color": colors[label.split(",")[0].split(" + ")[0]],
+                      "linestyle": dashes[label.split(", ")[-1].split(" + ")[-1]]} for label in reports}
+    plot_reports(reports, args.out / "quality.png", reference=rows["reference @ own length"]["overall"], styles=styles)
     shutil.rmtree(work, ignore_errors=True)
     print(f"\nwritten: {args.out}/quality.md, quality.json, quality.png")
 

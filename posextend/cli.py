@@ -251,7 +251,7 @@ def finetune_cmd(
     length: Annotated[int | None, typer.Option("--length", "-n", help="Extend to this many usable positions first.")] = None,
     strategy: Strategy = "tile",
     steps: Annotated[int, typer.Option(help="Optimizer steps.")] = 200,
-    train: Annotated[str, typer.Option(help="new-rows (only rows beyond the old length), positions (the table), or all.")] = "new-rows",
+    train: Annotated[str, typer.Option(help="all (every parameter; best in our benchmark), positions (the table), or new-rows (only rows beyond the old length).")] = "all",
     lr: Annotated[float | None, typer.Option(help="Learning rate (default 1e-3 for new-rows/positions, 1e-4 for all).")] = None,
     batch_size: Annotated[int, typer.Option(help="Sequences per micro-batch (per process).")] = 4,
     grad_accum: Annotated[int, typer.Option(help="Micro-batches per optimizer step.")] = 1,

@@ -177,23 +177,32 @@ def evaluate(
     return report
 
 
-def plot_reports(reports: dict[str, EvalReport], path: str | Path) -> Path:
-    """Perplexity against position (bucket centres), old length marked; one line per report."""
+def plot_reports(
+    reports: dict[str, EvalReport], path: str | Path, *, reference: float | None = None,
+    styles: dict[str, dict[str, Any]] | None = None,
+) -> Path:
+    """Perplexity against position (bucket centres), old length marked; one line per report.
+
+    ``reference`` draws a horizontal line (e.g. the original model at its own length);
+    ``styles`` passes matplotlib line options per label.
+    """
     from .analysis import _pyplot, _save
 
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    fig, ax = plt.subplots(figsize=(9.5 if len(reports) > 3 else 7.5, 4.6))
     old = None
     for label, report in reports.items():
         xs = [(b.start + b.end - 1) / 2 for b in report.buckets]
-        ax.plot(xs, [b.perplexity for b in report.buckets], marker="o", label=label)
+        ax.plot(xs, [b.perplexity for b in report.buckets], marker="o", label=label, **(styles or {}).get(label, {}))
         old = old or report.old_length
     if old:
         ax.axvline(old, color="grey", linestyle="--", linewidth=1, label=f"old length {old}")
+    if reference is not None:
+        ax.axhline(reference, color="black", linestyle=":", linewidth=1, label=f"original model: {reference:.1f}")
     ax.set_xlabel("position")
     ax.set_ylabel("perplexity" if next(iter(reports.values())).objective == "causal" else "masked-LM perplexity")
     ax.set_yscale("log")
-    ax.legend()
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small") if len(reports) > 3 else ax.legend()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     return _save(fig, path, plt)

@@ -175,7 +175,7 @@ def finetune(
     length: int | None = None,
     strategy: str = "tile",
     steps: int = 200,
-    train: TrainMode = "new-rows",
+    train: TrainMode = "all",
     lr: float | None = None,
     batch_size: int = 4,
     grad_accum: int = 1,
