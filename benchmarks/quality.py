@@ -31,7 +31,7 @@ import transformers
 
 import posextend
 from posextend.data import pack, read_documents
-from posextend.evaluate import bucket_edges, plot_reports, position_losses, report_from
+from posextend.evaluate import evaluate_model, plot_reports
 from posextend.finetune import finetune
 
 MODES = ("new-rows", "positions", "all")
@@ -103,10 +103,9 @@ def build_reference(cache: Path, train_files: list[Path], s: dict, seed: int) ->
     return ref, info
 
 
-def evaluate(path: Path, sequences: torch.Tensor, edges: list[int], old: int | None):
+def evaluate(path: Path, sequences: torch.Tensor, buckets: int, old: int | None):
     model = transformers.AutoModelForCausalLM.from_pretrained(path)
-    total, count = position_losses(model, sequences, "causal", batch_size=8)
-    return report_from(total, count, edges, objective="causal", sequences=len(sequences), old_length=old)
+    return evaluate_model(model, sequences, "causal", buckets=buckets, old_length=old, batch_size=8)
 
 
 def main() -> None:
@@ -128,19 +127,18 @@ def main() -> None:
     held_text = read_documents([held])
     seq_new = pack(tok, held_text, new)[: s["eval_sequences"]]
     seq_old = seq_new.reshape(-1, old)  # the same tokens, cut at the reference's own length
-    edges = bucket_edges(new, 5, old_length=old)
     ft_data = [p for p in train_files]
     work = args.out / "models"
     shutil.rmtree(work, ignore_errors=True)
 
     rows: dict[str, dict] = {}
     reports = {}
-    r = evaluate(ref, seq_old, bucket_edges(old, 1), None)
+    r = evaluate(ref, seq_old, 1, None)
     rows["reference @ own length"] = {"buckets": [r.buckets[0].perplexity], "overall": r.perplexity, "steps": 0}
     for strategy in posextend.available_strategies():
         ext = work / f"{strategy}-0"
         posextend.resize_checkpoint(ref, ext, new, strategy, seed=args.seed)
-        r = evaluate(ext, seq_new, edges, old)
+        r = evaluate(ext, seq_new, 5, old)
         rows[f"{strategy}, no training"] = {"buckets": [b.perplexity for b in r.buckets], "overall": r.perplexity,
                                             "steps": 0}
         reports[f"{strategy}, no training"] = r
@@ -149,7 +147,7 @@ def main() -> None:
             t0 = time.perf_counter()
             ft = finetune(ext, out, ft_data, steps=s["ft_steps"], train=mode, batch_size=s["batch_size"] // 2,
                           eval_sequences=1, seed=args.seed, old_length=old)
-            r = evaluate(out, seq_new, edges, old)
+            r = evaluate(out, seq_new, 5, old)
             label = f"{strategy} + {mode}"
             rows[label] = {"buckets": [b.perplexity for b in r.buckets], "overall": r.perplexity,
                            "steps": s["ft_steps"], "tokens": ft.tokens, "seconds": time.perf_counter() - t0}
@@ -164,7 +162,7 @@ def main() -> None:
             "old_length": old, "new_length": new, "heldout": held.name, "train": [p.name for p in train_files],
             "eval_tokens": int(seq_new.numel()), "wall_seconds": time.perf_counter() - t_start,
             "hardware": hardware, "torch": torch.__version__, "posextend": posextend.__version__}
-    labels = ["0–%d (original)" % (old - 1)] + [f"{lo}–{hi - 1}" for lo, hi in zip(edges[1:-1], edges[2:])]
+    labels = [f"{b.start}–{b.end - 1}" + (" (original)" if b.end <= old else "") for b in r.buckets]
     lines = [
         f"Held-out perplexity ({held.name}, {meta['eval_tokens']:,} tokens) by position; reference GPT-2 "
         f"{s['n_layer']}x{s['n_embd']} pretrained {s['pretrain_steps']} steps at {old} positions, extended to {new}; "

@@ -196,9 +196,12 @@ def _fmt(value: Any) -> str:
 def _diagnostics(src: str, compare: str | None, out: Path | None) -> dict[str, dict[str, Any]]:
     from .analysis import analyze, plot, table_of
 
-    tables = {"this": table_of(src)}
+    names = [Path(src).name or str(src), Path(compare).name if compare else ""]
+    if names[0] == names[1]:
+        names = [str(src), str(compare)]
+    tables = {names[0]: table_of(src)}
     if compare:
-        tables["compare"] = table_of(compare)
+        tables[names[1]] = table_of(compare)
     analysis = {label: analyze(t).to_dict() for label, t in tables.items()}
     if out:
         out.mkdir(parents=True, exist_ok=True)

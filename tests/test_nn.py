@@ -174,8 +174,8 @@ def test_inspect_plot_and_compare(tiny, tmp_path):
     assert r.exit_code == 0, r.output
     assert "components for 90% variance" in r.output
     data = json.loads((out / "analysis.json").read_text())
-    assert data["this"]["length"] == 111 and data["compare"]["length"] == 37
-    assert data["this"]["similarity_by_distance"][37] == pytest.approx(1.0, abs=1e-5)  # tiled copy
+    assert data["ext"]["length"] == 111 and data["gpt2"]["length"] == 37
+    assert data["ext"]["similarity_by_distance"][37] == pytest.approx(1.0, abs=1e-5)  # tiled copy
     for name in ("similarity.png", "similarity_by_distance.png", "spectrum.png", "norms.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
