@@ -5,7 +5,7 @@
 
 No GPT-2 or MLM checkpoint is available offline, so the reference model is made here,
 honestly: a small GPT-2 pretrained from random init (with posextend's own training loop,
-``--train all``) at a short context, with a byte-level BPE trained on the training text
+``--train all --schedule cosine``) at a short context, with a byte-level BPE trained on the training text
 (4k vocabulary: a 50k one makes each CPU step ~8x slower). One novel (``--heldout``) is
 never trained on and is the evaluation text. The reference is cached under ``--cache``.
 
@@ -37,9 +37,9 @@ from posextend.finetune import finetune
 MODES = ("new-rows", "positions", "all")
 SETTINGS = {
     #          short ctx, layers, width, vocab, pretrain steps, pretrain lr, ft steps, batch, eval seqs
-    "quick": dict(length=64, n_layer=2, n_embd=64, vocab=1024, pretrain_steps=300, pretrain_lr=3e-3,
+    "quick": dict(schedule="cosine", length=64, n_layer=2, n_embd=64, vocab=1024, pretrain_steps=300, pretrain_lr=3e-3,
                   ft_steps=12, batch_size=8, eval_sequences=6, train_chars=600_000),
-    "full": dict(length=128, n_layer=4, n_embd=192, vocab=4096, pretrain_steps=2500, pretrain_lr=2e-3,
+    "full": dict(schedule="cosine", length=128, n_layer=4, n_embd=192, vocab=4096, pretrain_steps=2500, pretrain_lr=2e-3,
                  ft_steps=150, batch_size=8, eval_sequences=48, train_chars=None),
 }
 
@@ -89,7 +89,7 @@ def build_reference(cache: Path, train_files: list[Path], s: dict, seed: int) ->
           f"{s['pretrain_steps']} steps)...", flush=True)
     report = finetune(
         work / "init", ref, sorted(work.glob("train*.txt")), steps=s["pretrain_steps"], train="all",
-        lr=s["pretrain_lr"], batch_size=16, eval_sequences=8, seed=seed, overwrite=True,
+        lr=s["pretrain_lr"], schedule=s["schedule"], batch_size=16, eval_sequences=8, seed=seed, overwrite=True,
         progress=lambda step, total, loss, tps: step % max(1, total // 10) == 0
         and print(f"  step {step}/{total}: loss {loss:.3f} ({tps:,.0f} tok/s)", flush=True),
     )

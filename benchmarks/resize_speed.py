@@ -8,7 +8,8 @@ then times whole processes (wall clock, peak RSS of the process tree's largest m
   posextend   `posextend resize-model SRC DST --length 2*n_positions`
   naive       from_pretrained → swap the wpe table → save_pretrained (transformers only)
   cp          `cp -r SRC DST`
-  startup     `python -c "import posextend.cli, posextend.checkpoint"` (interpreter + imports, no work)
+  startup     `python -c "import posextend.cli, torch"`: the interpreter and the framework the
+              tool needs, with no work (posextend imports torch in the background while copying)
 The source files are read once before timing so every method starts from a warm page cache.
 """
 
@@ -69,6 +70,7 @@ def build_checkpoint(path: Path, size: str) -> Path:
     with torch.device("meta"):
         shapes = {k: tuple(v.shape) for k, v in transformers.GPT2LMHeadModel(config).state_dict().items()}
     shapes.pop("lm_head.weight")  # tied to wte, not saved (as save_pretrained does)
+    shapes = dict(sorted(shapes.items()))  # safetensors orders same-dtype tensors by name
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -126,7 +128,7 @@ def main() -> None:
                 while h.read(1 << 26):
                     pass
         methods = {
-            "startup": [sys.executable, "-c", "import posextend.cli, posextend.checkpoint"],
+            "startup": [sys.executable, "-c", "import posextend.cli, torch"],
             "cp": ["cp", "-r", str(src), "DST"],
             "posextend": [posextend_bin, "resize-model", str(src), "DST", "--length", str(n)],
             "posextend --link": [posextend_bin, "resize-model", str(src), "DST", "--length", str(n), "--link"],

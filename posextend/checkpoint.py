@@ -19,18 +19,19 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from . import __version__
 from .errors import DestinationError, InvalidLengthError, SourceError
 from .io import (
-    BIN_INDEX, BIN_SINGLE, DTYPE_CODES, SAFE_INDEX, SAFE_SINGLE, CheckpointReader, Entry,
-    atomic_output, copy_file, write_safetensors,
+    BIN_INDEX, BIN_SINGLE, SAFE_INDEX, SAFE_SINGLE, CheckpointReader, Entry, atomic_output, copy_file,
+    prefetch_torch, write_safetensors,
 )
 from .specs import ArchitectureSpec, Layout, spec_for
-from .strategies import get_strategy, resize_table
+from .strategies import check_params, get_strategy, resize_table
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -253,20 +254,19 @@ def resize_checkpoint(
         (1024, 4096)
     """
     start = time.perf_counter()
+    prefetch_torch()  # only the changed tensors need torch: import it while bytes are copied
     dst = Path(dst).expanduser()
-    get_strategy(strategy)
+    check_params(strategy, params)
     with _opened(src) as (directory, config, reader, spec, layout):
         check_destination(directory, dst, overwrite=overwrite)
         check_length(new_length, layout.usable, allow_shrink=allow_shrink)
         seed = secrets.randbits(63) if seed is None else seed
-        # Tables are resized up front (so a strategy error writes nothing); buffers lazily.
-        new_tables = {
-            name: resize_table(
-                reader.get(name), new_length, strategy, reserved=layout.reserved, seed=seed, params=params,
-                context=config,
-            )
-            for name in layout.tables
-        }
+
+        def new_table(name: str) -> Callable[[], torch.Tensor]:
+            return lambda: resize_table(reader.get(name), new_length, strategy, reserved=layout.reserved,
+                                        seed=seed, params=params, context=config)
+
+        new_tables = {name: new_table(name) for name in layout.tables}
         report = ResizeReport(
             src=str(directory), dst=str(dst.resolve()), model_type=spec.model_type, strategy=strategy,
             params=dict(params), seed=seed, old_length=layout.usable, new_length=new_length,
@@ -285,20 +285,20 @@ def _write_weights(
     reader: CheckpointReader,
     out_dir: Path,
     spec: ArchitectureSpec,
-    new_tables: dict[str, torch.Tensor],
+    new_tables: dict[str, Callable[[], torch.Tensor]],
     buffer_length: int,
     report: ResizeReport,
     link: bool,
     progress: Callable[[int, int], None] | None,
 ) -> None:
     rules = {name: spec.buffer_rule(name) for name in report.buffers}
+    new_rows = report.new_length + report.reserved
 
     def plan(entry: Entry) -> tuple[Entry, Callable[[], torch.Tensor] | None]:
         """The output entry and how to make it (None: copy the source bytes)."""
         name = entry.name
-        if name in new_tables:
-            t = new_tables[name]
-            return dataclasses.replace(entry, dtype=DTYPE_CODES[t.dtype], shape=tuple(t.shape)), lambda: t
+        if name in new_tables:  # same dtype, new number of rows
+            return dataclasses.replace(entry, shape=(new_rows, *entry.shape[1:])), new_tables[name]
         if name in rules:
             rule = rules[name]
             shape = rule.new_shape(entry.shape, buffer_length)
@@ -309,7 +309,14 @@ def _write_weights(
 
     dropped = set(report.dropped)
     sources = dict(reader.by_file())
-    plans = {path: [plan(e) for e in entries if e.name not in dropped] for path, entries in sources.items()}
+    # Within a file, copied bytes come first and new tensors last (safetensors allows any order),
+    # so the copy runs while torch is still being imported.
+    plans = {
+        path: sorted((plan(e) for e in entries if e.name not in dropped), key=lambda item: item[1] is not None)
+        for path, entries in sources.items()
+    }
+    # Files copied whole first, for the same reason.
+    order = sorted(plans, key=lambda p: not (len(plans[p]) == len(sources[p]) and all(m is None for _, m in plans[p])))
     total = sum(e.nbytes for items in plans.values() for e, _ in items)
     done = 0
 
@@ -322,9 +329,11 @@ def _write_weights(
 
     provenance = report.provenance()
     weight_map: dict[str, str] = {}
-    for i, (path, items) in enumerate(plans.items(), start=1):
+    numbers = {path: i for i, path in enumerate(plans, start=1)}
+    for path in order:
+        items = plans[path]
         if reader.format == "bin":
-            out_name = SAFE_SINGLE if not reader.sharded else f"model-{i:05d}-of-{len(plans):05d}.safetensors"
+            out_name = SAFE_SINGLE if not reader.sharded else f"model-{numbers[path]:05d}-of-{len(plans):05d}.safetensors"
         else:
             out_name = path.name
         weight_map.update({e.name: out_name for e, _ in items})

@@ -177,6 +177,7 @@ def finetune(
     steps: int = 200,
     train: TrainMode = "all",
     lr: float | None = None,
+    schedule: Literal["constant", "cosine"] = "constant",
     batch_size: int = 4,
     grad_accum: int = 1,
     mixed_precision: Literal["no", "fp16", "bf16"] = "no",
@@ -195,6 +196,8 @@ def finetune(
 ) -> FinetuneReport:
     """Extend (optionally) and fine-tune ``src``, evaluate before and after, save to ``dst``.
 
+    ``schedule``: linear warm-up over 10% of the steps, then ``constant`` or ``cosine``
+    (down to 10% of ``lr``).
     ``train``: ``new-rows`` trains only the rows beyond the old length (everything else,
     the old rows included, stays bit-identical), ``positions`` the whole table, ``all``
     every parameter. ``progress(step, steps, loss, tokens_per_second)`` is called per step.
@@ -213,6 +216,8 @@ def finetune(
 
     if train not in DEFAULT_LR:
         raise TrainingError(f"--train must be one of {', '.join(DEFAULT_LR)}, got {train!r}.")
+    if schedule not in ("constant", "cosine"):
+        raise TrainingError(f"--schedule must be constant or cosine, got {schedule!r}.")
     for name, value in (("steps", steps), ("batch_size", batch_size), ("grad_accum", grad_accum)):
         if value < 1:
             raise TrainingError(f"{name} must be at least 1, got {value}.")
@@ -240,6 +245,7 @@ def finetune(
     eval_seqs = eval_seqs[:eval_sequences]
     lr = lr if lr is not None else DEFAULT_LR[train]
     fingerprint = _fingerprint(src=str(directory), data=[str(d) for d in data], length=length, train=train, lr=lr,
+                               schedule=schedule,
                                batch_size=batch_size, grad_accum=grad_accum, seed=seed, strategy=strategy)
 
     # what trains
@@ -261,7 +267,13 @@ def finetune(
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=lr, weight_decay=0.0)
     warmup = max(1, steps // 10)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
+
+    def lr_factor(s: int) -> float:  # linear warm-up, then constant or cosine down to 10%
+        if s < warmup or schedule == "constant":
+            return min(1.0, (s + 1) / warmup)
+        return 0.1 + 0.45 * (1 + math.cos(math.pi * (s - warmup) / max(1, steps - warmup)))
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     unwrapped = accelerator.unwrap_model(model)
 

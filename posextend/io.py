@@ -5,6 +5,10 @@ addressed by name, their bytes located from the safetensors header, and passed t
 as byte ranges (``os.copy_file_range``, which the kernel may turn into a reflink).
 Legacy ``pytorch_model.bin`` files are read with ``torch.load(weights_only=True, mmap=True)``,
 one shard at a time, and written out as safetensors.
+
+Importing this module does not import torch (it takes longer than copying a GB): the file
+path starts torch's import in the background (:func:`prefetch_torch`) and copies bytes
+meanwhile; only code that makes a tensor imports it.
 """
 
 from __future__ import annotations
@@ -15,23 +19,52 @@ import math
 import os
 import shutil
 import struct
+import sys
 import tempfile
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from functools import lru_cache
+from importlib import import_module
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from .errors import CorruptCheckpointError, DestinationError, SourceError
 
-DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U8": torch.uint8, "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+if TYPE_CHECKING:
+    import torch
+
+_ITEMSIZE = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+    "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8, "C64": 8,
 }
-DTYPE_CODES = {v: k for k, v in DTYPES.items()}
-_ITEMSIZE = {"U16": 2, "U32": 4, "U64": 8, "C64": 8} | {k: v.itemsize for k, v in DTYPES.items()}
+
+
+@lru_cache(maxsize=1)
+def torch_dtypes() -> dict[str, torch.dtype]:
+    """safetensors dtype code -> torch dtype (imports torch)."""
+    import torch
+
+    return {
+        "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+        "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+        "U8": torch.uint8, "BOOL": torch.bool,
+        "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    }
+
+
+def dtype_code(dtype: torch.dtype) -> str:
+    """torch dtype -> safetensors dtype code."""
+    codes = {v: k for k, v in torch_dtypes().items()}
+    if dtype not in codes:
+        raise CorruptCheckpointError(f"Tensors of dtype {dtype} cannot be stored in safetensors by posextend.")
+    return codes[dtype]
+
+
+def prefetch_torch() -> None:
+    """Start importing torch in a background thread (no-op once imported or started)."""
+    if "torch" not in sys.modules:
+        threading.Thread(target=import_module, args=("torch",), name="posextend-import-torch", daemon=True).start()
 
 SAFE_SINGLE, SAFE_INDEX = "model.safetensors", "model.safetensors.index.json"
 BIN_SINGLE, BIN_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
@@ -91,7 +124,10 @@ def read_header(path: Path) -> tuple[list[Entry], dict[str, str]]:
 
 def read_tensor(entry: Entry) -> torch.Tensor:
     """Read one tensor of a safetensors file (only its bytes)."""
-    if entry.dtype not in DTYPES:
+    import torch
+
+    dtypes = torch_dtypes()
+    if entry.dtype not in dtypes:
         raise CorruptCheckpointError(f"Tensor {entry.name!r} has dtype {entry.dtype}, which torch cannot hold.")
     with open(entry.file, "rb") as f:
         f.seek(entry.start)
@@ -99,8 +135,8 @@ def read_tensor(entry: Entry) -> torch.Tensor:
     if len(data) != entry.nbytes:
         raise CorruptCheckpointError(f"{entry.file} is truncated inside tensor {entry.name!r}.")
     if not data:
-        return torch.empty(entry.shape, dtype=DTYPES[entry.dtype])
-    return torch.frombuffer(data, dtype=DTYPES[entry.dtype]).reshape(entry.shape)
+        return torch.empty(entry.shape, dtype=dtypes[entry.dtype])
+    return torch.frombuffer(data, dtype=dtypes[entry.dtype]).reshape(entry.shape)
 
 
 class CheckpointReader:
@@ -151,13 +187,13 @@ class CheckpointReader:
             entries, self.metadata[path] = read_header(path)
             return entries
         state = self._load_bin(path)
-        return [
-            Entry(name, path, DTYPE_CODES.get(t.dtype, "?"), tuple(t.shape)) for name, t in state.items()
-        ]
+        return [Entry(name, path, dtype_code(t.dtype), tuple(t.shape)) for name, t in state.items()]
 
     def _load_bin(self, path: Path) -> Mapping[str, torch.Tensor]:
         # Keep at most one shard open (memory-mapped).
         if self._bin_cache is None or self._bin_cache[0] != path:
+            import torch
+
             self._bin_cache = None
             try:
                 state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
@@ -252,24 +288,42 @@ def write_safetensors(
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
     source: tuple[Path, int] | None = None  # keep one source file open at a time
+    run: tuple[Path, int, int] | None = None  # adjacent source bytes, copied in one go
+
+    def flush_run(out) -> None:
+        nonlocal source, run
+        if run is None:
+            return
+        path, start, end = run
+        if source is None or source[0] != path:
+            if source is not None:
+                os.close(source[1])
+            source = (path, os.open(path, os.O_RDONLY))
+        _copy_range(source[1], out, start, end - start, progress)
+        run = None
+
     try:
         with open(path, "wb") as out:
             out.write(struct.pack("<Q", len(blob)) + blob)
             for entry, make in items:
                 if make is None:
-                    if source is None or source[0] != entry.file:
-                        if source is not None:
-                            os.close(source[1])
-                        source = (entry.file, os.open(entry.file, os.O_RDONLY))
-                    _copy_range(source[1], out, entry.start, entry.nbytes, progress)
-                else:
-                    tensor = make()
-                    if DTYPE_CODES.get(tensor.dtype) != entry.dtype or tuple(tensor.shape) != entry.shape:
-                        raise RuntimeError(f"{entry.name}: produced {tensor.dtype} {tuple(tensor.shape)}, declared {entry.dtype} {entry.shape}")
-                    data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-                    out.write(memoryview(data.numpy()))
-                    if progress:
-                        progress(data.numel())
+                    if run is not None and run[0] == entry.file and run[2] == entry.start:
+                        run = (run[0], run[1], entry.end)
+                    else:
+                        flush_run(out)
+                        run = (entry.file, entry.start, entry.end)
+                    continue
+                flush_run(out)
+                tensor = make()
+                if dtype_code(tensor.dtype) != entry.dtype or tuple(tensor.shape) != entry.shape:
+                    raise RuntimeError(f"{entry.name}: produced {tensor.dtype} {tuple(tensor.shape)}, declared {entry.dtype} {entry.shape}")
+                import torch
+
+                data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+                out.write(memoryview(data.numpy()))
+                if progress:
+                    progress(data.numel())
+            flush_run(out)
     finally:
         if source is not None:
             os.close(source[1])

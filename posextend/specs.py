@@ -13,11 +13,12 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
-
-import torch
+from typing import TYPE_CHECKING, Any, Literal
 
 from .errors import CorruptCheckpointError, NotLearnedPositionsError, UnsupportedArchitectureError
+
+if TYPE_CHECKING:
+    import torch
 
 BufferKind = Literal["arange", "zeros", "toeplitz"]
 Objective = Literal["causal", "masked", "seq2seq"]
@@ -50,6 +51,8 @@ class BufferRule:
 
     def rebuild(self, old: torch.Tensor, rows: int) -> torch.Tensor:
         """Return the buffer for length ``rows``, same dtype, device and leading dims."""
+        import torch
+
         lead = old.shape[:-1]
         if self.kind == "arange":
             start = int(old.reshape(-1)[0]) if old.numel() else 0
@@ -63,6 +66,8 @@ class BufferRule:
 
 def _extend_toeplitz(old: torch.Tensor, rows: int) -> torch.Tensor:
     """Rebuild a ``[..., n, n]`` mask whose entries depend on ``i - j`` only, at ``rows``."""
+    import torch
+
     n = old.shape[-1]
     if n == 0:
         raise CorruptCheckpointError("A causal-mask buffer has zero rows; the checkpoint is damaged.")

@@ -36,15 +36,16 @@ import logging
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from .errors import StrategyError
 
+if TYPE_CHECKING:
+    import torch
+
 log = logging.getLogger(__name__)
 
-StrategyFn = Callable[..., torch.Tensor]
+StrategyFn = Callable[..., "torch.Tensor"]
 ENTRY_POINT_GROUP = "posextend.strategies"
 _NAME = re.compile(r"^[a-z][a-z0-9_-]*$")
 CONTEXT_PARAMS = ("initializer_range",)
@@ -157,6 +158,19 @@ def parse_param(text: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
+def check_params(strategy: str, params: Mapping[str, Any] | None) -> Strategy:
+    """The strategy, once its name and parameter names are known to be valid (no torch needed)."""
+    strat = get_strategy(strategy)
+    accepted = strat.params
+    unknown = sorted(set(params or {}) - set(accepted))
+    if unknown:
+        names = ", ".join(n for n in accepted if n not in CONTEXT_PARAMS) or "none"
+        raise StrategyError(
+            f"Strategy {strategy!r} does not take parameter(s) {', '.join(unknown)}; it accepts: {names}."
+        )
+    return strat
+
+
 def resize_table(
     table: torch.Tensor,
     new_usable: int,
@@ -175,15 +189,11 @@ def resize_table(
         >>> resize_table(t, 1024, "tile", reserved=2).shape
         torch.Size([1026, 8])
     """
-    strat = get_strategy(strategy)
+    import torch
+
+    strat = check_params(strategy, params)
     params = dict(params or {})
     accepted = strat.params
-    unknown = sorted(set(params) - set(accepted))
-    if unknown:
-        names = ", ".join(n for n in accepted if n not in CONTEXT_PARAMS) or "none"
-        raise StrategyError(
-            f"Strategy {strategy!r} does not take parameter(s) {', '.join(unknown)}; it accepts: {names}."
-        )
     for key in CONTEXT_PARAMS:
         if key in accepted and key not in params and context and context.get(key) is not None:
             params[key] = context[key]
@@ -223,6 +233,8 @@ def tile(table: torch.Tensor, new_len: int, *, generator: torch.Generator) -> to
 
     Shrinking keeps the first ``new_len`` rows.
     """
+    import torch
+
     return table[torch.arange(new_len) % table.shape[0]]
 
 
@@ -237,6 +249,8 @@ def interpolate(table: torch.Tensor, new_len: int, *, generator: torch.Generator
     ``(1 - w) * old[floor(x)] + w * old[floor(x) + 1]`` with ``w = x - floor(x)``.
     The first and last rows are kept exactly; shrinking compresses the same way.
     """
+    import torch
+
     old_len = table.shape[0]
     if old_len == 1 or new_len == 1:
         return table[:1].expand(new_len, -1).clone()
@@ -265,6 +279,8 @@ def random(
     ``std="matched"`` uses the standard deviation of the existing table.
     Shrinking keeps the first ``new_len`` rows.
     """
+    import torch
+
     if std is None:
         std = initializer_range
     elif std == "matched":

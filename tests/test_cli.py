@@ -136,3 +136,10 @@ def test_console_script_error_is_one_line_and_debug_shows_traceback(tiny, tmp_pa
     assert r.stderr.strip().count("\n") == 0 and "Error:" in r.stderr and "does not exist" in r.stderr
     r = subprocess.run([*cmd[:3], "--debug", *cmd[3:]], capture_output=True, text=True)
     assert r.returncode == 1 and "Traceback" in r.stderr and "SourceError" in r.stderr
+
+
+def test_cli_and_file_path_do_not_import_torch_at_start():
+    """resize-model copies bytes while torch is imported in the background: keep it that way."""
+    code = "import sys, posextend.cli, posextend.checkpoint; print('torch' in sys.modules)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.stdout.strip() == "False", r.stderr

@@ -92,7 +92,7 @@ def test_masked_lm_positions_mode(bert, corpus, tmp_path):
 
 
 def test_resume_gives_the_same_result_as_an_uninterrupted_run(gpt, corpus, tmp_path):
-    kwargs = dict(length=48, steps=6, train="positions", batch_size=2, seed=3)
+    kwargs = dict(length=48, steps=6, train="positions", batch_size=2, seed=3, schedule="cosine")
     finetune(gpt, tmp_path / "straight", [corpus], **kwargs)
 
     def interrupt(step, total, loss, tps):
@@ -167,6 +167,7 @@ def _no_tokenizer(src, tmp_path):
         ("no tokenizer", lambda g, c, t: [_no_tokenizer(g, t), "--data", c], "No usable tokenizer in"),
         ("no new rows", lambda g, c, t: [g, "--data", c, "--train", "new-rows"], "needs new rows"),
         ("bad mode", lambda g, c, t: [g, "--data", c, "--train", "some"], "--train must be one of"),
+        ("bad schedule", lambda g, c, t: [g, "--data", c, "--schedule", "linear"], "--schedule must be constant or cosine"),
     ],
 )
 def test_finetune_bad_input(gpt, corpus, tmp_path, case, args, message):
