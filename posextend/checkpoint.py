@@ -254,12 +254,12 @@ def resize_checkpoint(
         (1024, 4096)
     """
     start = time.perf_counter()
-    prefetch_torch()  # only the changed tensors need torch: import it while bytes are copied
     dst = Path(dst).expanduser()
     check_params(strategy, params)
     with _opened(src) as (directory, config, reader, spec, layout):
         check_destination(directory, dst, overwrite=overwrite)
         check_length(new_length, layout.usable, allow_shrink=allow_shrink)
+        prefetch_torch()  # input is valid: import torch while the unchanged bytes are copied
         seed = secrets.randbits(63) if seed is None else seed
 
         def new_table(name: str) -> Callable[[], torch.Tensor]:
