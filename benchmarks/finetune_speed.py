@@ -53,7 +53,7 @@ def peak_memory_mib(device: str) -> float:
 def worker(args) -> dict:
     tokens_per_step = args.batch_size * args.length
     if args.worker == "posextend":
-        from posextend.finetune import finetune
+        from posextend.training import finetune
 
         times = []
         report = finetune(

@@ -31,8 +31,8 @@ import transformers
 
 import posextend
 from posextend.data import pack, read_documents
-from posextend.evaluate import evaluate_model, plot_reports
-from posextend.finetune import finetune
+from posextend.evaluation import evaluate_model, plot_reports
+from posextend.training import finetune
 
 MODES = ("new-rows", "positions", "all")
 SETTINGS = {

@@ -27,6 +27,10 @@ _LAZY = {
     "available_strategies": "strategies",
     "get_strategy": "strategies",
     "resize_table": "strategies",
+    "finetune": "training",
+    "FinetuneReport": "training",
+    "evaluate": "evaluation",
+    "EvalReport": "evaluation",
     "ArchitectureSpec": "specs",
     "SPECS": "specs",
 }
@@ -35,9 +39,11 @@ __all__ = ["PosExtendError", "__version__", *_LAZY]
 
 if TYPE_CHECKING:
     from .checkpoint import CheckpointInfo, ResizeReport, inspect_checkpoint, resize_checkpoint
+    from .evaluation import EvalReport, evaluate
     from .model import extend_model
     from .specs import SPECS, ArchitectureSpec
     from .strategies import available_strategies, get_strategy, register_strategy, resize_table
+    from .training import FinetuneReport, finetune
 
 
 def __getattr__(name: str):

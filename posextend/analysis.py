@@ -35,8 +35,8 @@ def table_of(obj: Any) -> torch.Tensor:
 
         config = obj.config.to_dict()
         params = dict(obj.named_parameters())
-        spec = spec_for(config, {n: tuple(p.shape) for n, p in params.items()})
-        layout = spec.locate({n: tuple(p.shape) for n, p in params.items()}, config)
+        shapes = {n: tuple(p.shape) for n, p in params.items()}
+        layout = spec_for(config, shapes).locate(shapes, config)
         table = params[layout.tables[0]][layout.reserved :]
     elif isinstance(obj, (str, Path)):
         from .checkpoint import read_position_table

@@ -56,7 +56,7 @@ class CheckpointInfo:
     path: str
     model_type: str
     architectures: list[str]
-    spec: str  # the spec's model type, or "generic" for the fallback
+    spec: str  # the spec's model type, or "generic fallback"
     weights_format: str
     weight_files: list[str]
     tables: list[TableInfo]
@@ -315,8 +315,8 @@ def _write_weights(
         path: sorted((plan(e) for e in entries if e.name not in dropped), key=lambda item: item[1] is not None)
         for path, entries in sources.items()
     }
-    # Files copied whole first, for the same reason.
-    order = sorted(plans, key=lambda p: not (len(plans[p]) == len(sources[p]) and all(m is None for _, m in plans[p])))
+    whole = {p: len(items) == len(sources[p]) and all(make is None for _, make in items) for p, items in plans.items()}
+    order = sorted(plans, key=lambda p: not whole[p])  # files copied whole first, for the same reason
     total = sum(e.nbytes for items in plans.values() for e, _ in items)
     done = 0
 
@@ -337,7 +337,7 @@ def _write_weights(
         else:
             out_name = path.name
         weight_map.update({e.name: out_name for e, _ in items})
-        if len(items) == len(sources[path]) and all(make is None for _, make in items):
+        if whole[path]:
             copy_file(path, out_dir / out_name, link=link, progress=advance)
             report.files_copied.append(out_name)
         else:

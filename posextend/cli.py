@@ -289,7 +289,7 @@ def finetune_cmd(
     """Extend (optionally) and fine-tune so the new positions learn; evaluate before and after."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from .finetune import finetune
+    from .training import finetune
 
     progress = Progress(
         TextColumn("[progress.description]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
@@ -313,7 +313,7 @@ def finetune_cmd(
         highlight=False,
     )
     if plot:
-        from .evaluate import plot_reports
+        from .evaluation import plot_reports
 
         plot_reports({k: v for k, v in {"before": report.before, "after": report.after}.items() if v}, plot)
         console.print(f"  plot: {plot}", highlight=False)
@@ -332,7 +332,7 @@ def eval_cmd(
     plot: Annotated[Path | None, typer.Option("--plot", help="Save perplexity vs position as PNG.")] = None,
 ) -> None:
     """Loss and perplexity by position bucket on held-out text."""
-    from .evaluate import evaluate
+    from .evaluation import evaluate
 
     with err_console.status("Evaluating"):
         report = evaluate(model, data, length=length, buckets=buckets, batch_size=batch_size,

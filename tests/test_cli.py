@@ -143,3 +143,13 @@ def test_cli_and_file_path_do_not_import_torch_at_start():
     code = "import sys, posextend.cli, posextend.checkpoint; print('torch' in sys.modules)"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.stdout.strip() == "False", r.stderr
+
+
+def test_documented_python_api_is_exported():
+    import posextend
+
+    for name in ("extend_model", "resize_checkpoint", "inspect_checkpoint", "finetune", "evaluate",
+                 "register_strategy", "available_strategies", "resize_table"):
+        assert callable(getattr(posextend, name)), name
+    import posextend.training  # importing the module must not shadow the function
+    assert callable(posextend.finetune) and posextend.finetune.__module__ == "posextend.training"

@@ -15,8 +15,8 @@ from typer.testing import CliRunner
 
 import posextend
 from posextend.cli import app
-from posextend.evaluate import bucket_edges, evaluate_model
-from posextend.finetune import finetune
+from posextend.evaluation import bucket_edges, evaluate_model
+from posextend.training import finetune
 from tiny import FAMILIES, build
 
 AUSTEN = Path(__file__).resolve().parents[2] / "shared" / "data" / "austen"
@@ -109,7 +109,7 @@ def test_resume_gives_the_same_result_as_an_uninterrupted_run(gpt, corpus, tmp_p
     assert not (tmp_path / "resumed.state").exists()
 
 
-def test_resume_refuses_other_settings(gpt, corpus, tmp_path):
+def test_resume_without_saved_state_is_refused(gpt, corpus, tmp_path):
     with pytest.raises(posextend.TrainingError, match="no saved state"):
         finetune(gpt, tmp_path / "out", [corpus], length=48, steps=2, resume=True)
 

@@ -154,7 +154,7 @@ def evaluate(
         >>> [round(b.perplexity, 1) for b in report.buckets]
     """
     from .data import pack, read_documents
-    from .finetune import load_for_training
+    from .training import load_for_training
 
     docs = read_documents(data)
     loaded = load_for_training(model_path)

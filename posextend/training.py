@@ -28,7 +28,7 @@ import torch
 
 from .checkpoint import TOKENIZER_FILES, check_destination, model_card, read_config, resolve_source
 from .errors import PosExtendError, SourceError, TrainingError
-from .evaluate import EvalReport, evaluate_model
+from .evaluation import EvalReport, evaluate_model
 from .io import SAFE_INDEX, atomic_output, read_header, write_safetensors
 from .specs import ArchitectureSpec, spec_for
 
@@ -50,15 +50,14 @@ class Loaded:
 
 
 def _provenance(directory: Path) -> dict[str, str]:
-    files = [directory / SAFE_INDEX] if (directory / SAFE_INDEX).is_file() else sorted(directory.glob("*.safetensors"))
-    for f in files[:1]:
-        try:
-            if f.name == SAFE_INDEX:
-                return json.loads(f.read_text()).get("metadata", {})
-            return read_header(f)[1]
-        except (PosExtendError, ValueError):
-            return {}
-    return {}
+    """posextend's provenance metadata of a checkpoint (empty when it has none)."""
+    try:
+        if (directory / SAFE_INDEX).is_file():
+            return json.loads((directory / SAFE_INDEX).read_text()).get("metadata", {})
+        files = sorted(directory.glob("*.safetensors"))
+        return read_header(files[0])[1] if files else {}
+    except (PosExtendError, ValueError):
+        return {}
 
 
 def load_for_training(src: str | Path, *, init_head: bool = False) -> Loaded:
@@ -245,8 +244,8 @@ def finetune(
     eval_seqs = eval_seqs[:eval_sequences]
     lr = lr if lr is not None else DEFAULT_LR[train]
     fingerprint = _fingerprint(src=str(directory), data=[str(d) for d in data], length=length, train=train, lr=lr,
-                               schedule=schedule,
-                               batch_size=batch_size, grad_accum=grad_accum, seed=seed, strategy=strategy)
+                               schedule=schedule, batch_size=batch_size, grad_accum=grad_accum, seed=seed,
+                               strategy=strategy)
 
     # what trains
     tables = [dict(model.named_parameters())[n] for n in loaded.tables]
