@@ -8,6 +8,10 @@ honestly: a small GPT-2 pretrained from random init (with posextend's own traini
 ``--train all --schedule cosine``) at a short context, with a byte-level BPE trained on the training text
 (4k vocabulary: a 50k one makes each CPU step ~8x slower). One novel (``--heldout``) is
 never trained on and is the evaluation text. The reference is cached under ``--cache``.
+It trains until its validation loss (on the end of the training text, never trained on)
+has flattened: the full mode's 1500 cosine steps end with less than 1% fall over the last
+fifth, and the script warns when a setting falls more, or rises (overfitting: at 2500
+steps, ~10 passes over 0.5M tokens, the validation loss rose 1.6% over the last fifth).
 
 Then, for every registered strategy, the reference is extended 4x through the public API
 (``posextend.resize_checkpoint``) and evaluated with no training, and after a short
@@ -39,7 +43,7 @@ SETTINGS = {
     #          short ctx, layers, width, vocab, pretrain steps, pretrain lr, ft steps, batch, eval seqs
     "quick": dict(schedule="cosine", length=64, n_layer=2, n_embd=64, vocab=1024, pretrain_steps=300, pretrain_lr=3e-3,
                   ft_steps=12, batch_size=8, eval_sequences=6, train_chars=600_000),
-    "full": dict(schedule="cosine", length=128, n_layer=4, n_embd=192, vocab=4096, pretrain_steps=2500, pretrain_lr=2e-3,
+    "full": dict(schedule="cosine", length=128, n_layer=4, n_embd=192, vocab=4096, pretrain_steps=1500, pretrain_lr=2e-3,
                  ft_steps=150, batch_size=8, eval_sequences=48, train_chars=None),
 }
 
@@ -55,12 +59,20 @@ def split_corpus(data: Path, heldout: str) -> tuple[list[Path], Path]:
     return train, held
 
 
+def flattening(curve: list[tuple[int, float]]) -> float:
+    """Relative fall of the validation loss over the last fifth of pretraining (0.01 = 1%)."""
+    last = curve[-1][1]
+    at_80 = min(curve, key=lambda point: abs(point[0] - 0.8 * curve[-1][0]))[1]
+    return (at_80 - last) / at_80
+
+
 def build_reference(cache: Path, train_files: list[Path], s: dict, seed: int) -> tuple[Path, dict]:
     """Train tokenizer and model once; reuse them while the settings and data are the same."""
-    key = hashlib.sha256(json.dumps([s, [p.name for p in train_files], seed]).encode()).hexdigest()[:12]
+    recipe = 2  # bump when build_reference changes what it trains or records
+    key = hashlib.sha256(json.dumps([s, [p.name for p in train_files], seed, recipe]).encode()).hexdigest()[:12]
     ref = cache / f"reference-{key}"
     if (ref / "reference.json").exists():
-        return ref, json.loads((ref / "reference.json").read_text())
+        return ref, {**json.loads((ref / "reference.json").read_text()), "reused": True}
     from tokenizers import ByteLevelBPETokenizer
 
     t0 = time.perf_counter()
@@ -89,7 +101,8 @@ def build_reference(cache: Path, train_files: list[Path], s: dict, seed: int) ->
           f"{s['pretrain_steps']} steps)...", flush=True)
     report = finetune(
         work / "init", ref, sorted(work.glob("train*.txt")), steps=s["pretrain_steps"], train="all",
-        lr=s["pretrain_lr"], schedule=s["schedule"], batch_size=16, eval_sequences=8, seed=seed, overwrite=True,
+        lr=s["pretrain_lr"], schedule=s["schedule"], batch_size=16, seed=seed, overwrite=True,
+        eval_every=max(1, s["pretrain_steps"] // 20), eval_sequences=64,  # validation: the end of the training text
         progress=lambda step, total, loss, tps: step % max(1, total // 10) == 0
         and print(f"  step {step}/{total}: loss {loss:.3f} ({tps:,.0f} tok/s)", flush=True),
     )
@@ -97,10 +110,11 @@ def build_reference(cache: Path, train_files: list[Path], s: dict, seed: int) ->
     curve = {f"{q}%": sum(report.losses[int(n * q / 100) - n // 20: int(n * q / 100)]) / max(1, n // 20)
              for q in (25, 50, 75, 100)}
     info = {"tokens": report.tokens, "seconds": time.perf_counter() - t0, "loss_curve": curve,
+            "validation_curve": report.eval_losses, "flattening": flattening(report.eval_losses),
             "vocab": len(tok), "length": s["length"]}
     (ref / "reference.json").write_text(json.dumps(info, indent=2))
     shutil.rmtree(work, ignore_errors=True)
-    return ref, info
+    return ref, {**info, "reused": False}
 
 
 def evaluate(path: Path, sequences: torch.Tensor, buckets: int, old: int | None):
@@ -125,6 +139,11 @@ def main() -> None:
     t_start = time.perf_counter()
     train_files, held = split_corpus(args.data, args.heldout)
     ref, ref_info = build_reference(args.cache, train_files, s, args.seed)
+    if abs(ref_info["flattening"]) > 0.01:
+        change = "still fell" if ref_info["flattening"] > 0 else "rose (overfitting)"
+        print(f"warning: the reference's validation loss {change} {100 * abs(ref_info['flattening']):.1f}% over the "
+              f"last fifth of pretraining; give --pretrain-steps {'more' if ref_info['flattening'] > 0 else 'fewer'} "
+              "steps", flush=True)
     old, new = s["length"], s["length"] * args.factor
     tok = transformers.AutoTokenizer.from_pretrained(ref)
     held_text = read_documents([held])
@@ -170,8 +189,12 @@ def main() -> None:
         f"Held-out perplexity ({held.name}, {meta['eval_tokens']:,} tokens) by position; reference GPT-2 "
         f"{s['n_layer']}x{s['n_embd']} pretrained {s['pretrain_steps']} steps at {old} positions, extended to {new}; "
         f"fine-tunes: {s['ft_steps']} steps, batch {s['batch_size'] // 2} x {new} tokens; seed {args.seed}; "
-        f"{hardware}; {meta['wall_seconds'] / 60:.1f} min in all (the reference's pretraining took "
-        f"{ref_info['seconds'] / 60:.1f} min; it is cached and reused by later runs).",
+        f"{hardware}; {meta['wall_seconds'] / 60:.1f} min "
+        + (f"with the cached reference (its pretraining took {ref_info['seconds'] / 60:.1f} min)" if ref_info["reused"]
+           else f"in all, of which pretraining the reference took {ref_info['seconds'] / 60:.1f} min (cached for later runs)")
+        + ". The reference's validation loss "
+        f"(the end of its training text) fell {100 * ref_info['flattening']:.1f}% over the last fifth of its "
+        f"pretraining, to {ref_info['validation_curve'][-1][1]:.3f}.",
         "",
         "| model | steps | " + " | ".join(labels) + " | all |",
         "|---|---|" + "---|" * (len(labels) + 1),

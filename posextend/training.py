@@ -113,6 +113,7 @@ class FinetuneReport:
     seconds: float
     tokens_per_second: float
     losses: list[float] = field(default_factory=list)
+    eval_losses: list[tuple[int, float]] = field(default_factory=list)  # (step, held-out loss), with --eval-every
     before: EvalReport | None = None
     after: EvalReport | None = None
 
@@ -304,6 +305,7 @@ def finetune(
         before = evaluate_now()
 
     losses: list[float] = []
+    eval_losses: list[tuple[int, float]] = [(0, before.loss)] if before else []
     tokens = 0
     t0 = time.perf_counter()
     with _stop_at_step_boundary() as stop_requested:
@@ -341,6 +343,7 @@ def finetune(
                 progress(step + 1, steps, step_loss, tokens / max(elapsed, 1e-9))
             if eval_every and (step + 1) % eval_every == 0 and step + 1 < steps:
                 mid = evaluate_now()
+                eval_losses.append((step + 1, mid.loss))
                 log.info("step %d: held-out loss %.4f (perplexity %.2f)", step + 1, mid.loss, mid.perplexity)
             if save_every and (step + 1) % save_every == 0:
                 save_state(step + 1)
@@ -351,11 +354,12 @@ def finetune(
                 )
     seconds = time.perf_counter() - t0
     after = evaluate_now()
+    eval_losses.append((steps, after.loss))
     accelerator.wait_for_everyone()
     report = FinetuneReport(
         dst=str(dst.resolve()), train=train, steps=steps, old_length=old_len, new_length=length, lr=lr,
         batch_size=batch_size, grad_accum=grad_accum, tokens=tokens, seconds=seconds,
-        tokens_per_second=tokens / max(seconds, 1e-9), losses=losses, before=before, after=after,
+        tokens_per_second=tokens / max(seconds, 1e-9), losses=losses, eval_losses=eval_losses, before=before, after=after,
     )
     if accelerator.is_main_process:
         _save(unwrapped, tokenizer, dst, report, directory, loaded, strategy, seed, overwrite)

@@ -41,6 +41,11 @@ def test_quality_quick(tmp_path):
         base = data["rows"][label.replace(" + new-rows", ", no training")]
         assert row["buckets"][0] == pytest.approx(base["buckets"][0], rel=1e-9)
     assert data["meta"]["heldout"] == "emma.txt" and "emma.txt" not in data["meta"]["train"]
+    ref = data["meta"]["reference"]  # the validation curve that shows whether pretraining flattened
+    steps = [step for step, _ in ref["validation_curve"]]
+    assert steps[0] == 0 and steps[-1] == data["meta"]["settings"]["pretrain_steps"] and len(steps) >= 10
+    assert ref["validation_curve"][-1][1] < ref["validation_curve"][0][1] and math.isfinite(ref["flattening"])
+    assert "validation loss" in out and not ref["reused"]
     assert "| model | steps |" in out and (tmp_path / "q" / "quality.png").exists()
 
 

@@ -54,10 +54,15 @@ def _state(path: Path) -> dict[str, torch.Tensor]:
 
 
 def test_loss_goes_down_on_real_text(gpt, corpus, tmp_path):
-    report = finetune(gpt, tmp_path / "out", [corpus], steps=30, train="all", lr=3e-3, batch_size=4, seed=0)
+    report = finetune(gpt, tmp_path / "out", [corpus], steps=30, train="all", lr=3e-3, batch_size=4, seed=0,
+                      eval_every=10)
     first, last = sum(report.losses[:5]) / 5, sum(report.losses[-5:]) / 5
     assert last < first - 1.0, (first, last)
     assert report.after.loss < report.before.loss
+    # the held-out curve: before, each --eval-every step, after
+    assert [step for step, _ in report.eval_losses] == [0, 10, 20, 30]
+    assert report.eval_losses[0][1] == report.before.loss and report.eval_losses[-1][1] == report.after.loss
+    assert report.eval_losses[1][1] < report.eval_losses[0][1]
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     assert model.config.n_positions == 32
 
