@@ -10,7 +10,9 @@ then times whole processes (wall clock, peak RSS of the process tree's largest m
   cp          `cp -r SRC DST`
   startup     `python -c "import posextend.cli, torch"`: the interpreter and the framework the
               tool needs, with no work (posextend imports torch in the background while copying)
-The source files are read once before timing so every method starts from a warm page cache.
+The source files are read once before timing so every method starts from a warm page cache,
+and `sync` runs before each timed command. Repetitions go round robin over the methods, so
+the disk's state after one method's writes does not always fall on the same next method.
 """
 
 from __future__ import annotations
@@ -136,26 +138,26 @@ def main() -> None:
         }
         if len(files) == 1:
             methods.pop("posextend --link")
-        results = {}
-        for method, cmd in methods.items():
-            walls, rsss = [], []
-            for _ in range(args.reps):
-                dst = args.workdir / "dst"
+        walls: dict[str, list[float]] = {m: [] for m in methods}
+        rsss: dict[str, list[float]] = {m: [] for m in methods}
+        dst = args.workdir / "dst"
+        for rep in range(args.reps):  # round robin, so no method always runs right after the same one
+            for method, cmd in methods.items():
                 shutil.rmtree(dst, ignore_errors=True)
                 os.sync()
                 wall, rss = measure([str(dst) if c == "DST" else c for c in cmd])
-                walls.append(wall)
-                rsss.append(rss)
-            results[method] = (statistics.median(walls), max(rsss))
-            if method == "posextend" and len(files) > 1:
-                dst = args.workdir / "dst"
-                same = sum(filecmp.cmp(f, dst / f.name, shallow=False) for f in files)
-                print(f"  {size}: {same} of {len(files)} shards byte-identical to the source (not rewritten)")
-            if method == "posextend --link":
-                dst = args.workdir / "dst"
-                linked = sum(os.stat(f).st_ino == os.stat(dst / f.name).st_ino for f in files)
-                print(f"  {size}: {linked} of {len(files)} shards hard-linked (same inode)")
-            print(f"  {size} {method:17s} {results[method][0]:7.2f} s  {results[method][1]:8.0f} MiB", flush=True)
+                walls[method].append(wall)
+                rsss[method].append(rss)
+                if rep == 0 and method == "posextend" and len(files) > 1:
+                    same = sum(filecmp.cmp(f, dst / f.name, shallow=False) for f in files)
+                    print(f"  {size}: {same} of {len(files)} shards byte-identical to the source (not rewritten)")
+                if rep == 0 and method == "posextend --link":
+                    linked = sum(os.stat(f).st_ino == os.stat(dst / f.name).st_ino for f in files)
+                    print(f"  {size}: {linked} of {len(files)} shards hard-linked (same inode)")
+        results = {m: (statistics.median(walls[m]), max(rsss[m])) for m in methods}
+        for method, (wall, rss) in results.items():
+            print(f"  {size} {method:17s} {wall:7.2f} s  {rss:8.0f} MiB  (runs: "
+                  + ", ".join(f"{w:.2f}" for w in walls[method]) + ")", flush=True)
         rows.append((size, nbytes, len(files), results))
         shutil.rmtree(args.workdir / "dst", ignore_errors=True)
         if not args.keep:

@@ -15,7 +15,9 @@ import json
 import logging
 import secrets
 import shutil
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -281,6 +283,13 @@ def resize_checkpoint(
         return report
 
 
+COPY_THREADS = 4  # whole-file copies at once: the kernel's copy of a file runs on one core
+
+
+class _Cancelled(Exception):
+    """Raised in a copying thread when the resize has failed elsewhere."""
+
+
 def _write_weights(
     reader: CheckpointReader,
     out_dir: Path,
@@ -316,34 +325,49 @@ def _write_weights(
         for path, entries in sources.items()
     }
     whole = {p: len(items) == len(sources[p]) and all(make is None for _, make in items) for p, items in plans.items()}
-    order = sorted(plans, key=lambda p: not whole[p])  # files copied whole first, for the same reason
     total = sum(e.nbytes for items in plans.values() for e, _ in items)
     done = 0
+    lock, cancelled = threading.Lock(), threading.Event()
 
-    def advance(n: int) -> None:
+    def advance(n: int) -> None:  # called from the copying threads too
         nonlocal done
-        done += n
-        report.bytes_written = done
-        if progress:
-            progress(done, total)
+        if cancelled.is_set():
+            raise _Cancelled
+        with lock:
+            done += n
+            report.bytes_written = done
+            if progress:
+                progress(done, total)
 
     provenance = report.provenance()
     weight_map: dict[str, str] = {}
-    numbers = {path: i for i, path in enumerate(plans, start=1)}
-    for path in order:
-        items = plans[path]
+    out_names = {}
+    for number, (path, items) in enumerate(plans.items(), start=1):
         if reader.format == "bin":
-            out_name = SAFE_SINGLE if not reader.sharded else f"model-{numbers[path]:05d}-of-{len(plans):05d}.safetensors"
+            out_names[path] = SAFE_SINGLE if not reader.sharded else f"model-{number:05d}-of-{len(plans):05d}.safetensors"
         else:
-            out_name = path.name
-        weight_map.update({e.name: out_name for e, _ in items})
-        if whole[path]:
-            copy_file(path, out_dir / out_name, link=link, progress=advance)
-            report.files_copied.append(out_name)
-        else:
-            metadata = {**reader.metadata.get(path, {"format": "pt"}), **provenance}
-            write_safetensors(out_dir / out_name, items, metadata, progress=advance)
-            report.files_rewritten.append(out_name)
+            out_names[path] = path.name
+        weight_map.update({e.name: out_names[path] for e, _ in items})
+    # Files without a changed tensor are copied whole (or linked) by a few threads, while this one
+    # rewrites the others: the kernel's copy is CPU-bound (page cache to page cache), so copies
+    # of several files at once use every core, and the rewrite meanwhile waits for torch's import.
+    copies = [p for p in plans if whole[p]]
+    pool = ThreadPoolExecutor(max_workers=max(1, min(len(copies), COPY_THREADS)), thread_name_prefix="posextend-copy")
+    try:
+        futures = [pool.submit(copy_file, p, out_dir / out_names[p], link=link, progress=advance) for p in copies]
+        for path, items in plans.items():
+            if not whole[path]:
+                metadata = {**reader.metadata.get(path, {"format": "pt"}), **provenance}
+                write_safetensors(out_dir / out_names[path], items, metadata, progress=advance)
+                report.files_rewritten.append(out_names[path])
+        for path, future in zip(copies, futures):
+            future.result()
+            report.files_copied.append(out_names[path])
+    except BaseException:
+        cancelled.set()  # the copying threads stop at their next chunk, before the output is removed
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
     if reader.sharded:
         index = {"metadata": {"total_size": total, **provenance}, "weight_map": dict(sorted(weight_map.items()))}
         (out_dir / SAFE_INDEX).write_text(json.dumps(index, indent=2) + "\n")

@@ -132,6 +132,27 @@ def test_interrupted_mid_stream_leaves_no_dst_and_no_temp(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dst", "src"]
 
 
+def test_failed_shard_copy_leaves_no_dst_and_no_temp(tmp_path, monkeypatch):
+    """Whole-shard copies run in threads beside the rewrite: a failure there still cleans up."""
+    import posextend.checkpoint as checkpoint
+
+    src = _make(tmp_path, "sharded", torch.float32)
+    real_copy = checkpoint.copy_file
+    calls = []
+
+    def failing_copy(source, target, **kwargs):
+        calls.append(source.name)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        return real_copy(source, target, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "copy_file", failing_copy)
+    with pytest.raises(OSError, match="No space left"):
+        posextend.resize_checkpoint(src, tmp_path / "dst", NEW)
+    assert len(calls) >= 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
 def test_overwrite_failure_keeps_the_old_dst(tmp_path):
     src = _make(tmp_path, "single", torch.float32)
     dst = tmp_path / "dst"
