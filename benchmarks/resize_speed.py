@@ -5,11 +5,13 @@
 
 Builds random GPT-2-shaped checkpoints (fp32; xl sharded into 2 GB files) under --workdir,
 then times whole processes (wall clock, peak RSS of the process tree's largest member):
-  posextend   `posextend resize-model SRC DST --length 2*n_positions`
+  posextend   `posextend resize-model SRC DST --length 2*n_positions` (tile: row bytes copied,
+              no torch), also with `--link` and with `--strategy interpolate` (computed in torch)
   naive       from_pretrained → swap the wpe table → save_pretrained (transformers only)
   cp          `cp -r SRC DST`
-  startup     `python -c "import posextend.cli, torch"`: the interpreter and the framework the
-              tool needs, with no work (posextend imports torch in the background while copying)
+  startup     `posextend --version`: the interpreter and the tool, with no work;
+              "startup + torch" is `python -c "import posextend.cli, torch"`, with the framework
+              that non-row strategies need (posextend imports it in the background while copying)
 The source files are read once before timing so every method starts from a warm page cache,
 and `sync` runs before each timed command. Repetitions go round robin over the methods, so
 the disk's state after one method's writes does not always fall on the same next method.
@@ -129,11 +131,14 @@ def main() -> None:
             with open(f, "rb") as h:
                 while h.read(1 << 26):
                     pass
+        resize = [posextend_bin, "resize-model", str(src), "DST", "--length", str(n)]
         methods = {
-            "startup": [sys.executable, "-c", "import posextend.cli, torch"],
+            "startup": [posextend_bin, "--version"],
+            "startup + torch": [sys.executable, "-c", "import posextend.cli, torch"],
             "cp": ["cp", "-r", str(src), "DST"],
-            "posextend": [posextend_bin, "resize-model", str(src), "DST", "--length", str(n)],
-            "posextend --link": [posextend_bin, "resize-model", str(src), "DST", "--length", str(n), "--link"],
+            "posextend": resize,
+            "posextend --link": [*resize, "--link"],
+            "posextend interpolate": [*resize, "--strategy", "interpolate"],
             "naive": [sys.executable, "-c", NAIVE, str(src), "DST", str(n)],
         }
         if len(files) == 1:
@@ -165,18 +170,20 @@ def main() -> None:
 
     print(f"\nGPT-2-shaped fp32 checkpoints, table doubled; median of {args.reps} runs; "
           f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}\n")
-    print("| size | checkpoint | files | method | wall s | peak RSS MiB | wall vs cp | wall vs cp + startup |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| size | checkpoint | files | method | wall s | peak RSS MiB | wall vs cp | wall vs cp + startup "
+          "| wall vs cp + startup + torch |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for size, nbytes, nfiles, results in rows:
-        cp, startup = results["cp"][0], results["startup"][0]
+        cp, startup, with_torch = results["cp"][0], results["startup"][0], results["startup + torch"][0]
         for method, (wall, rss) in results.items():
             print(f"| {size} | {nbytes / 2**30:.2f} GiB | {nfiles} | {method} | {wall:.2f} | {rss:.0f} | "
-                  f"{wall / cp:.2f}× | {wall / (cp + startup):.2f}× |")
-    print("\n| size | naive / posextend (wall) | naive / posextend (peak RSS) |")
-    print("|---|---|---|")
+                  f"{wall / cp:.2f}× | {wall / (cp + startup):.2f}× | {wall / (cp + with_torch):.2f}× |")
+    print("\n| size | naive / posextend (wall) | naive / posextend (peak RSS) | naive / posextend interpolate (wall) |")
+    print("|---|---|---|---|")
     for size, _, _, results in rows:
         print(f"| {size} | {results['naive'][0] / results['posextend'][0]:.1f}× | "
-              f"{results['naive'][1] / results['posextend'][1]:.1f}× |")
+              f"{results['naive'][1] / results['posextend'][1]:.1f}× | "
+              f"{results['naive'][0] / results['posextend interpolate'][0]:.1f}× |")
 
 
 if __name__ == "__main__":

@@ -24,10 +24,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import __version__
-from .errors import DestinationError, InvalidLengthError, SourceError
+from .errors import DestinationError, InvalidLengthError, SourceError, StrategyError
 from .io import (
-    BIN_INDEX, BIN_SINGLE, SAFE_INDEX, SAFE_SINGLE, CheckpointReader, Entry, atomic_output, copy_file,
-    prefetch_torch, write_safetensors,
+    BIN_INDEX, BIN_SINGLE, SAFE_INDEX, SAFE_SINGLE, ByteRanges, CheckpointReader, Entry, Source, atomic_output,
+    copy_file, prefetch_torch, write_safetensors,
 )
 from .specs import ArchitectureSpec, Layout, spec_for
 from .strategies import check_params, get_strategy, resize_table
@@ -257,14 +257,16 @@ def resize_checkpoint(
     """
     start = time.perf_counter()
     dst = Path(dst).expanduser()
-    check_params(strategy, params)
+    strat = check_params(strategy, params)
     with _opened(src) as (directory, config, reader, spec, layout):
         check_destination(directory, dst, overwrite=overwrite)
         check_length(new_length, layout.usable, allow_shrink=allow_shrink)
-        prefetch_torch()  # input is valid: import torch while the unchanged bytes are copied
         seed = secrets.randbits(63) if seed is None else seed
 
-        def new_table(name: str) -> Callable[[], torch.Tensor]:
+        def new_table(name: str) -> Source:
+            if strat.rows and reader.format == "safetensors":  # a row strategy: copy the rows' bytes
+                return table_rows(reader.entries[name], layout.reserved, strat.rows(layout.usable, new_length),
+                                  new_length)
             return lambda: resize_table(reader.get(name), new_length, strategy, reserved=layout.reserved,
                                         seed=seed, params=params, context=config)
 
@@ -290,11 +292,27 @@ class _Cancelled(Exception):
     """Raised in a copying thread when the resize has failed elsewhere."""
 
 
+def table_rows(entry: Entry, reserved: int, rows: list[int], new_length: int) -> ByteRanges:
+    """Byte ranges of a table made of its ``reserved`` leading rows, then usable rows ``rows``."""
+    usable = entry.shape[0] - reserved
+    if len(rows) != new_length or any(not 0 <= r < usable for r in rows):
+        raise StrategyError(f"A row strategy must pick {new_length} rows in 0..{usable - 1}; it picked {len(rows)}.")
+    row_bytes = entry.nbytes // entry.shape[0]
+    pieces = [(0, reserved)] if reserved else []
+    for r in rows:  # consecutive rows become one range
+        first = reserved + r
+        if pieces and pieces[-1][1] == first:
+            pieces[-1] = (pieces[-1][0], first + 1)
+        else:
+            pieces.append((first, first + 1))
+    return tuple((entry.file, entry.start + a * row_bytes, entry.start + b * row_bytes) for a, b in pieces)
+
+
 def _write_weights(
     reader: CheckpointReader,
     out_dir: Path,
     spec: ArchitectureSpec,
-    new_tables: dict[str, Callable[[], torch.Tensor]],
+    new_tables: dict[str, Source],
     buffer_length: int,
     report: ResizeReport,
     link: bool,
@@ -303,7 +321,7 @@ def _write_weights(
     rules = {name: spec.buffer_rule(name) for name in report.buffers}
     new_rows = report.new_length + report.reserved
 
-    def plan(entry: Entry) -> tuple[Entry, Callable[[], torch.Tensor] | None]:
+    def plan(entry: Entry) -> tuple[Entry, Source]:
         """The output entry and how to make it (None: copy the source bytes)."""
         name = entry.name
         if name in new_tables:  # same dtype, new number of rows
@@ -321,9 +339,11 @@ def _write_weights(
     # Within a file, copied bytes come first and new tensors last (safetensors allows any order),
     # so the copy runs while torch is still being imported.
     plans = {
-        path: sorted((plan(e) for e in entries if e.name not in dropped), key=lambda item: item[1] is not None)
+        path: sorted((plan(e) for e in entries if e.name not in dropped), key=lambda item: callable(item[1]))
         for path, entries in sources.items()
     }
+    if any(callable(make) for items in plans.values() for _, make in items):
+        prefetch_torch()  # a tensor is computed: import torch while the unchanged bytes are copied
     whole = {p: len(items) == len(sources[p]) and all(make is None for _, make in items) for p, items in plans.items()}
     total = sum(e.nbytes for items in plans.values() for e, _ in items)
     done = 0

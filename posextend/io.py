@@ -6,9 +6,10 @@ as byte ranges (``os.copy_file_range``, which the kernel may turn into a reflink
 Legacy ``pytorch_model.bin`` files are read with ``torch.load(weights_only=True, mmap=True)``,
 one shard at a time, and written out as safetensors.
 
-Importing this module does not import torch (it takes longer than copying a GB): the file
-path starts torch's import in the background (:func:`prefetch_torch`) and copies bytes
-meanwhile; only code that makes a tensor imports it.
+Importing this module does not import torch (it takes longer than copying a GB). A row
+strategy (``tile``) on safetensors never needs it: the new table is byte ranges of the old
+one. Otherwise the file path starts torch's import in the background (:func:`prefetch_torch`)
+and copies bytes meanwhile; only code that makes a tensor imports it.
 """
 
 from __future__ import annotations
@@ -267,18 +268,23 @@ def copy_file(src: Path, dst: Path, *, link: bool = False, progress: Progress | 
     shutil.copystat(src, dst)
 
 
+ByteRanges = tuple[tuple[Path, int, int], ...]  # (file, start, end) pieces, copied in order
+Source = Callable[[], "torch.Tensor"] | ByteRanges | None
+
+
 def write_safetensors(
     path: Path,
-    items: list[tuple[Entry, Callable[[], torch.Tensor] | None]],
+    items: list[tuple[Entry, Source]],
     metadata: Mapping[str, str],
     *,
     progress: Progress | None = None,
 ) -> None:
     """Write a safetensors file tensor by tensor, holding at most one new tensor in memory.
 
-    Each item is ``(entry, make)``: ``entry`` gives the output name, dtype and shape.
-    With ``make=None`` the entry's bytes are copied from its source file; otherwise
-    ``make()`` is called when the tensor's turn comes and must return that dtype and shape.
+    Each item is ``(entry, source)``: ``entry`` gives the output name, dtype and shape.
+    With ``source=None`` the entry's bytes are copied from its source file; with byte
+    ranges, those bytes (they must add up to the entry's size); otherwise ``source()`` is
+    called when the tensor's turn comes and must return that dtype and shape.
     """
     header: dict[str, object] = {"__metadata__": dict(metadata)} if metadata else {}
     offset = 0
@@ -306,12 +312,16 @@ def write_safetensors(
         with open(path, "wb") as out:
             out.write(struct.pack("<Q", len(blob)) + blob)
             for entry, make in items:
-                if make is None:
-                    if run is not None and run[0] == entry.file and run[2] == entry.start:
-                        run = (run[0], run[1], entry.end)
-                    else:
-                        flush_run(out)
-                        run = (entry.file, entry.start, entry.end)
+                if not callable(make):
+                    pieces = ((entry.file, entry.start, entry.end),) if make is None else make
+                    if sum(end - start for _, start, end in pieces) != entry.nbytes:
+                        raise RuntimeError(f"{entry.name}: byte ranges do not add up to {entry.nbytes} bytes")
+                    for file, start, end in pieces:
+                        if run is not None and run[0] == file and run[2] == start:
+                            run = (file, run[1], end)
+                        else:
+                            flush_run(out)
+                            run = (file, start, end)
                     continue
                 flush_run(out)
                 tensor = make()

@@ -9,6 +9,11 @@ reserved rows before calling it, checks the result's shape and finiteness, casts
 to the table's dtype and re-attaches the reserved rows bit-exact, so no plugin can
 corrupt a checkpoint.
 
+Row strategies: a strategy whose every new row is a copy of an old one (``tile``) may also
+give ``rows(old_len, new_len) -> list[int]``, the old row behind each new row, and define
+``fn`` from it. Files are then resized by copying those rows' bytes: exact in every dtype,
+and without importing torch.
+
 Context parameters: a strategy that declares a keyword named ``initializer_range``
 receives the model config's ``initializer_range`` (0.02 when absent) unless the user
 passes one.
@@ -57,6 +62,7 @@ class Strategy:
     fn: StrategyFn
     description: str
     keeps_rows: bool  # whether rows below the old length come out bit-exact when growing
+    rows: Callable[[int, int], list[int]] | None = None  # old row of each new row, for row strategies
 
     @property
     def params(self) -> dict[str, inspect.Parameter]:
@@ -73,9 +79,16 @@ _plugins_loaded = False
 
 
 def register_strategy(
-    name: str, *, description: str | None = None, keeps_rows: bool = False
+    name: str,
+    *,
+    description: str | None = None,
+    keeps_rows: bool = False,
+    rows: Callable[[int, int], list[int]] | None = None,
 ) -> Callable[[StrategyFn], StrategyFn]:
     """Decorator registering ``fn`` as strategy ``name``; refuses invalid or duplicate names.
+
+    ``rows`` (row strategies only, see the module doc) must agree with ``fn``: ``fn(table,
+    n)`` is ``table[rows(len(table), n)]``.
 
     Example::
 
@@ -103,8 +116,12 @@ def register_strategy(
                 f"Strategy {name!r} must accept a keyword-only 'generator' argument: "
                 "fn(table, new_len, *, generator, **params)."
             )
+        if rows is not None and any(
+            p.kind is inspect.Parameter.KEYWORD_ONLY and n != "generator" for n, p in params.items()
+        ):
+            raise StrategyError(f"Strategy {name!r}: a row strategy (rows=...) takes no parameters.")
         doc = description or (inspect.getdoc(fn) or "").split("\n")[0]
-        _REGISTRY[name] = Strategy(name, fn, doc, keeps_rows)
+        _REGISTRY[name] = Strategy(name, fn, doc, keeps_rows, rows)
         return fn
 
     return decorator
@@ -223,10 +240,16 @@ def resize_table(
 # ---------------------------------------------------------------------------- built-ins
 
 
+def tile_rows(old_len: int, new_len: int) -> list[int]:
+    """Row ``i`` of the result is row ``i mod L`` of the old table; shrinking keeps the first rows."""
+    return [i % old_len for i in range(new_len)]
+
+
 @register_strategy(
     "tile",
     description="Copy-tiling (Longformer): old rows kept bit-exact, then repeated cyclically.",
     keeps_rows=True,
+    rows=tile_rows,
 )
 def tile(table: torch.Tensor, new_len: int, *, generator: torch.Generator) -> torch.Tensor:
     """Row ``i`` of the result is row ``i mod L`` of the old table (any new length).
@@ -235,7 +258,7 @@ def tile(table: torch.Tensor, new_len: int, *, generator: torch.Generator) -> to
     """
     import torch
 
-    return table[torch.arange(new_len) % table.shape[0]]
+    return table[torch.tensor(tile_rows(table.shape[0], new_len), dtype=torch.long)]
 
 
 @register_strategy(

@@ -145,6 +145,37 @@ def test_cli_and_file_path_do_not_import_torch_at_start():
     assert r.stdout.strip() == "False", r.stderr
 
 
+@pytest.mark.parametrize("family", ["gpt2", "roberta", "opt", "bart"])
+def test_tile_copies_row_bytes_without_torch_and_matches_the_tensor_path(tiny, tmp_path, family):
+    """A row strategy resizes files by byte copies: no torch import, same table as resize_table."""
+    code = ("import sys, posextend; posextend.resize_checkpoint(sys.argv[1], sys.argv[2], 150, 'tile'); "
+            "print('torch' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code, str(tiny[family]), str(tmp_path / "out")],
+                       capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.strip() == "False", r.stderr
+    import torch
+    from safetensors.torch import load_file
+
+    import posextend
+
+    info = posextend.inspect_checkpoint(tiny[family])
+    before = load_file(tiny[family] / "model.safetensors")
+    after = load_file(tmp_path / "out" / "model.safetensors")
+    for table in info.tables:  # BART-style: encoder and decoder tables
+        expected = posextend.resize_table(before[table.name], 150, "tile", reserved=info.reserved)
+        assert after[table.name].shape == expected.shape and torch.equal(after[table.name], expected)
+    assert info.reserved > 0 or family == "gpt2"
+
+
+def test_row_strategy_takes_no_parameters():
+    import posextend
+
+    with pytest.raises(posextend.StrategyError, match="takes no parameters"):
+        @posextend.register_strategy("rows-with-param", rows=lambda old, new: list(range(new)))
+        def bad(table, new_len, *, generator, k=1):
+            return table[:new_len]
+
+
 def test_documented_python_api_is_exported():
     import posextend
 
