@@ -17,8 +17,8 @@ import secrets
 import shutil
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -247,7 +247,8 @@ def resize_checkpoint(
     Only the position table(s) and the buffers that follow the length change; every
     other tensor's bytes are copied as they are. ``src`` is never modified, and ``dst``
     appears only when complete. ``progress(done_bytes, total_bytes)`` is called while
-    writing. ``link=True`` hard-links shards that need no change instead of copying them.
+    writing (one call at a time, possibly from the threads that copy whole shards).
+    ``link=True`` hard-links shards that need no change instead of copying them.
 
     Example::
 
