@@ -1,6 +1,6 @@
 """Which strategy works? A small-scale Longformer Table 5, measured on real text.
 
-    python benchmarks/quality.py --data ../shared/data/austen             # full (~30 min, 2 CPU cores)
+    python benchmarks/quality.py --data ../shared/data/austen             # full (~20 min on 2 CPU cores; ~8 with the reference cached)
     python benchmarks/quality.py --data ../shared/data/austen --quick     # a few minutes
 
 No GPT-2 or MLM checkpoint is available offline, so the reference model is made here,
