@@ -33,6 +33,8 @@ _LAZY = {
     "EvalReport": "evaluation",
     "ArchitectureSpec": "specs",
     "SPECS": "specs",
+    "spec_for": "lookup",
+    "all_specs": "lookup",
 }
 
 __all__ = ["PosExtendError", "__version__", *_LAZY]
@@ -40,6 +42,7 @@ __all__ = ["PosExtendError", "__version__", *_LAZY]
 if TYPE_CHECKING:
     from .checkpoint import CheckpointInfo, ResizeReport, inspect_checkpoint, resize_checkpoint
     from .evaluation import EvalReport, evaluate
+    from .lookup import all_specs, spec_for
     from .model import extend_model
     from .specs import SPECS, ArchitectureSpec
     from .strategies import available_strategies, get_strategy, register_strategy, resize_table

@@ -31,12 +31,12 @@ def table_of(obj: Any) -> torch.Tensor:
     elif isinstance(obj, (LearnedPositionalEmbedding, nn.Embedding)):
         table = obj.weight
     elif isinstance(obj, nn.Module) and hasattr(obj, "config"):
-        from .specs import spec_for
+        from .lookup import spec_for
 
         config = obj.config.to_dict()
         params = dict(obj.named_parameters())
         shapes = {n: tuple(p.shape) for n, p in params.items()}
-        layout = spec_for(config, shapes).locate(shapes, config)
+        layout = spec_for(config, cls=type(obj)).locate(shapes, config)
         table = params[layout.tables[0]][layout.reserved :]
     elif isinstance(obj, (str, Path)):
         from .checkpoint import read_position_table

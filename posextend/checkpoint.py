@@ -24,13 +24,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import __version__
-from .errors import DestinationError, InvalidLengthError, SourceError, StrategyError
+from .errors import CorruptCheckpointError, DestinationError, InvalidLengthError, SourceError, StrategyError
 from .io import (
-    BIN_INDEX, BIN_SINGLE, SAFE_INDEX, SAFE_SINGLE, ByteRanges, CheckpointReader, Entry, Source, atomic_output,
-    copy_file, prefetch_torch, write_safetensors,
+    BIN_INDEX, SAFE_INDEX, SAFE_SINGLE, ByteRanges, CheckpointReader, Entry, Source, atomic_output, copy_file,
+    nonfinite_count, prefetch_torch, write_safetensors,
 )
-from .specs import ArchitectureSpec, Layout, spec_for
+from .lookup import all_specs, spec_for
+from .specs import ArchitectureSpec, Layout
 from .strategies import check_params, get_strategy, resize_table
+from .twin import get_path, set_path
 
 if TYPE_CHECKING:
     import torch
@@ -52,13 +54,25 @@ class TableInfo:
 
 
 @dataclass(frozen=True)
+class GroupInfo:
+    """One position length of a model: the tables one config field sizes."""
+
+    group: str
+    tables: list[TableInfo]
+    usable: int
+    reserved: int
+    config_lengths: dict[str, int]
+
+
+@dataclass(frozen=True)
 class CheckpointInfo:
-    """What ``posextend inspect`` reports about a checkpoint."""
+    """What ``posextend inspect`` reports about a checkpoint (the first group's numbers at the top)."""
 
     path: str
     model_type: str
     architectures: list[str]
-    spec: str  # the spec's model type, or "generic fallback"
+    spec: str  # the spec's model type, or "probed" (observed on a twin)
+    covered_by: str  # "spec" or "probed"
     weights_format: str
     weight_files: list[str]
     tables: list[TableInfo]
@@ -67,6 +81,8 @@ class CheckpointInfo:
     config_lengths: dict[str, int]
     buffers: list[str]
     tokenizer_max_length: int | None
+    st_max_seq_length: int | None = None  # sentence-transformers' max_seq_length, when present
+    groups: list[GroupInfo] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -88,6 +104,9 @@ class ResizeReport:
     tables: list[str]
     buffers: list[str]
     dropped: list[str] = field(default_factory=list)
+    covered_by: str = "spec"
+    verified: bool = False
+    st_max_seq_length: int | None = None
     files_rewritten: list[str] = field(default_factory=list)
     files_copied: list[str] = field(default_factory=list)
     files_skipped: list[str] = field(default_factory=list)
@@ -164,36 +183,40 @@ def check_destination(src: Path, dst: Path, *, overwrite: bool) -> None:
         raise DestinationError(f"{dst} already exists; pass --overwrite (overwrite=True) to replace it.")
 
 
-def _tokenizer_max_length(directory: Path) -> int | None:
-    path = directory / "tokenizer_config.json"
+def _json_int(path: Path, key: str) -> int | None:
     if path.is_file():
         try:
-            value = json.loads(path.read_text()).get("model_max_length")
+            value = json.loads(path.read_text()).get(key)
             return value if isinstance(value, int) else None
         except ValueError:
             return None
     return None
 
 
+ST_CONFIG = "sentence_bert_config.json"  # sentence-transformers: encode() truncates to its max_seq_length
+
+
 @contextlib.contextmanager
-def _opened(src: str | Path) -> Iterator[tuple[Path, dict[str, Any], CheckpointReader, ArchitectureSpec, Layout]]:
+def _opened(
+    src: str | Path, table: str | None = None,
+) -> Iterator[tuple[Path, dict[str, Any], CheckpointReader, ArchitectureSpec, Layout]]:
     """Resolve, read the config, open the weights lazily and locate the position table(s)."""
     directory = resolve_source(src)
     config = read_config(directory)
     reader = CheckpointReader(directory)
     try:
         shapes = {name: entry.shape for name, entry in reader.entries.items()}
-        spec = spec_for(config, shapes)
-        if spec.note == "generic":
-            log.warning("No spec for model type %r: generic fallback uses %s", spec.model_type, spec.tables[0])
+        spec = spec_for(config, table=table)
+        if spec.covered_by == "probed":
+            log.info("No spec for model type %r: observed on a twin: %s", spec.model_type, ", ".join(spec.tables))
         yield directory, config, reader, spec, spec.locate(shapes, config)
     finally:
         reader.close()
 
 
-def read_position_table(src: str | Path) -> torch.Tensor:
+def read_position_table(src: str | Path, table: str | None = None) -> torch.Tensor:
     """The usable rows of a checkpoint's (first) position table, read by name only."""
-    with _opened(src) as (_, _, reader, _, layout):
+    with _opened(src, table) as (_, _, reader, _, layout):
         return reader.get(layout.tables[0])[layout.reserved :]
 
 
@@ -209,23 +232,33 @@ def inspect_checkpoint(src: str | Path) -> CheckpointInfo:
         >>> info.usable, info.tables[0].name
         (512, 'embeddings.position_embeddings.weight')
     """
-    with _opened(src) as (directory, config, reader, spec, layout):
+    directory = resolve_source(src)
+    config = read_config(directory)
+    with CheckpointReader(directory) as reader:
+        shapes = {name: entry.shape for name, entry in reader.entries.items()}
+        groups = []
+        for spec in all_specs(config):
+            layout = spec.locate(shapes, config)
+            tables = [TableInfo(n, shapes[n][0], shapes[n][1], reader.entries[n].dtype) for n in layout.tables]
+            lengths = {k: v for k in spec.length_keys if (v := get_path(config, k)) is not None}
+            groups.append((spec, layout, GroupInfo(spec.group, tables, layout.usable, layout.reserved, lengths)))
+        spec, layout, first = groups[0]
         return CheckpointInfo(
             path=str(directory),
             model_type=config.get("model_type", ""),
             architectures=list(config.get("architectures") or []),
-            spec="generic fallback" if spec.note == "generic" else spec.model_type,
+            spec="probed" if spec.covered_by == "probed" else spec.model_type,
+            covered_by=spec.covered_by,
             weights_format=reader.format + (" (sharded)" if reader.sharded else ""),
             weight_files=[f.name for f in reader.files],
-            tables=[
-                TableInfo(n, reader.entries[n].shape[0], reader.entries[n].shape[1], reader.entries[n].dtype)
-                for n in layout.tables
-            ],
+            tables=first.tables,
             usable=layout.usable,
             reserved=layout.reserved,
-            config_lengths={k: config[k] for k in spec.length_keys if k in config},
+            config_lengths=first.config_lengths,
             buffers=list(layout.buffers),
-            tokenizer_max_length=_tokenizer_max_length(directory),
+            tokenizer_max_length=_json_int(directory / "tokenizer_config.json", "model_max_length"),
+            st_max_seq_length=_json_int(directory / ST_CONFIG, "max_seq_length"),
+            groups=[g for _, _, g in groups],
         )
 
 
@@ -239,6 +272,9 @@ def resize_checkpoint(
     overwrite: bool = False,
     allow_shrink: bool = False,
     link: bool = False,
+    table: str | None = None,
+    verify: bool | None = None,
+    st_max_seq_length: int | None = None,
     progress: Callable[[int, int], None] | None = None,
     **params: Any,
 ) -> ResizeReport:
@@ -250,6 +286,15 @@ def resize_checkpoint(
     writing (one call at a time, possibly from the threads that copy whole shards).
     ``link=True`` hard-links shards that need no change instead of copying them.
 
+    Args:
+        table: which tables, for a model with several lengths (``"encoder"``, ``"decoder"``,
+            ``"text"``; see ``inspect_checkpoint(src).groups``). Not needed with one length.
+        verify: check the output against a twin of its written config (shapes, a forward
+            pass at the full new length) before it appears. Default: only for a family
+            observed on a twin (no written spec); ``True`` for any family.
+        st_max_seq_length: what a sentence-transformers model's ``max_seq_length`` becomes
+            (default: the new length).
+
     Example::
 
         >>> report = posextend.resize_checkpoint("gpt2", "gpt2-4k", 4096, "interpolate", seed=0)
@@ -259,10 +304,16 @@ def resize_checkpoint(
     start = time.perf_counter()
     dst = Path(dst).expanduser()
     strat = check_params(strategy, params)
-    with _opened(src) as (directory, config, reader, spec, layout):
+    with _opened(src, table) as (directory, config, reader, spec, layout):
         check_destination(directory, dst, overwrite=overwrite)
         check_length(new_length, layout.usable, allow_shrink=allow_shrink)
+        if st_max_seq_length is not None and not 0 < st_max_seq_length <= new_length:
+            raise InvalidLengthError(
+                f"The sentence-transformers max_seq_length must be between 1 and the new length {new_length}, "
+                f"got {st_max_seq_length}."
+            )
         seed = secrets.randbits(63) if seed is None else seed
+        _check_source_tables(reader, layout)
 
         def new_table(name: str) -> Source:
             if strat.rows and reader.format == "safetensors":  # a row strategy: copy the rows' bytes
@@ -276,14 +327,45 @@ def resize_checkpoint(
             src=str(directory), dst=str(dst.resolve()), model_type=spec.model_type, strategy=strategy,
             params=dict(params), seed=seed, old_length=layout.usable, new_length=new_length,
             reserved=layout.reserved, tables=list(layout.tables), buffers=list(layout.buffers),
-            dropped=list(layout.dropped),
+            dropped=list(layout.dropped), covered_by=spec.covered_by,
         )
         with atomic_output(dst, overwrite=overwrite) as tmp:
             _write_weights(reader, tmp, spec, new_tables, spec.config_value(config, new_length), report, link, progress)
-            _copy_other_files(directory, tmp, reader, spec, config, report)
+            _copy_other_files(directory, tmp, reader, spec, config, report, st_max_seq_length)
+            if verify or (verify is None and spec.covered_by == "probed"):
+                _verify(tmp, spec, report, reader)
+            card = directory / "README.md"
+            (tmp / "README.md").write_text(model_card(report, card.read_text(errors="replace") if card.is_file() else ""))
         report.seconds = time.perf_counter() - start
         log.info("Resized %s: %d -> %d positions (%s) in %.2fs", directory, report.old_length, new_length, strategy, report.seconds)
         return report
+
+
+def _check_source_tables(reader: CheckpointReader, layout: Layout) -> None:
+    """Refuse a source whose table already holds NaN or Inf: no strategy can make it right."""
+    for name in layout.tables:
+        entry = reader.entries[name]
+        bad = nonfinite_count(entry) if reader.format == "safetensors" else None
+        if bad is None:
+            import torch
+
+            bad = int((~torch.isfinite(reader.get(name).float())).sum())
+        if bad:
+            raise CorruptCheckpointError(
+                f"The source's position table {name} already holds {bad} NaN/Inf value(s): the source "
+                "checkpoint is damaged. Re-download or re-save it; nothing was written."
+            )
+
+
+def _verify(out_dir: Path, spec: ArchitectureSpec, report: ResizeReport, reader: CheckpointReader) -> None:
+    """Check the written files against a twin of the written config (see :func:`posextend.probe.verify`)."""
+    from .probe import verify
+
+    with CheckpointReader(out_dir) as written:
+        shapes = {n: e.shape for n, e in written.entries.items()}
+    source = {n: e.shape for n, e in reader.entries.items()}
+    verify(out_dir, spec, report.tables, shapes, source, report.new_length, report.reserved)
+    report.verified = True
 
 
 COPY_THREADS = 4  # whole-file copies at once: the kernel's copy of a file runs on one core
@@ -394,9 +476,17 @@ def _write_weights(
         (out_dir / SAFE_INDEX).write_text(json.dumps(index, indent=2) + "\n")
 
 
+def updated_config(config: Mapping[str, Any], updates: Mapping[str, int]) -> dict[str, Any]:
+    """``config`` with each (dotted) field in ``updates`` set."""
+    out = dict(config)
+    for path, value in updates.items():
+        out = set_path(out, path, value)
+    return out
+
+
 def _copy_other_files(
     src: Path, out_dir: Path, reader: CheckpointReader, spec: ArchitectureSpec,
-    config: dict[str, Any], report: ResizeReport,
+    config: dict[str, Any], report: ResizeReport, st_max_seq_length: int | None = None,
 ) -> None:
     """Copy config, tokenizer and every other non-weight file, editing lengths as JSON."""
     weight_files = {f.resolve() for f in reader.files}
@@ -413,16 +503,17 @@ def _copy_other_files(
         target = out_dir / rel
         target.parent.mkdir(parents=True, exist_ok=True)
         if rel == Path("config.json"):
-            _write_json(target, {**config, **spec.config_updates(config, report.new_length)})
+            _write_json(target, updated_config(config, spec.config_updates(config, report.new_length)))
         elif rel == Path("tokenizer_config.json"):
             _write_json(target, {**json.loads(path.read_text()), "model_max_length": report.new_length})
+        elif rel.name == ST_CONFIG:
+            report.st_max_seq_length = st_max_seq_length or report.new_length
+            _write_json(target, {**json.loads(path.read_text()), "max_seq_length": report.st_max_seq_length})
         elif rel != Path("README.md"):
             shutil.copy2(path, target)
     has_tokenizer = any((src / name).is_file() for name in TOKENIZER_FILES)
     if has_tokenizer and not (src / "tokenizer_config.json").is_file():
         _write_json(out_dir / "tokenizer_config.json", {"model_max_length": report.new_length})
-    original_card = (src / "README.md").read_text(errors="replace") if (src / "README.md").is_file() else ""
-    (out_dir / "README.md").write_text(model_card(report, original_card))
 
 
 def _write_json(path: Path, data: Mapping[str, Any]) -> None:
@@ -448,6 +539,12 @@ def model_card(report: ResizeReport, original: str = "", *, trained: bool = Fals
         f"- Parameters: `{json.dumps(report.params, sort_keys=True)}`, seed {report.seed}",
         f"- Tables: {', '.join(f'`{t}`' for t in report.tables)}",
     ]
+    if report.covered_by == "probed":
+        lines.append("- Family: no written spec; tables, reserved rows and length field observed on a twin of its config")
+    if report.verified:
+        lines.append("- Verified: a twin built from the written config has the written shapes and runs at the full length")
+    if report.st_max_seq_length is not None:
+        lines.append(f"- sentence-transformers `max_seq_length`: {report.st_max_seq_length}")
     if report.buffers:
         lines.append(f"- Length-dependent buffers rebuilt: {len(report.buffers)}")
     if report.dropped:

@@ -128,6 +128,9 @@ def resize_model(
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace DST if it exists.")] = False,
     shrink: Annotated[bool, typer.Option("--shrink", help="Allow a length below the current one (cuts positions).")] = False,
     link: Annotated[bool, typer.Option("--link", help="Hard-link shards that need no change instead of copying them.")] = False,
+    table: Annotated[str | None, typer.Option("--table", help="Which tables, for a model with several lengths (encoder, decoder, text; see inspect).")] = None,
+    verify: Annotated[bool | None, typer.Option("--verify/--no-verify", help="Check the output on a twin of its written config before it appears (default: for families without a written spec).")] = None,
+    st_max_seq_length: Annotated[int | None, typer.Option("--st-max-seq-length", help="sentence-transformers max_seq_length of the output (default: the new length).")] = None,
 ) -> None:
     """Resize the position table(s) of a checkpoint on disk, without loading the model."""
     from .checkpoint import resize_checkpoint
@@ -136,7 +139,7 @@ def resize_model(
     with progress:
         report = resize_checkpoint(
             src, dst, length, strategy, seed=seed, overwrite=overwrite, allow_shrink=shrink, link=link,
-            progress=update, **_params(param),
+            table=table, verify=verify, st_max_seq_length=st_max_seq_length, progress=update, **_params(param),
         )
     params = ", ".join(f"{k}={v}" for k, v in report.params.items())
     console.print(
@@ -146,6 +149,13 @@ def resize_model(
         highlight=False,
     )
     console.print(f"  tables: {', '.join(report.tables)}", highlight=False)
+    if report.covered_by == "probed":
+        console.print("  family observed on a twin of its config (no written spec)", highlight=False)
+    if report.verified:
+        console.print("  [green]verified[/]: a twin of the written config has its shapes and runs at the full length",
+                      highlight=False)
+    if report.st_max_seq_length is not None:
+        console.print(f"  sentence-transformers max_seq_length: {report.st_max_seq_length}", highlight=False)
     if report.buffers:
         console.print(f"  buffers rebuilt: {len(report.buffers)}", highlight=False)
     console.print(
@@ -175,18 +185,24 @@ def inspect_cmd(
     if as_json:
         print(json.dumps({**info.to_dict(), **({"analysis": analysis} if analysis else {})}, indent=2))
         return
+    covered = "written spec" if info.covered_by == "spec" else "observed on a twin (no written spec)"
     console.print(
-        f"[bold]{info.path}[/]\n  model type {info.model_type} (spec: {info.spec}), "
+        f"[bold]{info.path}[/]\n  model type {info.model_type} ({covered}), "
         f"{', '.join(info.architectures) or 'no architectures listed'}\n"
         f"  weights: {info.weights_format}, {len(info.weight_files)} file(s)\n"
-        f"  usable positions: [bold]{info.usable}[/], reserved rows: {info.reserved}, "
-        f"config: {', '.join(f'{k}={v}' for k, v in info.config_lengths.items())}\n"
-        f"  tokenizer model_max_length: {info.tokenizer_max_length if info.tokenizer_max_length is not None else 'no tokenizer_config.json'}",
+        + "".join(
+            f"  {g.group + ': ' if len(info.groups) > 1 else ''}usable positions: [bold]{g.usable}[/], "
+            f"reserved rows: {g.reserved}, config: {', '.join(f'{k}={v}' for k, v in g.config_lengths.items())}\n"
+            for g in info.groups
+        )
+        + f"  tokenizer model_max_length: {info.tokenizer_max_length if info.tokenizer_max_length is not None else 'no tokenizer_config.json'}"
+        + (f"\n  sentence-transformers max_seq_length: {info.st_max_seq_length}" if info.st_max_seq_length is not None else ""),
         highlight=False,
     )
-    table = Table("table", "rows", "dim", "dtype")
-    for t in info.tables:
-        table.add_row(t.name, str(t.rows), str(t.dim), t.dtype)
+    table = Table(*(["group"] if len(info.groups) > 1 else []), "table", "rows", "dim", "dtype")
+    for g in info.groups:
+        for t in g.tables:
+            table.add_row(*([g.group] if len(info.groups) > 1 else []), t.name, str(t.rows), str(t.dim), t.dtype)
     console.print(table)
     if info.buffers:
         console.print(f"  length-dependent buffers: {len(info.buffers)} ({info.buffers[0]}, ...)", highlight=False)

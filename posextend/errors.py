@@ -27,6 +27,10 @@ class NotLearnedPositionsError(UnsupportedArchitectureError):
     """The model's positions are not a learned absolute table (rotary, relative, ALiBi...)."""
 
 
+class VerificationError(PosExtendError):
+    """A written checkpoint failed its check against a twin of its own config (nothing was written)."""
+
+
 class InvalidLengthError(PosExtendError):
     """The requested length is not usable (<= 0, or a shrink that was not asked for)."""
 

@@ -140,6 +140,22 @@ def read_tensor(entry: Entry) -> torch.Tensor:
     return torch.frombuffer(data, dtype=dtypes[entry.dtype]).reshape(entry.shape)
 
 
+# Exponent bits of IEEE formats: all ones means NaN or Inf.
+_EXPONENT = {"F64": ("<u8", 0x7FF0000000000000), "F32": ("<u4", 0x7F800000), "F16": ("<u2", 0x7C00),
+             "BF16": ("<u2", 0x7F80)}
+
+
+def nonfinite_count(entry: Entry) -> int | None:
+    """NaN/Inf values in a safetensors tensor, from its bits (no torch); None for other dtypes."""
+    if entry.dtype not in _EXPONENT:
+        return None if entry.dtype.startswith("F8") else 0
+    import numpy as np
+
+    kind, mask = _EXPONENT[entry.dtype]
+    bits = np.fromfile(entry.file, dtype=kind, count=entry.nbytes // np.dtype(kind).itemsize, offset=entry.start)
+    return int(np.count_nonzero((bits & mask) == mask))
+
+
 class CheckpointReader:
     """The weights of a checkpoint directory, by name, without loading them.
 
@@ -222,6 +238,12 @@ class CheckpointReader:
 
     def close(self) -> None:
         self._bin_cache = None
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
     def total_bytes(self) -> int:

@@ -9,7 +9,7 @@ from torch import nn
 
 from .checkpoint import check_length
 from .errors import UnsupportedArchitectureError
-from .specs import spec_for
+from .lookup import spec_for
 from .strategies import resize_table
 
 log = logging.getLogger(__name__)
@@ -22,6 +22,7 @@ def extend_model(
     *,
     seed: int | None = None,
     allow_shrink: bool = False,
+    table: str | None = None,
     **params: Any,
 ) -> nn.Module:
     """Give a transformers ``PreTrainedModel`` ``new_length`` usable positions, in place.
@@ -30,6 +31,8 @@ def extend_model(
     length-dependent buffers are rebuilt and the config updated, so a forward pass at
     ``new_length`` works and ``save_pretrained`` → ``from_pretrained`` loads cleanly.
     Create optimizers after calling this (the table is a new ``Parameter``). Returns the model.
+    ``table`` names the tables to resize in a model with several lengths (``"decoder"``, ``"text"``).
+    A family without a written spec is first observed on a twin of ``type(model)`` (seconds).
 
     Example::
 
@@ -40,10 +43,7 @@ def extend_model(
     """
     config = model.config.to_dict()
     shapes = {n: tuple(t.shape) for n, t in [*model.named_parameters(), *model.named_buffers()]}
-    offsets = {n: int(m.offset) for n, m in model.named_modules() if isinstance(m, nn.Embedding) and hasattr(m, "offset")}
-    spec = spec_for(config, shapes, offsets)
-    if spec.note == "generic":
-        log.warning("No spec for model type %r: generic fallback resizes %s", spec.model_type, spec.tables[0])
+    spec = spec_for(config, cls=type(model), table=table)
     layout = spec.locate(shapes, config)
     check_length(new_length, layout.usable, allow_shrink=allow_shrink)
     new_rows = new_length + layout.reserved
@@ -52,16 +52,37 @@ def extend_model(
         module = model.get_submodule(name.rsplit(".", 1)[0])
         if not isinstance(module, nn.Embedding):
             raise UnsupportedArchitectureError(f"{name} belongs to a {type(module).__name__}, not an nn.Embedding.")
-        old = module.weight
+        attr = name.rsplit(".", 1)[1]
+        old = getattr(module, attr)
         new = resize_table(old, new_length, strategy, reserved=layout.reserved, seed=seed, params=params, context=config)
-        module.weight = nn.Parameter(new, requires_grad=old.requires_grad)
+        if isinstance(old, nn.Parameter):
+            setattr(module, attr, nn.Parameter(new, requires_grad=old.requires_grad))
+        else:  # a companion buffer that follows the table (I-BERT's weight_integer)
+            module.register_buffer(attr, new, persistent=attr not in module._non_persistent_buffers_set)
         module.num_embeddings = new_rows
     for name in layout.buffers:
         owner_name, _, attr = name.rpartition(".")
         owner = model.get_submodule(owner_name)
         persistent = attr not in owner._non_persistent_buffers_set
         owner.register_buffer(attr, spec.buffer_rule(name).rebuild(getattr(owner, attr), buffer_length), persistent=persistent)
-    for key, value in spec.config_updates(config, new_length).items():
-        setattr(model.config, key, value)
+    set_config(model, spec.config_updates(config, new_length))
     log.info("Extended %s in memory: %d -> %d positions (%s)", spec.model_type, layout.usable, new_length, strategy)
     return model
+
+
+def set_config(model: nn.Module, updates: dict[str, int]) -> None:
+    """Set (dotted) config fields on the model's config and on every sub-module's copy of it.
+
+    ``text_config.max_position_embeddings`` is set on ``model.config.text_config`` and on any
+    module whose ``config`` is another object of that class (a tower holding its own copy).
+    """
+    for path, value in updates.items():
+        *parents, leaf = path.split(".")
+        target = model.config
+        for part in parents:
+            target = getattr(target, part)
+        setattr(target, leaf, value)
+        for module in model.modules():
+            cfg = getattr(module, "config", None)
+            if cfg is not None and cfg is not target and type(cfg) is type(target) and hasattr(cfg, leaf):
+                setattr(cfg, leaf, value)

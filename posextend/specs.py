@@ -15,13 +15,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from .errors import CorruptCheckpointError, NotLearnedPositionsError, UnsupportedArchitectureError
+from .errors import CorruptCheckpointError
+from .twin import get_path
 
 if TYPE_CHECKING:
     import torch
 
 BufferKind = Literal["arange", "zeros", "toeplitz"]
-Objective = Literal["causal", "masked", "seq2seq"]
+Objective = Literal["causal", "masked", "seq2seq", "other"]
 
 
 @dataclass(frozen=True)
@@ -41,18 +42,20 @@ class BufferRule:
 
     pattern: str
     kind: BufferKind
+    offset: int = 0  # the buffer's length minus the config value (observed by the probe)
 
     def matches(self, name: str) -> bool:
         return re.search(self.pattern, name) is not None
 
     def new_shape(self, shape: tuple[int, ...], rows: int) -> tuple[int, ...]:
         n = 2 if self.kind == "toeplitz" else 1
-        return (*shape[:-n], *([rows] * n))
+        return (*shape[:-n], *([rows + self.offset] * n))
 
     def rebuild(self, old: torch.Tensor, rows: int) -> torch.Tensor:
-        """Return the buffer for length ``rows``, same dtype, device and leading dims."""
+        """Return the buffer for config value ``rows``, same dtype, device and leading dims."""
         import torch
 
+        rows += self.offset
         lead = old.shape[:-1]
         if self.kind == "arange":
             start = int(old.reshape(-1)[0]) if old.numel() else 0
@@ -102,8 +105,10 @@ class ArchitectureSpec:
 
     - ``tables``: tensor names relative to the base model (``wpe.weight``); in a
       checkpoint of a headed model they appear under ``prefix`` (``transformer.wpe.weight``).
-    - ``length_keys``: config fields holding the length; the first must be present,
-      the others are updated when present (GPT-2's legacy ``n_ctx``).
+      Companion tensors that follow a table row for row (I-BERT's ``weight_integer``) are tables too.
+    - ``length_keys``: config fields holding the length, dotted for nested configs
+      (``text_config.max_position_embeddings``); the first must be present, the others
+      are updated when present (GPT-2's legacy ``n_ctx``).
     - ``reserved``: leading rows no token position uses (int, or a function of the config).
     - ``config_counts_reserved``: whether the config length includes the reserved rows
       (RoBERTa: ``max_position_embeddings = usable + pad_token_id + 1``).
@@ -111,7 +116,10 @@ class ArchitectureSpec:
     - ``dropped``: patterns of obsolete tensors left out of the output because current
       transformers rejects them as unexpected and no version needs them.
     - ``objective``: what ``posextend finetune`` trains: causal LM, masked LM, or
-      ``seq2seq`` (not supported by the fine-tune loop).
+      ``seq2seq`` / ``other`` (not supported by the fine-tune loop).
+    - ``note``: ``""`` for a written spec, ``"probed"`` for one observed on twins (:mod:`.probe`).
+    - ``group``: what a user calls these tables when a model has several lengths
+      (``text``, ``encoder``, ``decoder``; ``model`` when it has one).
     """
 
     model_type: str
@@ -124,9 +132,15 @@ class ArchitectureSpec:
     dropped: tuple[str, ...] = ()
     objective: Objective = "masked"
     note: str = ""
+    group: str = "model"
 
     def reserved_rows(self, config: Mapping[str, Any]) -> int:
         return self.reserved(config) if callable(self.reserved) else self.reserved
+
+    @property
+    def covered_by(self) -> str:
+        """How this family is known: ``spec`` (written here) or ``probed`` (observed on a twin)."""
+        return "probed" if self.note == "probed" else "spec"
 
     def table_names(self, names: set[str] | frozenset[str]) -> list[str]:
         """The full names of this spec's tables among ``names`` (bare or prefixed).
@@ -135,7 +149,8 @@ class ArchitectureSpec:
         """
         found = []
         for table in self.tables:
-            candidates = [n for n in (table, f"{self.prefix}.{table}") if n in names]
+            options = (table, f"{self.prefix}.{table}") if self.prefix else (table,)
+            candidates = [n for n in options if n in names]
             if not candidates:
                 raise CorruptCheckpointError(
                     f"No position table {table!r} (or {self.prefix}.{table!r}) in this "
@@ -151,12 +166,13 @@ class ArchitectureSpec:
 
     def config_length(self, config: Mapping[str, Any]) -> int:
         key = self.length_keys[0]
-        if not isinstance(config.get(key), int):
+        value = get_path(config, key)
+        if not isinstance(value, int):
             raise CorruptCheckpointError(
                 f"config.json of this {self.model_type} model has no integer {key!r}; "
                 "add it (the number of positions the model was trained with)."
             )
-        return config[key]
+        return value
 
     def usable_from_config(self, config: Mapping[str, Any]) -> int:
         n = self.config_length(config)
@@ -188,7 +204,7 @@ class ArchitectureSpec:
     def config_updates(self, config: Mapping[str, Any], usable: int) -> dict[str, int]:
         """Config fields and values that describe ``usable`` positions."""
         value = self.config_value(config, usable)
-        return {k: value for i, k in enumerate(self.length_keys) if i == 0 or k in config}
+        return {k: value for i, k in enumerate(self.length_keys) if i == 0 or get_path(config, k) is not None}
 
 
 def _roberta_reserved(config: Mapping[str, Any]) -> int:
@@ -300,9 +316,13 @@ _NOT_LEARNED = {
                                  "roformer"),
     "rotary embeddings or ALiBi": ("falcon",),
     "ALiBi attention biases": ("bloom", "mpt"),
-    "relative attention": ("t5", "mt5", "deberta", "deberta-v2", "funnel", "xlnet", "transfo-xl"),
+    "relative attention": ("t5", "mt5", "funnel", "xlnet", "transfo-xl"),
     "fixed sinusoidal positions": ("xglm", "m2m_100", "marian", "pegasus", "speech_to_text"),
 }
+
+
+_RELATIVE_TYPES = {"relative_key": "relative positions", "relative_key_query": "relative positions",
+                   "rotary": "rotary embeddings (RoPE)", "alibi": "ALiBi attention biases"}
 
 
 def positions_kind_problem(config: Mapping[str, Any]) -> str | None:
@@ -311,98 +331,18 @@ def positions_kind_problem(config: Mapping[str, Any]) -> str | None:
     for kind, model_types in _NOT_LEARNED.items():
         if model_type in model_types:
             return kind
+    if model_type in ("deberta", "deberta-v2") and not config.get("position_biased_input"):
+        return "relative attention (position_biased_input=false: no absolute table)"
     pet = config.get("position_embedding_type", "absolute")
-    if pet not in (None, "absolute"):
-        return f"position_embedding_type={pet!r} (relative positions)"
+    if pet in _RELATIVE_TYPES:  # other values (DETR-style "sine") describe an image side: observed, not refused
+        return f"position_embedding_type={pet!r} ({_RELATIVE_TYPES[pet]})"
     for key in ("sinusoidal_pos_embds", "sinusoidal_embeddings"):  # DistilBERT, XLM/FlauBERT
         if config.get(key):
             return f"fixed sinusoidal positions ({key}=true)"
-    if any(k in config for k in ("rope_theta", "rope_scaling", "rotary_dim", "rotary_pct")):
-        return "rotary embeddings (RoPE)"
+    # ESM-1b carries rope_theta although its position_embedding_type says absolute: the type decides.
+    if pet != "absolute" or "position_embedding_type" not in config:
+        if any(k in config for k in ("rope_theta", "rope_scaling", "rope_parameters", "rotary_dim", "rotary_pct")):
+            return "rotary embeddings (RoPE)"
     if config.get("alibi"):
         return "ALiBi attention biases"
     return None
-
-
-_GENERIC_LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "max_sequence_length", "n_ctx")
-_GENERIC_BUFFERS = (BufferRule(r"(^|\.)position_ids$", "arange"), BufferRule(r"(^|\.)token_type_ids$", "zeros"))
-
-
-def generic_spec(
-    config: Mapping[str, Any],
-    shapes: Mapping[str, tuple[int, ...]],
-    offsets: Mapping[str, int] | None = None,
-) -> ArchitectureSpec:
-    """A spec for a model type without one: the single position table the config sizes.
-
-    Candidates are 2-D ``*.weight`` tensors whose module name mentions ``pos``. One
-    matches when its rows equal the config's length plus its reserved rows: the
-    module's ``offset`` attribute when known (``offsets``, in memory), else 0 or 2
-    (OPT/BART-style offsets) on disk. Refuses when none or several match.
-
-    What the fallback cannot see: positions computed from ``padding_idx`` (RoBERTa-style
-    models whose config counts reserved rows). Such families need a real spec.
-    """
-    model_type = config.get("model_type")
-    key = next((k for k in _GENERIC_LENGTH_KEYS if isinstance(config.get(k), int)), None)
-    supported = f"Supported model types: {', '.join(sorted(SPECS))}."
-    if key is None:
-        raise UnsupportedArchitectureError(
-            f"Unsupported architecture {model_type!r}: no spec, and its config has no length field "
-            f"({', '.join(_GENERIC_LENGTH_KEYS)}). {supported}"
-        )
-    length = config[key]
-    candidates = {
-        name: shape for name, shape in shapes.items()
-        if name.endswith(".weight") and len(shape) == 2 and "pos" in name.rsplit(".", 2)[-2].lower()
-    }
-    matches = {}
-    for name, shape in candidates.items():
-        module = name.rsplit(".", 1)[0]
-        allowed = (offsets[module],) if offsets is not None and module in offsets else (0, 2)
-        for reserved in allowed:
-            if shape[0] == length + reserved:
-                matches[name] = reserved
-    if len(matches) != 1:
-        found = ", ".join(f"{n} ({s[0]} rows)" for n, s in candidates.items()) or "none"
-        why = "none matches" if not matches else "several match"
-        raise UnsupportedArchitectureError(
-            f"Unsupported architecture {model_type!r}: no spec, and the generic fallback found no "
-            f"single position table ({why} {key}={length}; position-named tables: {found}). {supported}"
-        )
-    (name, reserved), = matches.items()
-    return ArchitectureSpec(
-        model_type=str(model_type), prefix="", tables=(name,), length_keys=(key,), reserved=reserved,
-        buffers=_GENERIC_BUFFERS, note="generic",
-    )
-
-
-def spec_for(
-    config: Mapping[str, Any],
-    shapes: Mapping[str, tuple[int, ...]] | None = None,
-    offsets: Mapping[str, int] | None = None,
-) -> ArchitectureSpec:
-    """The spec for a config (dict from ``config.json``), or an actionable error.
-
-    With ``shapes`` (tensor name -> shape), a model type without a spec gets the
-    generic fallback (:func:`generic_spec`); its ``note`` is ``"generic"``.
-    """
-    model_type = config.get("model_type")
-    problem = positions_kind_problem(config)
-    if problem:
-        advice = (
-            "use its own length scaling (e.g. rope_scaling) instead"
-            if "rotary" in problem
-            else "there is no learned table to extend"
-        )
-        raise NotLearnedPositionsError(
-            f"Model type {model_type!r} uses {problem}, not a learned absolute position "
-            f"table; posextend does not apply: {advice}."
-        )
-    if model_type in SPECS:
-        return SPECS[model_type]
-    if shapes is not None:
-        return generic_spec(config, shapes, offsets)
-    raise UnsupportedArchitectureError(
-        f"Unsupported architecture {model_type!r}. Supported model types: {', '.join(sorted(SPECS))}."
-    )

@@ -43,7 +43,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .errors import StrategyError
+from .errors import CorruptCheckpointError, StrategyError
 
 if TYPE_CHECKING:
     import torch
@@ -222,6 +222,12 @@ def resize_table(
     generator.manual_seed(seed if seed is not None else torch.seed())
 
     usable = table[reserved:]
+    bad = int((~torch.isfinite(table.detach().float())).sum())
+    if bad:
+        raise CorruptCheckpointError(
+            f"The position table already holds {bad} NaN/Inf value(s) before resizing: the source model is "
+            "damaged (no strategy can repair it). Re-download or re-save it; nothing was changed."
+        )
     with torch.no_grad():
         try:
             out = strat.fn(usable.detach().to("cpu", torch.float32).clone(), new_usable, generator=generator, **params)

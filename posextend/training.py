@@ -30,7 +30,8 @@ from .checkpoint import TOKENIZER_FILES, check_destination, model_card, read_con
 from .errors import PosExtendError, SourceError, TrainingError
 from .evaluation import EvalReport, evaluate_model
 from .io import SAFE_INDEX, atomic_output, read_header, write_safetensors
-from .specs import ArchitectureSpec, spec_for
+from .lookup import spec_for
+from .specs import ArchitectureSpec
 
 log = logging.getLogger(__name__)
 TrainMode = Literal["new-rows", "positions", "all"]
@@ -67,10 +68,10 @@ def load_for_training(src: str | Path, *, init_head: bool = False) -> Loaded:
     directory = resolve_source(src)
     config = read_config(directory)
     spec = spec_for(config)
-    if spec.objective == "seq2seq":
+    if spec.objective not in ("causal", "masked"):
         raise TrainingError(
-            f"Fine-tuning {spec.model_type} (an encoder-decoder) is not supported yet; "
-            "resize it with posextend resize-model and train it with your seq2seq trainer."
+            f"Fine-tuning {spec.model_type} (neither a causal nor a masked language model) is not supported yet; "
+            "resize it with posextend resize-model and train it with your own trainer."
         )
     advice = "save the tokenizer there (tokenizer.save_pretrained) so text can be tokenised."
     if not any((directory / name).is_file() for name in TOKENIZER_FILES):
@@ -93,6 +94,7 @@ def load_for_training(src: str | Path, *, init_head: bool = False) -> Loaded:
             )
         log.warning("Initialising a fresh %s head (%d weights, e.g. %s)", head, len(missing), missing[0])
     params = dict(model.named_parameters())
+    spec = spec_for(model.config.to_dict(), cls=type(model))  # the loaded class's own names
     layout = spec.locate({n: tuple(p.shape) for n, p in params.items()}, model.config.to_dict())
     old = _provenance(directory).get("posextend.old_length")
     return Loaded(model, tokenizer, spec, spec.objective, layout.usable, layout.reserved, layout.tables,

@@ -80,7 +80,7 @@ def _retype(src, tmp_path, model_type):
 BAD = {
     "missing src": (lambda s, t: t / "nope", [], "does not exist"),
     "no config": (_no_config, [], "No config.json in"),
-    "unsupported": (lambda s, t: _retype(s, t, "funnelnet"), [], "Unsupported architecture 'funnelnet': no spec, and the generic fallback found no single position table"),
+    "unsupported": (lambda s, t: _retype(s, t, "funnelnet"), [], "Unsupported architecture 'funnelnet': transformers"),
     "not learned": (lambda s, t: _retype(s, t, "llama"), [], "uses rotary embeddings (RoPE), not a learned absolute position table"),
     "length zero": (lambda s, t: s, ["--length", "0"], "must be a positive number of positions, got 0"),
     "length negative": (lambda s, t: s, ["--length", "-5"], "must be a positive number of positions, got -5"),

@@ -144,7 +144,7 @@ def test_roberta_keeps_padding_idx_and_nonstandard_pad(tmp_path):
     _forward(model, family, NEW)
 
 
-# ------------------------------------------------------------------ generic fallback
+# ------------------------------------------------------------------ families without a written spec: the probe
 
 def _tapas():
     cfg = transformers.TapasConfig(vocab_size=1000, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
@@ -152,7 +152,7 @@ def _tapas():
     return transformers.TapasModel(cfg).eval()
 
 
-def test_generic_fallback_in_memory_for_a_type_without_spec():
+def test_probe_in_memory_for_a_type_without_spec():
     model = _tapas()
     assert "tapas" not in posextend.SPECS
     old = model.embeddings.position_embeddings.weight.detach().clone()
@@ -165,31 +165,59 @@ def test_generic_fallback_in_memory_for_a_type_without_spec():
     assert out.last_hidden_state.shape == (1, NEW, 16)
 
 
-def test_generic_fallback_on_disk_and_inspect_says_so(tmp_path):
+def test_probe_on_disk_verifies_and_inspect_says_so(tmp_path):
     src = tmp_path / "tapas"
     _tapas().save_pretrained(src)
     info = posextend.inspect_checkpoint(src)
-    assert info.spec == "generic fallback" and info.usable == POSITIONS
+    assert (info.spec, info.covered_by, info.usable) == ("probed", "probed", POSITIONS)
     assert [t.name for t in info.tables] == ["embeddings.position_embeddings.weight"]
-    posextend.resize_checkpoint(src, tmp_path / "out", NEW)
+    report = posextend.resize_checkpoint(src, tmp_path / "out", NEW)
+    assert report.covered_by == "probed" and report.verified
     model = load_clean(tmp_path / "out", transformers.TapasModel)
     with torch.no_grad():
         assert model(input_ids=torch.randint(5, 900, (1, NEW))).last_hidden_state.shape[1] == NEW
 
 
-def test_generic_fallback_refuses_when_several_tables_match():
+def test_probe_resizes_every_table_one_field_drives():
+    """LUKE's entity positions index token positions: its second table follows the same length."""
     cfg = transformers.LukeConfig(vocab_size=1000, entity_vocab_size=50, hidden_size=16, entity_emb_size=16,
                                   num_hidden_layers=1, num_attention_heads=2, intermediate_size=48,
                                   max_position_embeddings=POSITIONS)
     model = transformers.LukeModel(cfg)
-    with pytest.raises(posextend.UnsupportedArchitectureError, match="several match max_position_embeddings=37") as e:
+    old = model.entity_embeddings.position_embeddings.weight.detach().clone()
+    posextend.extend_model(model, NEW)
+    # RoBERTa-style: word positions start at padding_idx + 1 = 2, and the config counts those rows
+    assert model.config.max_position_embeddings == NEW + 2
+    entity = model.entity_embeddings.position_embeddings.weight
+    assert model.embeddings.position_embeddings.weight.shape[0] == entity.shape[0] == NEW + 2
+    assert torch.equal(entity[:POSITIONS], old)
+    with torch.no_grad():
+        out = model(input_ids=torch.randint(5, 900, (1, NEW)))
+    assert out.last_hidden_state.shape == (1, NEW, 16)
+
+
+def test_probe_refuses_a_config_that_disagrees_with_the_weights():
+    model = _tapas()
+    model.config.max_position_embeddings = 999
+    with pytest.raises(posextend.CorruptCheckpointError, match="the config and the weights disagree"):
         posextend.extend_model(model, NEW)
-    assert "entity_embeddings.position_embeddings.weight" in str(e.value)
     assert model.embeddings.position_embeddings.weight.shape[0] == POSITIONS  # untouched
 
 
-def test_generic_fallback_refuses_when_none_matches():
-    model = _tapas()
-    model.config.max_position_embeddings = 999
-    with pytest.raises(posextend.UnsupportedArchitectureError, match="none matches max_position_embeddings=999"):
-        posextend.extend_model(model, NEW)
+def test_written_specs_agree_with_what_the_probe_observes():
+    """Every written spec states what a twin of the family shows (tables, reserved rows, length field)."""
+    from posextend.probe import observe
+
+    for model_type, family in FAMILIES.items():
+        spec = posextend.SPECS[model_type]
+        cfg = family.config()
+        headed = type(family.headed.from_config(cfg))  # the concrete class behind the Auto class
+        config = {**cfg.to_dict(), "model_type": model_type, "architectures": [headed.__name__]}
+        observed = {s.length_keys[0]: s for s in observe(config)}
+        assert spec.length_keys[0] in observed, f"{model_type}: the probe finds no table for {spec.length_keys[0]}"
+        seen = observed[spec.length_keys[0]]
+        prefix = f"{spec.prefix}." if spec.prefix else ""
+        names = {t.removeprefix(prefix) for t in seen.tables}
+        assert names == set(spec.tables), f"{model_type}: spec {spec.tables}, observed {seen.tables}"
+        assert seen.reserved_rows(config) == spec.reserved_rows(config), model_type
+        assert seen.usable_from_config(config) == spec.usable_from_config(config), model_type

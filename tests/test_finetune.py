@@ -186,3 +186,27 @@ def test_finetune_bad_input(gpt, corpus, tmp_path, case, args, message):
 def test_model_without_head_needs_init_head(minilm, corpus, tmp_path):
     with pytest.raises(posextend.TrainingError, match="has no masked-LM head .* pass --init-head"):
         finetune(minilm, tmp_path / "out", [corpus], length=600, steps=1)
+
+
+def test_a_family_without_a_written_spec_is_fine_tuned_through_the_probe(corpus, tmp_path):
+    """MPNet has no written spec: the fine-tune finds its table (2 reserved rows) on a twin."""
+    from tiny import bert_tokenizer
+
+    cfg = transformers.MPNetConfig(vocab_size=30527, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                   intermediate_size=48, max_position_embeddings=34, pad_token_id=1)
+    assert "mpnet" not in posextend.SPECS
+    src = tmp_path / "mpnet"
+    torch.manual_seed(0)
+    transformers.MPNetForMaskedLM(cfg).save_pretrained(src)
+    bert_tokenizer(32).save_pretrained(src)
+    report = finetune(src, tmp_path / "out", [corpus], length=64, strategy="interpolate", steps=4, train="new-rows",
+                      batch_size=2, seed=0)
+    assert (report.old_length, report.new_length) == (32, 64)
+    before, after = _state(src), _state(tmp_path / "out")
+    name = "mpnet.embeddings.position_embeddings.weight"
+    assert after[name].shape == (66, 16)
+    assert torch.equal(after[name][:2], before[name][:2])  # the reserved rows
+    model = transformers.MPNetForMaskedLM.from_pretrained(tmp_path / "out")
+    assert model.config.max_position_embeddings == 66
+    with torch.no_grad():
+        assert model(input_ids=torch.full((1, 64), 2000)).logits.shape == (1, 64, 30527)

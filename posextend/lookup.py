@@ -1,0 +1,64 @@
+"""The one lookup of a family's facts, used by every door (file path, in-memory, analysis, fine-tune).
+
+A model type with a written spec (:data:`posextend.specs.SPECS`) gets it; any other is
+observed on twins of its own config (:func:`posextend.probe.observe`), never guessed.
+Models whose positions are not a learned table are refused with what they use instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from .errors import NotLearnedPositionsError, UnsupportedArchitectureError
+from .specs import SPECS, ArchitectureSpec, positions_kind_problem
+
+
+def all_specs(config: Mapping[str, Any], *, cls: type | None = None) -> tuple[ArchitectureSpec, ...]:
+    """Every position length of a model: one spec per group of tables that one config field sizes.
+
+    ``cls``: the model's class when it is not the one ``config["architectures"]`` names
+    (in memory). Raises :class:`NotLearnedPositionsError` or :class:`UnsupportedArchitectureError`.
+    """
+    model_type = config.get("model_type")
+    problem = positions_kind_problem(config)
+    if problem:
+        advice = (
+            "use its own length scaling (e.g. rope_scaling) instead"
+            if "rotary" in problem
+            else "there is no learned table to extend"
+        )
+        raise NotLearnedPositionsError(
+            f"Model type {model_type!r} uses {problem}, not a learned absolute position "
+            f"table; posextend does not apply: {advice}."
+        )
+    if model_type in SPECS:
+        return (SPECS[model_type],)
+    from .probe import observe
+
+    return observe(config, cls)
+
+
+def spec_for(config: Mapping[str, Any], *, cls: type | None = None, table: str | None = None) -> ArchitectureSpec:
+    """The spec of the tables to resize: the model's only length, or the group named ``table``.
+
+    Example::
+
+        >>> spec_for(json.load(open("led/config.json")), table="decoder").length_keys
+        ('max_decoder_position_embeddings',)
+    """
+    specs = all_specs(config, cls=cls)
+    if table is None and len(specs) == 1:
+        return specs[0]
+    names = {s.group: s for s in specs}
+    if table in names:
+        return names[table]
+    lengths = ", ".join(f"{s.group} ({s.length_keys[0]}={s.config_length(config)})" for s in specs)
+    if table is None:
+        raise UnsupportedArchitectureError(
+            f"Model type {config.get('model_type')!r} has several position lengths: {lengths}; "
+            "choose the table to resize by its name."
+        )
+    raise UnsupportedArchitectureError(
+        f"Model type {config.get('model_type')!r} has no table {table!r}; its tables: {lengths}."
+    )

@@ -1,0 +1,280 @@
+"""Facts no spec states, observed on twins of the model (see :mod:`posextend.twin`).
+
+:func:`observe` derives the specs of a model type from its own code: for every length-like
+config field (nested ones included), meta twins at two values show which tensors follow it;
+a tiny twin's lookups show which rows positions ``0..n-1`` use (the first is the number of
+reserved rows); tiny twins at two values show how each buffer that follows is rebuilt.
+Anything inconclusive is refused with the reason.
+
+:func:`verify` checks a written checkpoint: a twin of the *written* config must have the
+written tensors' shapes, and a tiny twin of it must run at the full new length.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from . import twin
+from .errors import UnsupportedArchitectureError, VerificationError
+from .specs import ArchitectureSpec, BufferRule
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+DELTA = 7  # how far the second twin's length field moves (odd, so no tensor matches by chance)
+LOOKUP_TOKENS = 5
+_LENGTH_FIELD = re.compile(r"(position|positions|ctx|seq_len|block_size|context_length|max_len)", re.I)
+_GROUP_NAMES = {"max_target_positions": "decoder", "max_decoder_position_embeddings": "decoder",
+                "max_source_positions": "encoder", "max_encoder_position_embeddings": "encoder"}
+
+
+def length_fields(config: Mapping[str, Any]) -> list[str]:
+    """Integer config fields (nested included) whose name says they may size positions."""
+    fields = []
+    for prefix, sub in twin.sub_configs(config):
+        for key, value in sub.items():
+            if isinstance(value, int) and not isinstance(value, bool) and value > LOOKUP_TOKENS and _LENGTH_FIELD.search(key):
+                fields.append(prefix + key)
+    return fields
+
+
+def group_name(path: str) -> str:
+    """What a user calls the tables one field drives: ``text``, ``encoder``, ``decoder`` or ``model``."""
+    head, _, leaf = path.rpartition(".")
+    if head:
+        first = head.split(".")[0]
+        return first.removesuffix("_config") or first
+    return _GROUP_NAMES.get(leaf, "model")
+
+
+def _objective(config: Mapping[str, Any], cls: type) -> str:
+    name = cls.__name__
+    if name.endswith(("ForCausalLM", "LMHeadModel")):
+        return "causal"
+    if name.endswith("ForMaskedLM"):
+        return "masked"
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+    model_type = config.get("model_type", "")
+    if model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES:
+        return "masked"
+    if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not config.get("is_encoder_decoder"):
+        return "causal"
+    return "other"
+
+
+def observe(config: Mapping[str, Any], cls: type | None = None) -> tuple[ArchitectureSpec, ...]:
+    """The specs (one per length field that drives a learned table) observed on twins.
+
+    Raises :class:`UnsupportedArchitectureError` naming what was inconclusive when no field
+    drives a table whose lookups follow the token positions.
+    """
+    return _observe(json.dumps(dict(config), sort_keys=True, default=str), _qualname(cls))
+
+
+def _qualname(cls: type | None) -> str | None:
+    return f"{cls.__module__}.{cls.__qualname__}" if cls else None
+
+
+@functools.lru_cache(maxsize=32)
+def _observe(config_json: str, cls_name: str | None) -> tuple[ArchitectureSpec, ...]:
+    config = json.loads(config_json)
+    cls = twin._resolve(cls_name) or twin.model_class(config)
+    model_type = config.get("model_type", "?")
+    base_saved = twin.meta_shapes(config, cls)
+    base_all = twin.meta_shapes(config, cls, saved=False)
+    params = _param_names(config, cls)
+    specs, reasons = [], []
+    claimed: dict[str, str] = {}
+    for path in length_fields(config):
+        value = twin.get_path(config, path)
+        moved_config = twin.set_path(config, path, value + DELTA)
+        try:
+            moved = twin.meta_shapes(moved_config, cls, saved=False)
+        except UnsupportedArchitectureError as exc:
+            reasons.append(f"{path}: {exc}")
+            continue
+        changed = {n: (s, moved.get(n)) for n, s in base_all.items() if moved.get(n) != s}
+        if not changed:
+            continue
+        try:
+            spec = _group(config, cls, path, value, changed, params, base_saved, model_type)
+        except UnsupportedArchitectureError as exc:
+            reasons.append(str(exc))
+            continue
+        if spec is None:
+            continue
+        for t in spec.tables:
+            if t in claimed:
+                raise UnsupportedArchitectureError(
+                    f"{model_type}: table {t} follows both {claimed[t]} and {path}; which one sizes it is ambiguous."
+                )
+            claimed[t] = path
+        specs.append(spec)
+    if not specs:
+        why = "; ".join(reasons) if reasons else "no config field changes the size of a learned table"
+        raise UnsupportedArchitectureError(
+            f"No spec for model type {model_type!r}, and its twin shows no position table to resize ({why})."
+        )
+    return tuple(specs)
+
+
+def _param_names(config: Mapping[str, Any], cls: type) -> frozenset[str]:
+    model = twin.build(config, device="meta", cls=cls)
+    return frozenset(n for n, _ in model.named_parameters())
+
+
+def _group(
+    config: dict[str, Any], cls: type, path: str, value: int,
+    changed: dict[str, tuple[tuple[int, ...], tuple[int, ...] | None]],
+    params: frozenset[str], saved: Mapping[str, tuple[int, ...]], model_type: str,
+) -> ArchitectureSpec | None:
+    """The spec of the tables and buffers that ``path`` drives, or None if it drives no lookup table."""
+    tables, buffers, odd = [], [], []
+    for name, (old, new) in changed.items():
+        if new is None or len(new) != len(old):
+            odd.append(f"{name} {list(old)} -> {new and list(new)}")
+        elif len(old) == 2 and new == (old[0] + DELTA, old[1]) and name in params:
+            tables.append(name)
+        else:
+            buffers.append(name)
+    if not tables:
+        return None  # the field sizes something, but no learned table (e.g. a rotary cache)
+    rows = changed[tables[0]][0][0]
+    if any(changed[t][0][0] != rows for t in tables):
+        raise UnsupportedArchitectureError(f"{model_type}: the tables {path} drives have different lengths.")
+    companions = [b for b in buffers if changed[b] == changed[tables[0]]]  # e.g. I-BERT's weight_integer
+    buffers = [b for b in buffers if b not in companions]
+    if odd:
+        raise UnsupportedArchitectureError(f"{model_type}: {path} also changes {', '.join(odd[:3])}.")
+    first, small_config = _first_row(config, cls, tables, model_type, path)
+    if first is None:
+        return None  # its lookups do not follow token positions (e.g. LayoutLM's 2-D box tables)
+    usable = rows - first
+    if value == rows:
+        counts_reserved = True
+    elif value == usable:
+        counts_reserved = False
+    else:
+        raise UnsupportedArchitectureError(
+            f"{model_type}: {path}={value} but its table has {rows} rows with positions starting at row {first}; "
+            "how the field counts positions is ambiguous."
+        )
+    rules = _buffer_rules(small_config, cls, path, value, buffers, model_type)
+    return ArchitectureSpec(
+        model_type=model_type, prefix="", tables=tuple(tables + companions), length_keys=(path,), reserved=first,
+        config_counts_reserved=counts_reserved, buffers=rules, objective=_objective(config, cls),
+        note="probed", group=group_name(path),
+    )
+
+
+def _first_row(
+    config: Mapping[str, Any], cls: type, tables: list[str], model_type: str, path: str,
+) -> tuple[int | None, dict[str, Any]]:
+    """The first row positions ``0..n-1`` use (after checking they use consecutive rows), and the
+    tiny twin's config."""
+    import torch
+
+    try:
+        used, small_config = twin.tiny_lookups(config, cls, tables, LOOKUP_TOKENS)
+    except RuntimeError as exc:
+        raise UnsupportedArchitectureError(
+            f"{model_type}: cannot run the module around {tables[0]} to see which rows positions use ({exc})."
+        ) from None
+    for name, rows in used.items():
+        start = int(rows[0])
+        if not torch.equal(rows[:LOOKUP_TOKENS], torch.arange(start, start + LOOKUP_TOKENS)):
+            log.debug("%s: %s is looked up at rows %s, not by position", model_type, name, rows.tolist()[:10])
+            return None, small_config
+    starts = {int(rows[0]) for rows in used.values()}
+    if len(starts) != 1:
+        raise UnsupportedArchitectureError(f"{model_type}: the tables {path} drives start at different rows {starts}.")
+    return starts.pop(), small_config
+
+
+def _buffer_rules(
+    small_config: dict[str, Any], cls: type, path: str, value: int, buffers: list[str], model_type: str,
+) -> tuple[BufferRule, ...]:
+    """How each buffer that follows the field is rebuilt: the one rule that reproduces a twin's."""
+    if not buffers:
+        return ()
+    a = dict(twin.build(small_config, cls=cls).named_buffers())
+    b = dict(twin.build(twin.set_path(small_config, path, value + DELTA), cls=cls).named_buffers())
+    rules = []
+    for name in buffers:
+        old, new = a.get(name), b.get(name)
+        if old is None or new is None:
+            raise UnsupportedArchitectureError(f"{model_type}: {name} follows {path} but is not a buffer posextend can rebuild.")
+        offset = old.shape[-1] - value
+        found = [kind for kind in ("arange", "zeros", "toeplitz")
+                 if _reproduces(BufferRule("", kind, offset), old, new, value + DELTA)]
+        if len(found) != 1:
+            raise UnsupportedArchitectureError(
+                f"{model_type}: buffer {name} {list(old.shape)} follows {path}, and "
+                + ("no rule (arange, zeros, causal mask) rebuilds it." if not found else f"several rules fit ({found}).")
+            )
+        rules.append(BufferRule(rf"^{re.escape(name)}$", found[0], offset))
+    return tuple(rules)
+
+
+def _reproduces(rule: BufferRule, old: torch.Tensor, new: torch.Tensor, value: int) -> bool:
+    import torch
+
+    try:
+        if rule.new_shape(tuple(old.shape), value) != tuple(new.shape):
+            return False
+        return torch.equal(rule.rebuild(old, value), new)
+    except (RuntimeError, IndexError, ValueError):
+        return False
+
+
+# ----------------------------------------------------------------------------- verification
+
+
+def verify(
+    directory: Path, spec: ArchitectureSpec, tables: list[str], shapes: Mapping[str, tuple[int, ...]],
+    source_shapes: Mapping[str, tuple[int, ...]], usable: int, reserved: int, cls: type | None = None,
+) -> None:
+    """Check a written checkpoint against a twin of its written config; raise VerificationError.
+
+    ``shapes``: the written tensors; ``source_shapes``: the source's (a tensor of the model
+    the source had must be written).
+    """
+    config = json.loads((directory / "config.json").read_text())
+    expected = twin.meta_shapes(config, cls)
+    # Names on disk can differ from the model's (transformers renames some on load, e.g. LayerNorm.gamma):
+    # shapes are compared where the names agree, which covers every tensor a length field sizes.
+    wrong = [f"{n}: written {list(s)}, model expects {list(expected[n])}" for n, s in shapes.items()
+             if n in expected and expected[n] != s]
+    missing = [n for n in tables if n not in expected]
+    lost = [n for n in source_shapes if n not in shapes and n in expected]
+    problems = wrong + [f"{n}: not a tensor of the model" for n in missing] + [f"{n}: not written" for n in lost]
+    if problems:
+        raise VerificationError(
+            f"The written {spec.model_type} checkpoint does not match its own config ({'; '.join(problems[:3])}); "
+            "nothing was written. Please report this model type."
+        )
+    try:
+        used, _ = twin.tiny_lookups(config, cls, tables, usable)
+    except RuntimeError as exc:
+        raise VerificationError(
+            f"A twin of the written {spec.model_type} checkpoint fails at its full length {usable} ({exc}); "
+            "nothing was written."
+        ) from None
+    import torch
+
+    for name, rows in used.items():
+        if not torch.equal(rows[:usable], torch.arange(reserved, reserved + usable)):
+            raise VerificationError(
+                f"A twin of the written {spec.model_type} checkpoint looks up {name} at rows "
+                f"{int(rows[0])}..{int(rows[:usable].max())} for {usable} positions, not "
+                f"{reserved}..{reserved + usable - 1}; nothing was written."
+            )

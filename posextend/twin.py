@@ -1,0 +1,382 @@
+"""Tiny twins: a model built from a checkpoint's own ``config.json``, to observe and to verify.
+
+Two kinds, both from the same transformers class the checkpoint names (``architectures``):
+
+- a *meta* twin at the config's full size, on PyTorch's meta device: exact names and
+  shapes of every tensor, no memory, no weights read (~0.05 s);
+- a *tiny* twin with widths, layers and vocabulary shrunk (every length field kept), on
+  the CPU with random init: buffer values, which table rows a lookup uses, and a forward
+  pass at a given length.
+
+Config paths name nested fields with dots: ``text_config.max_position_embeddings``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import inspect
+import json
+import logging
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+from .errors import UnsupportedArchitectureError
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+log = logging.getLogger(__name__)
+
+# ----------------------------------------------------------------------------- config paths
+
+
+def get_path(config: Mapping[str, Any], path: str) -> Any:
+    """``config["a"]["b"]`` for ``path="a.b"``; None when any part is missing."""
+    node: Any = config
+    for part in path.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def set_path(config: Mapping[str, Any], path: str, value: Any) -> dict[str, Any]:
+    """A deep copy of ``config`` with ``path`` set to ``value``."""
+    out = copy.deepcopy(dict(config))
+    node = out
+    *parents, leaf = path.split(".")
+    for part in parents:
+        node = node[part]
+    node[leaf] = value
+    return out
+
+
+def sub_configs(config: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Mapping[str, Any]]]:
+    """``(path, dict)`` for the config and every nested sub-config (``text_config``, ``decoder`` ...)."""
+    yield prefix, config
+    for key, value in config.items():
+        if isinstance(value, Mapping) and "model_type" in value:
+            yield from sub_configs(value, f"{prefix}{key}.")
+
+
+# ----------------------------------------------------------------------------- shrinking
+
+_WIDTH = ("hidden_size", "d_model", "n_embd", "dim", "emb_dim", "embed_dim", "embedding_size", "word_embed_proj_dim",
+          "projection_dim", "input_embedding_size", "output_embedding_size", "true_hidden_size", "intra_bottleneck_size",
+          "entity_emb_size", "text_embed_dim", "vision_embed_dim", "hidden_dim_size", "d_latents")
+_HEADS = ("num_attention_heads", "n_head", "n_heads", "num_heads", "encoder_attention_heads", "decoder_attention_heads",
+          "num_self_attention_heads", "num_cross_attention_heads")
+_FFN = ("intermediate_size", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim", "n_inner", "d_ff", "hidden_dim")
+_EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_experts_per_tok",
+            "n_shared_experts", "num_shared_experts", "moe_intermediate_size", "shared_expert_intermediate_size")
+_LAYERS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "encoder_layers", "decoder_layers",
+           "num_encoder_layers", "num_decoder_layers", "num_self_attends_per_block")
+_VOCAB = ("vocab_size",)
+TINY_WIDTH, TINY_HEADS, TINY_FFN, TINY_LAYERS, TINY_VOCAB = 64, 2, 96, 2, 512  # width // 64 heads still works
+
+
+def _token_ids(config: Mapping[str, Any]) -> list[int]:
+    return [v for k, v in config.items() if k.endswith("token_id") and isinstance(v, int) and v >= 0]
+
+
+def shrink(config: Mapping[str, Any], *, widths: bool = True) -> dict[str, Any]:
+    """``config`` with layers (and, with ``widths``, hidden sizes, heads, vocabulary) made tiny.
+
+    Length fields, token ids, ``padding_idx`` and everything else that decides positions
+    are kept. Lists with one entry per layer are cut to the new number of layers.
+    """
+    out = copy.deepcopy(dict(config))
+    for key, value in list(out.items()):
+        if isinstance(value, Mapping) and "model_type" in value:
+            out[key] = shrink(value, widths=widths)
+    layers = {k: out[k] for k in _LAYERS if isinstance(out.get(k), int) and out[k] > TINY_LAYERS}
+    for key, old in layers.items():
+        out[key] = TINY_LAYERS
+        for name, value in list(out.items()):
+            if isinstance(value, list) and len(value) == old and name not in ("architectures",):
+                out[name] = value[:TINY_LAYERS]
+    if isinstance(out.get("vocab_size"), int) and out["vocab_size"] > TINY_VOCAB:
+        out["vocab_size"] = max([TINY_VOCAB, *(i + 1 for i in _token_ids(out))])
+    if not widths:
+        return out
+    for keys, size in ((_WIDTH, TINY_WIDTH), (_HEADS, TINY_HEADS), (_FFN, TINY_FFN)):
+        for key in keys:
+            if isinstance(out.get(key), int) and not isinstance(out[key], bool) and out[key] > size:
+                out[key] = size
+    for key in ("head_dim", "d_kv", "attention_head_size"):
+        if isinstance(out.get(key), int) and out[key] > TINY_WIDTH // TINY_HEADS:
+            out[key] = TINY_WIDTH // TINY_HEADS
+    for key in _EXPERTS:
+        if isinstance(out.get(key), int) and not isinstance(out[key], bool) and out[key] > 2:
+            out[key] = 2 if "intermediate" not in key else TINY_FFN
+    for key in ("num_key_value_heads", "num_kv_heads"):
+        if isinstance(out.get(key), int) and out[key] > TINY_HEADS:
+            out[key] = TINY_HEADS
+    return out
+
+
+# ----------------------------------------------------------------------------- building
+
+
+def config_object(config: Mapping[str, Any]):
+    """The transformers config object for a ``config.json`` dict."""
+    import transformers
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if config.get("model_type") not in CONFIG_MAPPING_NAMES:
+        raise UnsupportedArchitectureError(
+            f"Unsupported architecture {config.get('model_type')!r}: transformers {transformers.__version__} does not "
+            "know this model type; check config.json's model_type or upgrade transformers."
+        )
+    data = {k: v for k, v in config.items() if k != "model_type"}
+    try:
+        return AutoConfig.for_model(config.get("model_type", ""), **data)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise UnsupportedArchitectureError(
+            f"transformers cannot build a config of type {config.get('model_type')!r} ({_first_line(exc)}); "
+            "upgrade transformers or check config.json."
+        ) from None
+
+
+def model_class(config: Mapping[str, Any]) -> type:
+    """The class the checkpoint names in ``architectures`` (else the AutoModel class of its type)."""
+    import transformers
+
+    for name in config.get("architectures") or []:
+        cls = getattr(transformers, name, None)
+        if isinstance(cls, type):
+            return cls
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+
+    names = MODEL_MAPPING_NAMES.get(config.get("model_type", ""))
+    for name in [names] if isinstance(names, str) else list(names or []):
+        cls = getattr(transformers, name, None)
+        if isinstance(cls, type):
+            return cls
+    raise UnsupportedArchitectureError(
+        f"transformers has no model class for {config.get('model_type')!r} "
+        f"(architectures: {config.get('architectures')}); cannot observe where its positions live."
+    )
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:200]}" if text else type(exc).__name__
+
+
+MAX_TWIN_PARAMS = 100_000_000  # a CPU twin larger than this (400 MB in float32) is not built
+
+
+def build(config: Mapping[str, Any], *, device: str = "cpu", cls: type | None = None, seed: int = 0) -> nn.Module:
+    """Instantiate ``cls`` (default: :func:`model_class`) from a config dict, random init, eval mode.
+
+    A CPU twin is first built on the meta device: over :data:`MAX_TWIN_PARAMS` parameters it
+    is refused (``UnsupportedArchitectureError``) instead of filling the memory.
+    """
+    import torch
+    import transformers
+
+    cls = cls or model_class(config)
+    if device != "meta":
+        size = sum(p.numel() for p in build(config, device="meta", cls=cls).parameters())
+        if size > MAX_TWIN_PARAMS:
+            raise UnsupportedArchitectureError(
+                f"A twin of {config.get('model_type')!r} would still have {size / 1e6:.0f}M parameters after "
+                "shrinking; its position table cannot be observed on this machine."
+            )
+    cfg = config_object(config)
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    try:
+        torch.manual_seed(seed)
+        with torch.device(device), _quiet():
+            model = cls._from_config(cfg) if hasattr(cls, "_from_config") else cls(cfg)
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+    return model.float().eval() if device != "meta" else model.eval()
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+def _key(config: Mapping[str, Any], cls: type | None) -> str:
+    return json.dumps([config, cls.__module__ + "." + cls.__qualname__ if cls else None], sort_keys=True, default=str)
+
+
+@functools.lru_cache(maxsize=64)
+def _meta_shapes(key: str) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
+    config, cls_name = json.loads(key)
+    cls = _resolve(cls_name)
+    model = build(config, device="meta", cls=cls)
+    saved = {n: tuple(t.shape) for n, t in model.state_dict().items()}
+    every = {n: tuple(t.shape) for n, t in [*model.named_parameters(), *model.named_buffers()]}
+    return saved, every
+
+
+def _resolve(qualified: str | None) -> type | None:
+    if qualified is None:
+        return None
+    import importlib
+
+    module, _, name = qualified.rpartition(".")
+    obj: Any = importlib.import_module(module)
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def meta_shapes(config: Mapping[str, Any], cls: type | None = None, *, saved: bool = True) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of the twin's tensors: what ``save_pretrained`` writes (``saved``), or
+    every parameter and buffer (persistent or not), for in-memory models."""
+    try:
+        shapes = _meta_shapes(_key(config, cls))
+    except UnsupportedArchitectureError:
+        raise
+    except Exception as exc:  # any failure of a foreign model's constructor
+        raise UnsupportedArchitectureError(
+            f"Could not build a twin of {config.get('model_type')!r} from its config ({_first_line(exc)}); "
+            "its position table cannot be observed."
+        ) from None
+    return dict(shapes[0] if saved else shapes[1])
+
+
+def tiny_lookups(
+    config: Mapping[str, Any], cls: type | None, tables: list[str], length: int,
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """:func:`run_lookups` on a tiny CPU twin: widths shrunk if such a twin runs, else layers only.
+
+    Returns the rows used and the shrunk config. Raises ``RuntimeError`` naming the failures.
+    """
+    failures = []
+    for widths in (True, False):
+        small = shrink(config, widths=widths)
+        try:
+            model = build(small, cls=cls)
+        except UnsupportedArchitectureError:
+            raise
+        except Exception as exc:  # a foreign constructor: try a milder shrink
+            failures.append(f"building: {_first_line(exc)}")
+            continue
+        try:
+            return run_lookups(model, tables, length, token=safe_token(small))[0], small
+        except RuntimeError as exc:
+            failures.append(str(exc))
+    raise RuntimeError(failures[-1] if failures else "no twin")
+
+
+# ----------------------------------------------------------------------------- watching lookups
+
+
+class _Lookups:
+    """Records the rows every ``F.embedding`` / ``weight[...]`` lookup into given tensors uses
+    (the first sequence of each lookup: ``index[0, :]`` of a batch)."""
+
+    def __init__(self, tables: Mapping[str, torch.Tensor]):
+        from torch.overrides import TorchFunctionMode
+
+        self.tables = dict(tables)
+        self.seen: dict[str, list[torch.Tensor]] = {n: [] for n in tables}
+        owner = self
+
+        class Mode(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                owner._record(func, args, kwargs or {})
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Mode()
+
+    def _record(self, func, args, kwargs) -> None:
+        import torch
+        import torch.nn.functional as F
+
+        if func is F.embedding and len(args) >= 1:
+            index, weight = args[0], args[1] if len(args) > 1 else kwargs.get("weight")
+        elif func is torch.Tensor.__getitem__ and len(args) == 2:
+            weight, index = args
+            if isinstance(index, tuple) and index:
+                index = index[0]
+            if isinstance(index, slice):
+                rows = weight.shape[0] if isinstance(weight, torch.Tensor) and weight.dim() else 0
+                index = torch.arange(rows)[index]
+        else:
+            return
+        for name, table in self.tables.items():
+            if weight is table and isinstance(index, torch.Tensor) and index.dim() >= 1:
+                self.seen[name].append(index.detach().reshape(-1, index.shape[-1])[0].cpu().clone())
+
+    def __enter__(self) -> _Lookups:
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.mode.__exit__(*exc)
+
+
+def _accepts(module: nn.Module, name: str) -> bool:
+    try:
+        return name in inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def run_lookups(
+    model: nn.Module, tables: list[str], length: int, *, token: int,
+) -> tuple[dict[str, torch.Tensor], str]:
+    """Run the outermost module around ``tables`` that takes token ids on ``length`` tokens.
+
+    Only tables that are parameters are watched (a companion buffer such as I-BERT's
+    ``weight_integer`` follows its table but is not looked up). Returns the rows each table's first lookup used (for the first sequence) and the name of
+    the module that ran. Every token is ``token`` (never the padding id).
+    Raises ``RuntimeError`` with the last failure when no module on the way runs.
+    """
+    import torch
+
+    learned = dict(model.named_parameters())
+    watched = {n: learned[n] for n in tables if n in learned}  # companion buffers are not looked up
+    if not watched:
+        raise RuntimeError(f"none of {', '.join(tables)} is a learned parameter of {type(model).__name__}")
+    tables = list(watched)
+    ids = torch.full((1, length), token, dtype=torch.long)
+    paths = {""}
+    for name in tables:
+        parts = name.split(".")[:-1]
+        paths.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+    failures = []
+    for path in sorted(paths, key=lambda p: (p.count(".") + bool(p), p)):
+        module = model.get_submodule(path) if path else model
+        key = next((k for k in ("input_ids", "inputs") if _accepts(module, k)), None)  # Perceiver: inputs
+        if key is None:
+            continue
+        kwargs = {key: ids}
+        if _accepts(module, "decoder_input_ids") and getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+            kwargs["decoder_input_ids"] = ids
+        if _accepts(module, "bbox"):  # layout models: one box per token
+            kwargs["bbox"] = torch.zeros((1, length, 4), dtype=torch.long)
+        with _Lookups(watched) as seen, torch.no_grad(), _quiet():
+            try:
+                module(**kwargs)
+            except Exception as exc:  # a foreign forward: try the next module inside
+                failures.append(f"{path or type(model).__name__}: {_first_line(exc)}")
+                continue
+        if any(seen.seen[n] for n in tables):  # a table may also be used whole (Perceiver's output queries)
+            return {n: seen.seen[n][0] for n in tables if seen.seen[n]}, path or type(model).__name__
+        failures.append(f"{path or type(model).__name__}: ran without looking up {', '.join(tables)}")
+    raise RuntimeError("; ".join(failures[-3:]) or "no module around the table takes input_ids")
+
+
+def safe_token(config: Mapping[str, Any]) -> int:
+    """A token id every tower's vocabulary holds that is no special token (never the padding id)."""
+    sizes = [v for _, sub in sub_configs(config) if isinstance(v := sub.get("vocab_size"), int) and v >= 1]
+    special = {i for _, sub in sub_configs(config) for i in _token_ids(sub)}
+    vocab = min(sizes, default=100)
+    return next((t for t in range(min(vocab, 1000) - 1, -1, -1) if t not in special), 0)
