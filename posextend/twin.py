@@ -329,6 +329,21 @@ def _accepts(module: nn.Module, name: str) -> bool:
         return False
 
 
+def forward_inputs(model: nn.Module, module: nn.Module, ids: torch.Tensor) -> dict[str, torch.Tensor] | None:
+    """Keyword arguments that run ``module`` (a part of ``model``) on token ``ids``; None if it takes none."""
+    import torch
+
+    key = next((k for k in ("input_ids", "inputs") if _accepts(module, k)), None)  # Perceiver: inputs
+    if key is None:
+        return None
+    kwargs = {key: ids}
+    if _accepts(module, "decoder_input_ids") and getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        kwargs["decoder_input_ids"] = ids
+    if _accepts(module, "bbox"):  # layout models: one box per token
+        kwargs["bbox"] = torch.zeros((*ids.shape, 4), dtype=torch.long)
+    return kwargs
+
+
 def run_lookups(
     model: nn.Module, tables: list[str], length: int, *, token: int,
 ) -> tuple[dict[str, torch.Tensor], str]:
@@ -354,14 +369,9 @@ def run_lookups(
     failures = []
     for path in sorted(paths, key=lambda p: (p.count(".") + bool(p), p)):
         module = model.get_submodule(path) if path else model
-        key = next((k for k in ("input_ids", "inputs") if _accepts(module, k)), None)  # Perceiver: inputs
-        if key is None:
+        kwargs = forward_inputs(model, module, ids)
+        if kwargs is None:
             continue
-        kwargs = {key: ids}
-        if _accepts(module, "decoder_input_ids") and getattr(getattr(model, "config", None), "is_encoder_decoder", False):
-            kwargs["decoder_input_ids"] = ids
-        if _accepts(module, "bbox"):  # layout models: one box per token
-            kwargs["bbox"] = torch.zeros((1, length, 4), dtype=torch.long)
         with _Lookups(watched) as seen, torch.no_grad(), _quiet():
             try:
                 module(**kwargs)

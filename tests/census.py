@@ -136,13 +136,8 @@ def holds_table(config: dict, cls: type) -> str:
 
 def _forward_output(model, path: str, ids: torch.Tensor) -> torch.Tensor:
     module = model.get_submodule(path) if path and path != type(model).__name__ else model
-    kwargs = {"input_ids": ids}
-    if twin._accepts(module, "decoder_input_ids") and getattr(model.config, "is_encoder_decoder", False):
-        kwargs["decoder_input_ids"] = ids
-    if twin._accepts(module, "bbox"):
-        kwargs["bbox"] = torch.zeros((*ids.shape, 4), dtype=torch.long)
     with torch.no_grad():
-        out = module(**kwargs)
+        out = module(**twin.forward_inputs(model, module, ids))
     if isinstance(out, torch.Tensor):
         return out
     for key in ("logits", "last_hidden_state"):
@@ -186,7 +181,7 @@ def _runs(model, config: dict) -> bool:
     """Whether the model's outermost module that takes token ids runs on 5 tokens."""
     ids = torch.full((1, 5), twin.safe_token(config), dtype=torch.long)
     for name, module in model.named_modules():
-        if name.count(".") > 1 or not twin._accepts(module, "input_ids"):
+        if name.count(".") > 1 or twin.forward_inputs(model, module, ids) is None:
             continue
         try:
             _forward_output(model, name, ids)
