@@ -22,31 +22,34 @@ from torch import nn
 from .errors import PosExtendError
 
 
-def table_of(obj: Any) -> torch.Tensor:
-    """The usable rows of a position table, as float32 on the CPU."""
+def table_of(obj: Any, table: str | None = None) -> torch.Tensor:
+    """The usable rows of a position table, as float32 on the CPU.
+
+    ``table`` names the tables of a model or checkpoint with several lengths (``"decoder"``).
+    """
     from .nn import LearnedPositionalEmbedding
 
     if isinstance(obj, torch.Tensor):
-        table = obj
+        rows = obj
     elif isinstance(obj, (LearnedPositionalEmbedding, nn.Embedding)):
-        table = obj.weight
+        rows = obj.weight
     elif isinstance(obj, nn.Module) and hasattr(obj, "config"):
         from .lookup import spec_for
 
         config = obj.config.to_dict()
         params = dict(obj.named_parameters())
         shapes = {n: tuple(p.shape) for n, p in params.items()}
-        layout = spec_for(config, cls=type(obj)).locate(shapes, config)
-        table = params[layout.tables[0]][layout.reserved :]
+        layout = spec_for(config, cls=type(obj), table=table).locate(shapes, config)
+        rows = params[layout.tables[0]][layout.reserved :]
     elif isinstance(obj, (str, Path)):
         from .checkpoint import read_position_table
 
-        table = read_position_table(obj)
+        rows = read_position_table(obj, table)
     else:
         raise PosExtendError(f"Cannot find a position table in a {type(obj).__name__}.")
-    if table.dim() != 2:
-        raise PosExtendError(f"A position table is 2-D, got shape {tuple(table.shape)}.")
-    return table.detach().to("cpu", torch.float32)
+    if rows.dim() != 2:
+        raise PosExtendError(f"A position table is 2-D, got shape {tuple(rows.shape)}.")
+    return rows.detach().to("cpu", torch.float32)
 
 
 def cosine_similarity_matrix(table: torch.Tensor) -> torch.Tensor:

@@ -514,6 +514,8 @@ def _copy_other_files(
     has_tokenizer = any((src / name).is_file() for name in TOKENIZER_FILES)
     if has_tokenizer and not (src / "tokenizer_config.json").is_file():
         _write_json(out_dir / "tokenizer_config.json", {"model_max_length": report.new_length})
+    if st_max_seq_length is not None and report.st_max_seq_length is None:
+        log.warning("A sentence-transformers max_seq_length was given, but %s has no %s: nothing to set.", src, ST_CONFIG)
 
 
 def _write_json(path: Path, data: Mapping[str, Any]) -> None:

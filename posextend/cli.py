@@ -174,6 +174,7 @@ def inspect_cmd(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
     plot: Annotated[Path | None, typer.Option("--plot", help="Write diagnostics of the table (PNGs, analysis.json) to this directory.")] = None,
     compare: Annotated[str | None, typer.Option("--compare", help="Another checkpoint to compare the table with (e.g. the original).")] = None,
+    table: Annotated[str | None, typer.Option("--table", help="Which tables --plot/--compare analyse, for a model with several lengths (default: the first).")] = None,
 ) -> None:
     """Show where a checkpoint keeps its positions and how long its context is."""
     from rich.table import Table
@@ -181,7 +182,10 @@ def inspect_cmd(
     from .checkpoint import inspect_checkpoint
 
     info = inspect_checkpoint(src)
-    analysis = _diagnostics(src, compare, plot) if plot or compare else None
+    if (plot or compare) and table is None and len(info.groups) > 1:
+        table = info.groups[0].group
+        err_console.print(f"diagnostics of the {table} table (--table chooses another)", highlight=False)
+    analysis = _diagnostics(src, compare, plot, table) if plot or compare else None
     if as_json:
         print(json.dumps({**info.to_dict(), **({"analysis": analysis} if analysis else {})}, indent=2))
         return
@@ -224,15 +228,15 @@ def _fmt(value: Any) -> str:
     return f"{value:.3f}" if isinstance(value, float) else str(value)
 
 
-def _diagnostics(src: str, compare: str | None, out: Path | None) -> dict[str, dict[str, Any]]:
+def _diagnostics(src: str, compare: str | None, out: Path | None, table: str | None = None) -> dict[str, dict[str, Any]]:
     from .analysis import analyze, plot, table_of
 
     names = [Path(src).name or str(src), Path(compare).name if compare else ""]
     if names[0] == names[1]:
         names = [str(src), str(compare)]
-    tables = {names[0]: table_of(src)}
+    tables = {names[0]: table_of(src, table)}
     if compare:
-        tables[names[1]] = table_of(compare)
+        tables[names[1]] = table_of(compare, table)
     analysis = {label: analyze(t).to_dict() for label, t in tables.items()}
     if out:
         out.mkdir(parents=True, exist_ok=True)
@@ -307,10 +311,11 @@ def finetune_cmd(
 
     from .training import finetune
 
+    main_process = os.environ.get("RANK", "0") == "0"  # under torchrun / accelerate launch: only rank 0 shows
     progress = Progress(
         TextColumn("[progress.description]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
         TextColumn("loss {task.fields[loss]:.4f}  {task.fields[tps]:,.0f} tok/s"), TimeRemainingColumn(),
-        console=err_console, transient=True,
+        console=err_console, transient=True, disable=not main_process,
     )
     task = progress.add_task("Training", total=steps, loss=float("nan"), tps=0.0)
     with progress:
@@ -321,11 +326,14 @@ def finetune_cmd(
             init_head=init_head, buckets=buckets, overwrite=overwrite,
             progress=lambda step, total, loss, tps: progress.update(task, completed=step, loss=loss, tps=tps),
         )
+    if not report.main_process:
+        return
     _eval_table("Held-out evaluation by position", {"before": report.before, "after": report.after})
+    processes = f" on {report.processes} processes" if report.processes > 1 else ""
     console.print(
         f"[green]Fine-tuned[/] ({report.train}, {report.steps} steps, lr {report.lr:g}) {report.old_length} → "
         f"{report.new_length} positions: {report.tokens:,} tokens in {report.seconds:.1f} s "
-        f"({report.tokens_per_second:,.0f} tok/s), written to {report.dst}",
+        f"({report.tokens_per_second:,.0f} tok/s{processes}), written to {report.dst}",
         highlight=False,
     )
     if plot:

@@ -8,7 +8,6 @@ from typing import Any
 from torch import nn
 
 from .checkpoint import check_length
-from .errors import UnsupportedArchitectureError
 from .lookup import spec_for
 from .strategies import resize_table
 
@@ -48,18 +47,23 @@ def extend_model(
     check_length(new_length, layout.usable, allow_shrink=allow_shrink)
     new_rows = new_length + layout.reserved
     buffer_length = spec.config_value(config, new_length)
-    for name in layout.tables:
-        module = model.get_submodule(name.rsplit(".", 1)[0])
-        if not isinstance(module, nn.Embedding):
-            raise UnsupportedArchitectureError(f"{name} belongs to a {type(module).__name__}, not an nn.Embedding.")
-        attr = name.rsplit(".", 1)[1]
+    # every new table is computed and checked before any is swapped in: a refusal changes nothing
+    new_tables = {
+        name: resize_table(model.get_parameter(name) if name in dict(model.named_parameters()) else model.get_buffer(name),
+                           new_length, strategy, reserved=layout.reserved, seed=seed, params=params, context=config)
+        for name in layout.tables
+    }
+    for name, new in new_tables.items():
+        owner_name, _, attr = name.rpartition(".")
+        module = model.get_submodule(owner_name)
         old = getattr(module, attr)
-        new = resize_table(old, new_length, strategy, reserved=layout.reserved, seed=seed, params=params, context=config)
         if isinstance(old, nn.Parameter):
             setattr(module, attr, nn.Parameter(new, requires_grad=old.requires_grad))
         else:  # a companion buffer that follows the table (I-BERT's weight_integer)
             module.register_buffer(attr, new, persistent=attr not in module._non_persistent_buffers_set)
-        module.num_embeddings = new_rows
+        for count in ("num_embeddings", "num_"):  # nn.Embedding; I-BERT's QuantEmbedding
+            if getattr(module, count, None) == old.shape[0]:
+                setattr(module, count, new_rows)
     for name in layout.buffers:
         owner_name, _, attr = name.rpartition(".")
         owner = model.get_submodule(owner_name)

@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 
 DELTA = 7  # how far the second twin's length field moves (odd, so no tensor matches by chance)
 LOOKUP_TOKENS = 5
+BEHAVIOUR_TOKENS = 1024  # the longest input on which a moved length field must not change outputs
 _LENGTH_FIELD = re.compile(r"(position|positions|ctx|seq_len|block_size|context_length|max_len)", re.I)
 _GROUP_NAMES = {"max_target_positions": "decoder", "max_decoder_position_embeddings": "decoder",
                 "max_source_positions": "encoder", "max_encoder_position_embeddings": "encoder"}
@@ -122,7 +123,8 @@ def _observe(config_json: str, cls_name: str | None) -> tuple[ArchitectureSpec, 
     if not specs:
         why = "; ".join(reasons) if reasons else "no config field changes the size of a learned table"
         raise UnsupportedArchitectureError(
-            f"No spec for model type {model_type!r}, and its twin shows no position table to resize ({why})."
+            f"No spec for model type {model_type!r}, and its twin shows no position table posextend can resize "
+            f"safely ({why})."
         )
     return tuple(specs)
 
@@ -169,6 +171,7 @@ def _group(
             "how the field counts positions is ambiguous."
         )
     rules = _buffer_rules(small_config, cls, path, value, buffers, model_type)
+    _check_only_tables_follow(small_config, cls, path, value, tables + companions, first, model_type)
     return ArchitectureSpec(
         model_type=model_type, prefix="", tables=tuple(tables + companions), length_keys=(path,), reserved=first,
         config_counts_reserved=counts_reserved, buffers=rules, objective=_objective(config, cls),
@@ -198,6 +201,53 @@ def _first_row(
     if len(starts) != 1:
         raise UnsupportedArchitectureError(f"{model_type}: the tables {path} drives start at different rows {starts}.")
     return starts.pop(), small_config
+
+
+def _check_only_tables_follow(
+    small_config: dict[str, Any], cls: type, path: str, value: int, tables: list[str], reserved: int, model_type: str,
+) -> None:
+    """A twin at the moved length, given the first twin's weights with its tables tiled, must compute
+    the same outputs on an input of the old length (up to :data:`BEHAVIOUR_TOKENS`): the field sizes
+    the tables and changes nothing else.
+
+    (DeBERTa-v2 with relative buckets fails this: ``max_position_embeddings`` also sets the scale
+    of its log-bucketed relative positions, which no tensor's shape shows.)
+    """
+    import torch
+
+    a = twin.build(small_config, cls=cls)
+    b = twin.build(twin.set_path(small_config, path, value + DELTA), cls=cls)
+    old = a.state_dict()
+    merged = {}
+    for name, tensor in b.state_dict().items():
+        src = old.get(name)
+        if name in tables and src is not None:
+            usable = src.shape[0] - reserved
+            merged[name] = src[torch.cat([torch.arange(reserved), reserved + torch.arange(tensor.shape[0] - reserved) % usable])]
+        else:  # unchanged tensors from the first twin; buffers that follow the length are the twin's own
+            merged[name] = src if src is not None and src.shape == tensor.shape else tensor
+    b.load_state_dict(merged)
+    rows = next(tensor.shape[0] for name, tensor in old.items() if name in tables)
+    n = min(rows - reserved, BEHAVIOUR_TOKENS)  # the old length: relative buckets differ only far apart
+    ids = twin.random_tokens(small_config, n)
+    try:
+        _, module = twin.run_lookups(a, tables, n, token=twin.safe_token(small_config))
+        x, y = twin.forward_output(a, module, ids), twin.forward_output(b, module, ids)
+    except Exception as exc:  # a foreign forward
+        raise UnsupportedArchitectureError(
+            f"{model_type}: a twin does not run on {n} tokens ({twin._first_line(exc)}), so it cannot be checked "
+            f"that {path} changes nothing but the tables."
+        ) from None
+    if x.dim() > 1 and x.shape[0] == y.shape[0] and x.shape[2:] == y.shape[2:]:  # outputs as long as the table
+        n = min(x.shape[1], y.shape[1])
+        x, y = x[:, :n], y[:, :n]
+    if x.shape != y.shape or not torch.equal(x, y):
+        diff = f" by up to {float((x - y).abs().max()):.2g}" if x.shape == y.shape else ""
+        raise UnsupportedArchitectureError(
+            f"{model_type}: changing {path} changes the model's outputs on short inputs{diff} even with its "
+            "tables' rows kept: the field also sets something no tensor shape shows (e.g. the scale of relative "
+            "position buckets), so a longer table would change the model."
+        )
 
 
 def _buffer_rules(

@@ -118,6 +118,8 @@ class FinetuneReport:
     eval_losses: list[tuple[int, float]] = field(default_factory=list)  # (step, held-out loss), with --eval-every
     before: EvalReport | None = None
     after: EvalReport | None = None
+    processes: int = 1  # processes that trained together (tokens count all of them)
+    main_process: bool = True  # False on the other processes of a distributed run (they print nothing)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -149,24 +151,252 @@ def _epoch_order(n: int, seed: int, epoch: int) -> torch.Tensor:
     return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
 
 
+def batch_positions(k: int, batch_size: int, world: int = 1, rank: int = 0) -> range:
+    """Global sample numbers of micro-batch ``k`` on process ``rank``.
+
+    Sample ``p`` is sequence ``order(epoch = p // n)[p % n]``; its random choices (masks) are
+    drawn from a generator seeded by ``(seed, p)``. So a run is the same function of its
+    global batch whatever the number of processes, and resumes on any number of them.
+    """
+    start = (k * world + rank) * batch_size
+    return range(start, start + batch_size)
+
+
 def batch_indices(k: int, batch_size: int, n: int, seed: int, world: int = 1, rank: int = 0) -> torch.Tensor:
     """Sequence indices of micro-batch ``k`` on process ``rank``: a pure function of its arguments."""
-    start = (k * world + rank) * batch_size
-    return torch.stack([_epoch_order(n, seed, pos // n)[pos % n] for pos in range(start, start + batch_size)])
+    return torch.stack([_epoch_order(n, seed, p // n)[p % n] for p in batch_positions(k, batch_size, world, rank)])
 
 
-def _loss(model, batch: torch.Tensor, objective: str, tokenizer, generator: torch.Generator, device) -> torch.Tensor:
-    if objective == "causal":
-        batch = batch.to(device)
-        return model(input_ids=batch, labels=batch).loss
-    from .data import mask_tokens
-
-    inputs, labels = mask_tokens(batch, tokenizer, generator)
-    return model(input_ids=inputs.to(device), labels=labels.to(device)).loss
+def sample_generator(seed: int, position: int) -> torch.Generator:
+    """The generator of global sample ``position``'s random choices."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + position)
 
 
 def _fingerprint(**kwargs: Any) -> str:
     return hashlib.sha256(json.dumps(kwargs, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+@dataclass
+class _Run:
+    """One fine-tune, set up: what the loop, the evaluation and the state files need."""
+
+    accelerator: Any
+    model: torch.nn.Module  # prepared (wrapped when distributed)
+    unwrapped: torch.nn.Module
+    optimizer: Any
+    scheduler: Any
+    tokenizer: Any
+    objective: str
+    train_seqs: torch.Tensor
+    eval_seqs: torch.Tensor
+    length: int
+    old_length: int
+    tables: list[torch.nn.Parameter]
+    keep_rows: int  # new-rows: rows below this never change
+    saved_rows: list[torch.Tensor]
+    state_dir: Path
+    fingerprint: str
+    seed: int
+    batch_size: int
+    grad_accum: int
+    buckets: int
+
+    def evaluate(self) -> EvalReport:
+        return evaluate_model(self.unwrapped, self.eval_seqs, self.objective, tokenizer=self.tokenizer,
+                              buckets=self.buckets, old_length=self.old_length if self.old_length < self.length else None,
+                              batch_size=self.batch_size, seed=self.seed)
+
+    def save_state(self, step: int) -> None:
+        self.accelerator.save_state(str(self.state_dir))
+        if self.accelerator.is_main_process:
+            (self.state_dir / "posextend.json").write_text(json.dumps({"step": step, "fingerprint": self.fingerprint}))
+
+
+def _check_options(train: str, schedule: str, steps: int, batch_size: int, grad_accum: int) -> None:
+    if train not in DEFAULT_LR:
+        raise TrainingError(f"--train must be one of {', '.join(DEFAULT_LR)}, got {train!r}.")
+    if schedule not in ("constant", "cosine"):
+        raise TrainingError(f"--schedule must be constant or cosine, got {schedule!r}.")
+    for name, value in (("steps", steps), ("batch_size", batch_size), ("grad_accum", grad_accum)):
+        if value < 1:
+            raise TrainingError(f"{name} must be at least 1, got {value}.")
+
+
+def make_accelerator(mixed_precision: str, grad_accum: int):
+    """An Accelerator whose process group is the one the launcher started, or a one-line error.
+
+    Without a GPU, processes started by ``torchrun`` / ``accelerate launch --multi_gpu`` form a
+    CPU (gloo) group; accelerate alone would make each of them a separate one-process run.
+    """
+    import os
+
+    from accelerate import Accelerator
+
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    cpu_group = launched > 1 and not torch.cuda.is_available()
+    accelerator = Accelerator(mixed_precision=mixed_precision, gradient_accumulation_steps=grad_accum, cpu=cpu_group)
+    if accelerator.num_processes != launched:
+        raise TrainingError(
+            f"The launcher started {launched} processes (WORLD_SIZE) but accelerate formed a group of "
+            f"{accelerator.num_processes}: each process would train alone and all would write the same output. "
+            "Launch with torchrun --nproc_per_node N, or accelerate launch with a multi-process config."
+        )
+    return accelerator
+
+
+def _setup(
+    directory: Path, dst: Path, data: Sequence[str | Path], *, length: int | None, strategy: str, steps: int,
+    train: str, lr: float, schedule: str, batch_size: int, grad_accum: int, mixed_precision: str,
+    gradient_checkpointing: bool, seed: int, old_length: int | None, init_head: bool, eval_sequences: int,
+    buckets: int,
+) -> tuple[_Run, Loaded]:
+    """Load, extend, pack the data, choose what trains, and prepare model, optimizer and schedule."""
+    from accelerate.utils import set_seed
+
+    from .data import pack, read_documents, split
+    from .model import extend_model
+
+    docs = read_documents(data)
+    loaded = load_for_training(directory, init_head=init_head)
+    model, tokenizer = loaded.model, loaded.tokenizer
+    current = loaded.usable
+    if length is not None and length != current:
+        extend_model(model, length, strategy, seed=seed, allow_shrink=False)
+        old_len = current
+    else:
+        length = current
+        old_len = old_length or loaded.old_length or current
+    if train == "new-rows" and old_len >= length:
+        raise TrainingError(
+            f"--train new-rows needs new rows, but the model has {length} positions and its old length is "
+            f"{old_len}: pass --length above {current}, or --old-length for a checkpoint extended elsewhere."
+        )
+    tokenizer.model_max_length = length
+    train_seqs, eval_seqs = split(pack(tokenizer, docs, length))
+    accelerator = make_accelerator(mixed_precision, grad_accum)
+    # the run is a function of the global batch, so a resume may use another number of processes
+    fingerprint = _fingerprint(src=str(directory), data=[str(d) for d in data], length=length, train=train, lr=lr,
+                               schedule=schedule, global_batch=batch_size * accelerator.num_processes,
+                               grad_accum=grad_accum, seed=seed, strategy=strategy)
+    tables = [dict(model.named_parameters())[n] for n in loaded.tables]
+    keep_rows = old_len + loaded.reserved
+    for p in model.parameters():
+        p.requires_grad_(train == "all")
+    for t in tables:
+        t.requires_grad_(True)
+    saved_rows = [t.detach()[:keep_rows].clone() for t in tables] if train == "new-rows" else []
+    if train == "new-rows":
+        for t in tables:
+            t.register_hook(lambda g: torch.cat([torch.zeros_like(g[:keep_rows]), g[keep_rows:]]))
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    set_seed(seed)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(lr_factor, steps=steps, schedule=schedule))
+    prepared, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    run = _Run(accelerator, prepared, accelerator.unwrap_model(prepared), optimizer, scheduler, tokenizer,
+               loaded.objective, train_seqs, eval_seqs[:eval_sequences], length, old_len, tables, keep_rows,
+               saved_rows, dst.with_name(dst.name + ".state"), fingerprint, seed, batch_size, grad_accum, buckets)
+    return run, loaded
+
+
+def lr_factor(s: int, *, steps: int, schedule: str) -> float:
+    """Linear warm-up over 10% of the steps, then constant or cosine down to 10%."""
+    warmup = max(1, steps // 10)
+    if s < warmup or schedule == "constant":
+        return min(1.0, (s + 1) / warmup)
+    return 0.1 + 0.45 * (1 + math.cos(math.pi * (s - warmup) / max(1, steps - warmup)))
+
+
+def _micro_loss(run: _Run, k: int) -> tuple[torch.Tensor, int]:
+    """Loss of micro-batch ``k`` on this process, scaled so that the processes' gradients average
+    to the gradient of the mean over the *global* batch's predicted tokens; and its token count."""
+    from .data import mask_tokens
+
+    acc = run.accelerator
+    positions = batch_positions(k, run.batch_size, acc.num_processes, acc.process_index)
+    batch = run.train_seqs[batch_indices(k, run.batch_size, len(run.train_seqs), run.seed, acc.num_processes,
+                                         acc.process_index)]
+    if run.objective == "causal":
+        inputs, labels = batch, batch
+        count = batch.shape[0] * (batch.shape[1] - 1)
+    else:
+        pairs = [mask_tokens(row[None], run.tokenizer, sample_generator(run.seed, p)) for row, p in zip(batch, positions)]
+        inputs, labels = torch.cat([a for a, _ in pairs]), torch.cat([b for _, b in pairs])
+        count = int((labels != -100).sum())
+    loss = run.model(input_ids=inputs.to(acc.device), labels=labels.to(acc.device)).loss
+    if acc.num_processes > 1:
+        total = int(acc.reduce(torch.tensor([count], device=acc.device), "sum").item())
+        loss = loss * (count * acc.num_processes / max(total, 1)) if count else loss * 0.0
+    return loss, batch.numel()
+
+
+def _loop(
+    run: _Run, start_step: int, steps: int, *, eval_every: int, save_every: int,
+    progress: Callable[[int, int, float, float], None] | None, fail_at_step: int | None,
+) -> tuple[list[float], list[tuple[int, float]], int, float]:
+    """The shared training loop: accumulation, NaN, Ctrl-C, state saving, progress. Returns
+    the losses, the held-out losses, the tokens seen by every process, and the seconds."""
+    acc = run.accelerator
+    losses: list[float] = []
+    eval_losses: list[tuple[int, float]] = []
+    tokens = 0
+    t0 = time.perf_counter()
+    with _stop_at_step_boundary() as stop_requested:
+        for step in range(start_step, steps):
+            step_loss = 0.0
+            for micro in range(run.grad_accum):
+                with acc.accumulate(run.model):
+                    loss, n = _micro_loss(run, step * run.grad_accum + micro)
+                    if fail_at_step == step:
+                        loss = loss * float("nan")
+                    bad = acc.reduce(torch.tensor([0.0 if torch.isfinite(loss) else 1.0], device=acc.device), "sum")
+                    if bad.item():
+                        run.save_state(step)
+                        raise TrainingError(
+                            f"The loss became {loss.item()} at step {step}; training stopped. The last good state "
+                            f"(step {step}) is in {run.state_dir}: lower --lr or use --mixed-precision bf16, then --resume."
+                        )
+                    acc.backward(loss)
+                    run.optimizer.step()
+                    run.scheduler.step()
+                    run.optimizer.zero_grad()
+                step_loss += loss.item() / run.grad_accum
+                tokens += n * acc.num_processes
+            if run.saved_rows:
+                with torch.no_grad():
+                    for t, rows in zip(run.tables, run.saved_rows):
+                        t[: run.keep_rows] = rows
+            losses.append(step_loss)
+            if progress and acc.is_main_process:
+                progress(step + 1, steps, step_loss, tokens / max(time.perf_counter() - t0, 1e-9))
+            if eval_every and (step + 1) % eval_every == 0 and step + 1 < steps:
+                mid = run.evaluate()
+                eval_losses.append((step + 1, mid.loss))
+                log.info("step %d: held-out loss %.4f (perplexity %.2f)", step + 1, mid.loss, mid.perplexity)
+            if save_every and (step + 1) % save_every == 0:
+                run.save_state(step + 1)
+            if stop_requested():
+                run.save_state(step + 1)
+                raise TrainingError(
+                    f"Interrupted after step {step + 1}; state saved in {run.state_dir}: rerun with --resume to continue."
+                )
+    return losses, eval_losses, tokens, time.perf_counter() - t0
+
+
+def _resume_step(run: _Run) -> int:
+    meta = run.state_dir / "posextend.json"
+    if not meta.is_file():
+        raise TrainingError(f"--resume: no saved state at {run.state_dir}; run without --resume to start.")
+    info = json.loads(meta.read_text())
+    if info["fingerprint"] != run.fingerprint:
+        raise TrainingError(
+            f"--resume: the state in {run.state_dir} was saved by a run with other settings "
+            "(source, data, length, train mode, lr, global batch, seed); use the same ones or remove it."
+        )
+    run.accelerator.load_state(str(run.state_dir))
+    log.info("Resuming at step %d from %s", info["step"], run.state_dir)
+    return info["step"]
 
 
 def finetune(
@@ -202,170 +432,46 @@ def finetune(
     (down to 10% of ``lr``).
     ``train``: ``new-rows`` trains only the rows beyond the old length (everything else,
     the old rows included, stays bit-identical), ``positions`` the whole table, ``all``
-    every parameter. ``progress(step, steps, loss, tokens_per_second)`` is called per step.
-    Resumable state lives in ``DST.state/`` (``save_every``, Ctrl-C, non-finite loss).
+    every parameter. ``progress(step, steps, loss, tokens_per_second)`` is called per step
+    (on the main process). Resumable state lives in ``DST.state/`` (``save_every``, Ctrl-C,
+    non-finite loss). ``batch_size`` is per process: under ``torchrun`` / ``accelerate launch``
+    with N processes the global batch is N × ``batch_size``, and the result equals a
+    one-process run with that batch (tested).
 
     Example::
 
         >>> report = posextend.finetune("gpt2", "gpt2-2k", ["corpus/"], length=2048, steps=500)
         >>> report.before.perplexity, report.after.perplexity
     """
-    from accelerate import Accelerator
-    from accelerate.utils import set_seed
-
-    from .data import pack, read_documents, split
-    from .model import extend_model
-
-    if train not in DEFAULT_LR:
-        raise TrainingError(f"--train must be one of {', '.join(DEFAULT_LR)}, got {train!r}.")
-    if schedule not in ("constant", "cosine"):
-        raise TrainingError(f"--schedule must be constant or cosine, got {schedule!r}.")
-    for name, value in (("steps", steps), ("batch_size", batch_size), ("grad_accum", grad_accum)):
-        if value < 1:
-            raise TrainingError(f"{name} must be at least 1, got {value}.")
+    _check_options(train, schedule, steps, batch_size, grad_accum)
     directory = resolve_source(src)
     dst = Path(dst).expanduser()
     check_destination(directory, dst, overwrite=overwrite)
-    state_dir = dst.with_name(dst.name + ".state")
-    docs = read_documents(data)
-    loaded = load_for_training(directory, init_head=init_head)
-    model, tokenizer = loaded.model, loaded.tokenizer
-    current = loaded.usable
-    if length is not None and length != current:
-        extend_model(model, length, strategy, seed=seed, allow_shrink=False)
-        old_len = current
-    else:
-        length = current
-        old_len = old_length or loaded.old_length or current
-    if train == "new-rows" and old_len >= length:
-        raise TrainingError(
-            f"--train new-rows needs new rows, but the model has {length} positions and its old length is "
-            f"{old_len}: pass --length above {current}, or --old-length for a checkpoint extended elsewhere."
-        )
-    tokenizer.model_max_length = length
-    train_seqs, eval_seqs = split(pack(tokenizer, docs, length))
-    eval_seqs = eval_seqs[:eval_sequences]
     lr = lr if lr is not None else DEFAULT_LR[train]
-    fingerprint = _fingerprint(src=str(directory), data=[str(d) for d in data], length=length, train=train, lr=lr,
-                               schedule=schedule, batch_size=batch_size, grad_accum=grad_accum, seed=seed,
-                               strategy=strategy)
-
-    # what trains
-    tables = [dict(model.named_parameters())[n] for n in loaded.tables]
-    keep_rows = old_len + loaded.reserved
-    for p in model.parameters():
-        p.requires_grad_(train == "all")
-    for t in tables:
-        t.requires_grad_(True)
-    saved_rows = [t.detach()[:keep_rows].clone() for t in tables] if train == "new-rows" else []
-    if train == "new-rows":
-        for t in tables:
-            t.register_hook(lambda g: torch.cat([torch.zeros_like(g[:keep_rows]), g[keep_rows:]]))
-    if gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-
-    accelerator = Accelerator(mixed_precision=mixed_precision, gradient_accumulation_steps=grad_accum)
-    set_seed(seed)
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=lr, weight_decay=0.0)
-    warmup = max(1, steps // 10)
-
-    def lr_factor(s: int) -> float:  # linear warm-up, then constant or cosine down to 10%
-        if s < warmup or schedule == "constant":
-            return min(1.0, (s + 1) / warmup)
-        return 0.1 + 0.45 * (1 + math.cos(math.pi * (s - warmup) / max(1, steps - warmup)))
-
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
-    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    unwrapped = accelerator.unwrap_model(model)
-
-    def evaluate_now() -> EvalReport:
-        return evaluate_model(unwrapped, eval_seqs, loaded.objective, tokenizer=tokenizer, buckets=buckets,
-                              old_length=old_len if old_len < length else None, batch_size=batch_size, seed=seed)
-
-    def save_state(step: int) -> None:
-        accelerator.save_state(str(state_dir))
-        if accelerator.is_main_process:
-            (state_dir / "posextend.json").write_text(json.dumps({"step": step, "fingerprint": fingerprint}))
-
-    start_step = 0
-    before = None
-    if resume:
-        meta = state_dir / "posextend.json"
-        if not meta.is_file():
-            raise TrainingError(f"--resume: no saved state at {state_dir}; run without --resume to start.")
-        info = json.loads(meta.read_text())
-        if info["fingerprint"] != fingerprint:
-            raise TrainingError(
-                f"--resume: the state in {state_dir} was saved by a run with other settings "
-                "(source, data, length, train mode, lr, batch, seed); use the same ones or remove it."
-            )
-        accelerator.load_state(str(state_dir))
-        start_step = info["step"]
-        log.info("Resuming at step %d from %s", start_step, state_dir)
-    else:
-        before = evaluate_now()
-
-    losses: list[float] = []
-    eval_losses: list[tuple[int, float]] = [(0, before.loss)] if before else []
-    tokens = 0
-    t0 = time.perf_counter()
-    with _stop_at_step_boundary() as stop_requested:
-        for step in range(start_step, steps):
-            step_loss = 0.0
-            for micro in range(grad_accum):
-                k = step * grad_accum + micro
-                idx = batch_indices(k, batch_size, len(train_seqs), seed, accelerator.num_processes,
-                                    accelerator.process_index)
-                generator = torch.Generator().manual_seed(seed * 1_000_003 + k * accelerator.num_processes
-                                                          + accelerator.process_index)
-                with accelerator.accumulate(model):
-                    loss = _loss(model, train_seqs[idx], loaded.objective, tokenizer, generator, accelerator.device)
-                    if fail_at_step == step:
-                        loss = loss * float("nan")
-                    if not torch.isfinite(loss):
-                        save_state(step)
-                        raise TrainingError(
-                            f"The loss became {loss.item()} at step {step}; training stopped. The last good state "
-                            f"(step {step}) is in {state_dir}: lower --lr or use --mixed-precision bf16, then --resume."
-                        )
-                    accelerator.backward(loss)
-                    optimizer.step()
-                    scheduler.step()
-                    optimizer.zero_grad()
-                step_loss += loss.item() / grad_accum
-                tokens += idx.numel() * length * accelerator.num_processes
-            if saved_rows:
-                with torch.no_grad():
-                    for t, rows in zip(tables, saved_rows):
-                        t[:keep_rows] = rows
-            losses.append(step_loss)
-            elapsed = time.perf_counter() - t0
-            if progress:
-                progress(step + 1, steps, step_loss, tokens / max(elapsed, 1e-9))
-            if eval_every and (step + 1) % eval_every == 0 and step + 1 < steps:
-                mid = evaluate_now()
-                eval_losses.append((step + 1, mid.loss))
-                log.info("step %d: held-out loss %.4f (perplexity %.2f)", step + 1, mid.loss, mid.perplexity)
-            if save_every and (step + 1) % save_every == 0:
-                save_state(step + 1)
-            if stop_requested():
-                save_state(step + 1)
-                raise TrainingError(
-                    f"Interrupted after step {step + 1}; state saved in {state_dir}: rerun with --resume to continue."
-                )
-    seconds = time.perf_counter() - t0
-    after = evaluate_now()
-    eval_losses.append((steps, after.loss))
-    accelerator.wait_for_everyone()
-    report = FinetuneReport(
-        dst=str(dst.resolve()), train=train, steps=steps, old_length=old_len, new_length=length, lr=lr,
-        batch_size=batch_size, grad_accum=grad_accum, tokens=tokens, seconds=seconds,
-        tokens_per_second=tokens / max(seconds, 1e-9), losses=losses, eval_losses=eval_losses, before=before, after=after,
+    run, loaded = _setup(
+        directory, dst, data, length=length, strategy=strategy, steps=steps, train=train, lr=lr, schedule=schedule,
+        batch_size=batch_size, grad_accum=grad_accum, mixed_precision=mixed_precision,
+        gradient_checkpointing=gradient_checkpointing, seed=seed, old_length=old_length, init_head=init_head,
+        eval_sequences=eval_sequences, buckets=buckets,
     )
-    if accelerator.is_main_process:
-        _save(unwrapped, tokenizer, dst, report, directory, loaded, strategy, seed, overwrite)
-        shutil.rmtree(state_dir, ignore_errors=True)
+    before = None if resume else run.evaluate()
+    start_step = _resume_step(run) if resume else 0
+    losses, eval_losses, tokens, seconds = _loop(run, start_step, steps, eval_every=eval_every, save_every=save_every,
+                                                 progress=progress, fail_at_step=fail_at_step)
+    after = run.evaluate()
+    run.accelerator.wait_for_everyone()
+    report = FinetuneReport(
+        dst=str(dst.resolve()), train=train, steps=steps, old_length=run.old_length, new_length=run.length, lr=lr,
+        batch_size=batch_size, grad_accum=grad_accum, tokens=tokens, seconds=seconds,
+        tokens_per_second=tokens / max(seconds, 1e-9), losses=losses,
+        eval_losses=([(0, before.loss)] if before else []) + eval_losses + [(steps, after.loss)],
+        before=before, after=after, processes=run.accelerator.num_processes,
+        main_process=run.accelerator.is_main_process,
+    )
+    if run.accelerator.is_main_process:
+        _save(run.unwrapped, run.tokenizer, dst, report, directory, loaded, strategy, seed, overwrite)
+        shutil.rmtree(run.state_dir, ignore_errors=True)
+    run.accelerator.wait_for_everyone()
     return report
 
 

@@ -344,6 +344,22 @@ def forward_inputs(model: nn.Module, module: nn.Module, ids: torch.Tensor) -> di
     return kwargs
 
 
+def forward_output(model: nn.Module, path: str, ids: torch.Tensor) -> torch.Tensor:
+    """The main output tensor (logits, last hidden state) of module ``path`` of ``model`` on ``ids``."""
+    import torch
+
+    module = model.get_submodule(path) if path and path != type(model).__name__ else model
+    with torch.no_grad(), _quiet():
+        out = module(**forward_inputs(model, module, ids))
+    if isinstance(out, torch.Tensor):
+        return out
+    for key in ("logits", "last_hidden_state"):
+        value = getattr(out, key, None)
+        if isinstance(value, torch.Tensor):
+            return value
+    return next(v for v in (out.values() if hasattr(out, "values") else out) if isinstance(v, torch.Tensor))
+
+
 def run_lookups(
     model: nn.Module, tables: list[str], length: int, *, token: int,
 ) -> tuple[dict[str, torch.Tensor], str]:
@@ -384,9 +400,21 @@ def run_lookups(
     raise RuntimeError("; ".join(failures[-3:]) or "no module around the table takes input_ids")
 
 
-def safe_token(config: Mapping[str, Any]) -> int:
-    """A token id every tower's vocabulary holds that is no special token (never the padding id)."""
+def _plain_tokens(config: Mapping[str, Any]) -> list[int]:
+    """Token ids every tower's vocabulary holds that are no special token (never the padding id)."""
     sizes = [v for _, sub in sub_configs(config) if isinstance(v := sub.get("vocab_size"), int) and v >= 1]
     special = {i for _, sub in sub_configs(config) for i in _token_ids(sub)}
-    vocab = min(sizes, default=100)
-    return next((t for t in range(min(vocab, 1000) - 1, -1, -1) if t not in special), 0)
+    return [t for t in range(min(min(sizes, default=100), 1000) - 1, -1, -1) if t not in special] or [0]
+
+
+def safe_token(config: Mapping[str, Any]) -> int:
+    """A token id every tower's vocabulary holds that is no special token (never the padding id)."""
+    return _plain_tokens(config)[0]
+
+
+def random_tokens(config: Mapping[str, Any], length: int, seed: int = 0) -> torch.Tensor:
+    """``[1, length]`` random plain token ids (see :func:`safe_token`), the same for a seed."""
+    import torch
+
+    plain = torch.tensor(_plain_tokens(config))
+    return plain[torch.randint(len(plain), (1, length), generator=torch.Generator().manual_seed(seed))]

@@ -134,19 +134,6 @@ def holds_table(config: dict, cls: type) -> str:
     return kind
 
 
-def _forward_output(model, path: str, ids: torch.Tensor) -> torch.Tensor:
-    module = model.get_submodule(path) if path and path != type(model).__name__ else model
-    with torch.no_grad():
-        out = module(**twin.forward_inputs(model, module, ids))
-    if isinstance(out, torch.Tensor):
-        return out
-    for key in ("logits", "last_hidden_state"):
-        value = getattr(out, key, None)
-        if isinstance(value, torch.Tensor):
-            return value
-    return next(v for v in (out.values() if hasattr(out, "values") else out) if isinstance(v, torch.Tensor))
-
-
 def check_written(src: Path, dst: Path, cls: type, spec, new: int) -> None:
     """Independent checks of a written checkpoint; raises AssertionError naming the first that fails."""
     loaded, info = cls.from_pretrained(dst, output_loading_info=True)
@@ -164,9 +151,9 @@ def check_written(src: Path, dst: Path, cls: type, spec, new: int) -> None:
         assert torch.equal(rows[:new], torch.arange(rows[0], rows[0] + new)), f"{name} not looked up by position"
     short = torch.full((1, 5), token, dtype=torch.long)
     torch.manual_seed(0)
-    a = _forward_output(source, path, short)
+    a = twin.forward_output(source, path, short)
     torch.manual_seed(0)
-    b = _forward_output(loaded, path, short)
+    b = twin.forward_output(loaded, path, short)
     if a.dim() > 1 and a.shape[0] == b.shape[0] and a.shape[2:] == b.shape[2:]:  # outputs as long as the table
         n = min(a.shape[1], b.shape[1])  # (Perceiver's decoder queries): compare the positions both have
         a, b = a[:, :n], b[:, :n]
@@ -184,7 +171,7 @@ def _runs(model, config: dict) -> bool:
         if name.count(".") > 1 or twin.forward_inputs(model, module, ids) is None:
             continue
         try:
-            _forward_output(model, name, ids)
+            twin.forward_output(model, name, ids)
             return True
         except Exception:
             continue

@@ -62,6 +62,10 @@ def test_finetune_speed_tiny(tmp_path):
     import sysconfig
 
     corpus.write_text((Path(sysconfig.get_paths()["stdlib"]) / "argparse.py").read_text())
-    out = _run(ROOT / "benchmarks" / "finetune_speed.py", "--data", corpus, "--steps", "2", "--length", "32",
-               "--n-embd", "32", "--n-layer", "1", "--batch-size", "2", "--workdir", tmp_path / "w", cwd=ROOT)
-    assert "| posextend |" in out and "| trainer |" in out and "posextend / Trainer throughput" in out
+    out = _run(ROOT / "benchmarks" / "finetune_speed.py", "--data", corpus, "--steps", "2", "--lengths", "32,48",
+               "--n-embd", "32", "--n-layer", "1", "--batch-size", "2", "--gradient-checkpointing",
+               "--workdir", tmp_path / "w", cwd=ROOT)
+    rows = [line for line in out.splitlines() if line.startswith("| 32 |") or line.startswith("| 48 |")]
+    assert [r.split("|")[2].strip() for r in rows] == ["posextend", "trainer"] * 2
+    assert all(float(r.split("|")[3].replace(",", "")) > 0 for r in rows)  # tokens/s
+    assert "gradient checkpointing" in out

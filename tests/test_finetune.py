@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import signal
 from pathlib import Path
@@ -17,37 +16,7 @@ import posextend
 from posextend.cli import app
 from posextend.evaluation import bucket_edges, evaluate_model
 from posextend.training import finetune
-from tiny import FAMILIES, build
-
-AUSTEN = Path(__file__).resolve().parents[2] / "shared" / "data" / "austen"
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    """~40k characters of real English: Austen where shared/ is present, else Python's own docs."""
-    out = tmp_path_factory.mktemp("corpus") / "text.txt"
-    source = AUSTEN / "northangerabbey.txt"
-    if not source.exists():
-        import sysconfig
-
-        source = Path(sysconfig.get_paths()["stdlib"]) / "argparse.py"
-    out.write_text(source.read_text(encoding="utf-8")[20_000:60_000])
-    return out
-
-
-@pytest.fixture(scope="module")
-def gpt(tmp_path_factory) -> Path:
-    fam = FAMILIES["gpt2"]
-    fam = dataclasses.replace(fam, overrides={**fam.overrides, "n_positions": 32, "resid_pdrop": 0.0,
-                                              "embd_pdrop": 0.0, "attn_pdrop": 0.0}, usable=32)
-    return build(fam, tmp_path_factory.mktemp("gpt") / "src")
-
-
-@pytest.fixture(scope="module")
-def bert(tmp_path_factory) -> Path:
-    fam = dataclasses.replace(FAMILIES["bert"], overrides={**FAMILIES["bert"].overrides, "max_position_embeddings": 32}, usable=32)
-    return build(fam, tmp_path_factory.mktemp("bert") / "src")
-
+from tiny import FAMILIES, build  # noqa: F401
 
 def _state(path: Path) -> dict[str, torch.Tensor]:
     return load_file(path / "model.safetensors")

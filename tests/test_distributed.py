@@ -1,0 +1,129 @@
+"""Fine-tuning on two CPU processes (gloo) equals one process with the same global batch.
+
+Each run is a real launch of the CLI, as the README documents it: ``torchrun`` or
+``accelerate launch``. Dropout is off in these twins: it is the one random choice inside
+the model, drawn per process, so with it two runs are alike in distribution, not to the bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tiny import FAMILIES, build
+
+STEPS = 6
+TOLERANCE = 1e-5
+
+
+def _twin(kind: str, root: Path) -> Path:
+    if kind == "causal":
+        fam = FAMILIES["gpt2"]
+        overrides = {**fam.overrides, "n_positions": 32, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+    else:
+        fam = FAMILIES["bert"]
+        overrides = {**fam.overrides, "max_position_embeddings": 32, "hidden_dropout_prob": 0.0,
+                     "attention_probs_dropout_prob": 0.0}
+    return build(dataclasses.replace(fam, overrides=overrides, usable=32), root / f"{kind}-src")
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_"))}
+    return {**env, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def _launch(launcher: str, processes: int, args: list[str]) -> subprocess.CompletedProcess:
+    if launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
+    elif launcher == "accelerate":
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", f"--num_processes={processes}",
+               "--num_machines=1", "--mixed_precision=no", "--dynamo_backend=no", "--main_process_port=0"]
+    else:
+        cmd = [sys.executable]
+    result = subprocess.run([*cmd, "-m", "posextend.cli", *args], capture_output=True, text=True, env=_env(), timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+def _finetune(launcher, processes, src, dst, corpus, batch_size, *extra):
+    return _launch(launcher, processes, ["finetune", str(src), str(dst), "--data", str(corpus), "--length", "48",
+                                         "--steps", str(STEPS), "--batch-size", str(batch_size), "--lr", "3e-3",
+                                         "--seed", "0", *extra])
+
+
+def _max_diff(a: Path, b: Path) -> float:
+    """Largest difference over every tensor both hold with the same shape."""
+    x, y = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+    assert x.keys() == y.keys()
+    return max(float((x[k].float() - y[k].float()).abs().max()) for k in x if x[k].shape == y[k].shape)
+
+
+def _tokens(card: Path) -> int:
+    return int(re.search(r"for \d+ steps \((\d+) tokens", card.read_text()).group(1))
+
+
+@pytest.mark.parametrize("kind", ["causal", "masked"])
+def test_two_processes_equal_one_with_the_same_global_batch(tmp_path, corpus, kind):
+    src = _twin(kind, tmp_path)
+    _finetune("python", 1, src, tmp_path / "one", corpus, 2)
+    two = _finetune("torchrun", 2, src, tmp_path / "two", corpus, 1)
+    assert _max_diff(tmp_path / "one", tmp_path / "two") < TOLERANCE
+    assert _max_diff(src, tmp_path / "two") > 1e-3  # it did train
+    # one output, one report, every process's tokens counted
+    assert two.stdout.count("Fine-tuned") == 1 and "on 2 processes" in two.stdout
+    assert _tokens(tmp_path / "two" / "README.md") == _tokens(tmp_path / "one" / "README.md") == STEPS * 2 * 48
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("two")) == ["two"]
+
+
+def test_accelerate_launch_forms_a_cpu_group(tmp_path, corpus):
+    src = _twin("masked", tmp_path)
+    one = _finetune("python", 1, src, tmp_path / "one", corpus, 2)
+    two = _finetune("accelerate", 2, src, tmp_path / "two", corpus, 1)
+    assert "on 2 processes" in two.stdout and one.stdout.count("Fine-tuned") == 1
+    assert _max_diff(tmp_path / "one", tmp_path / "two") < TOLERANCE
+
+
+def test_resume_on_one_process_continues_a_two_process_run(tmp_path, corpus):
+    """State saved by 2 processes, resumed by 1 with the same global batch: the same weights."""
+    src = _twin("masked", tmp_path)
+    _finetune("python", 1, src, tmp_path / "straight", corpus, 2)
+    driver = tmp_path / "interrupted.py"
+    driver.write_text(
+        "import sys, posextend\n"
+        "from posextend.training import finetune\n"
+        "try:\n"
+        f"    finetune({str(src)!r}, {str(tmp_path / 'resumed')!r}, [{str(corpus)!r}], length=48, steps={STEPS},\n"
+        "             batch_size=1, lr=3e-3, seed=0, fail_at_step=4)\n"
+        "except posextend.TrainingError as exc:\n"
+        "    print('stopped:', exc)\n"
+    )
+    stopped = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                              str(driver)], capture_output=True, text=True, env=_env(), timeout=600)
+    assert stopped.returncode == 0 and stopped.stdout.count("stopped:") == 2, stopped.stdout + stopped.stderr[-2000:]
+    assert (tmp_path / "resumed.state" / "posextend.json").is_file() and not (tmp_path / "resumed").exists()
+    _finetune("python", 1, src, tmp_path / "resumed", corpus, 2, "--resume")
+    assert _max_diff(tmp_path / "straight", tmp_path / "resumed") < TOLERANCE
+    assert not (tmp_path / "resumed.state").exists()
+
+
+def test_a_process_group_accelerate_does_not_see_is_refused_in_one_line(monkeypatch):
+    """Started as 2 processes, but accelerate sees 1 (e.g. a launcher that set no CPU group up)."""
+    from unittest import mock
+
+    from posextend.errors import TrainingError
+    from posextend.training import make_accelerator
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with mock.patch("accelerate.Accelerator") as accelerator:
+        accelerator.return_value.num_processes = 1
+        with pytest.raises(TrainingError, match="started 2 processes .* formed a group of 1"):
+            make_accelerator("no", 1)
+    assert accelerator.call_args.kwargs["cpu"] is not torch.cuda.is_available()  # a CPU group without a GPU
