@@ -354,14 +354,50 @@ def eval_cmd(
     max_sequences: Annotated[int, typer.Option(help="Evaluate at most this many sequences (0: all).")] = 64,
     json_path: Annotated[Path | None, typer.Option("--json", help="Write the report as JSON.")] = None,
     plot: Annotated[Path | None, typer.Option("--plot", help="Save perplexity vs position as PNG.")] = None,
+    task: Annotated[str | None, typer.Option("--task", help="Embedding models: retrieval tasks built from the data, e.g. passkey,needle.")] = None,
+    lengths: Annotated[str, typer.Option("--lengths", help="With --task: document lengths in tokens.")] = "256,512,1024,2048",
+    documents: Annotated[int, typer.Option("--documents", help="With --task: documents (and queries) per length.")] = 50,
+    mode: Annotated[str, typer.Option("--mode", help="With --task: full (read up to the model's length) or chunk (embed chunks, average).")] = "full",
+    max_tokens: Annotated[int | None, typer.Option("--max-tokens", help="With --task: read at most this many tokens at once (default: the model's max_seq_length).")] = None,
+    reference: Annotated[str | None, typer.Option("--reference", help="With --task: the original model, for the short-input cosine.")] = None,
 ) -> None:
-    """Loss and perplexity by position bucket on held-out text."""
+    """Loss and perplexity by position bucket on held-out text; or, with --task, long-document retrieval."""
+    if task:
+        _retrieval(model, data, task, lengths, documents, mode, max_tokens, reference, json_path)
+        return
     from .evaluation import evaluate
 
     with err_console.status("Evaluating"):
         report = evaluate(model, data, length=length, buckets=buckets, batch_size=batch_size,
                           max_sequences=max_sequences or None, json_path=json_path, plot_path=plot)
     _eval_table(f"{model}: {report.sequences} sequences of {report.length} tokens", {"model": report})
+
+
+def _retrieval(model: str, data: list[Path], tasks: str, lengths: str, documents: int, mode: str,
+               max_tokens: int | None, reference: str | None, json_path: Path | None) -> None:
+    from rich.table import Table
+
+    from .errors import DataError
+    from .retrieval import evaluate_retrieval
+
+    if mode not in ("full", "chunk"):
+        raise DataError(f"--mode must be full or chunk, got {mode!r}.")
+    try:
+        sizes = [int(x) for x in lengths.split(",")]
+    except ValueError:
+        raise DataError(f"--lengths must be comma-separated numbers, got {lengths!r}.") from None
+    with err_console.status("Embedding documents"):
+        report = evaluate_retrieval(model, data, tasks=[t.strip() for t in tasks.split(",")], lengths=sizes,
+                                    n=documents, mode=mode, max_tokens=max_tokens, reference=reference)
+    table = Table("task", *(f"{n} tokens" for n in sizes),
+                  title=f"{model}: accuracy@1 over {documents} documents ({mode}, reads {report.max_seq_length} tokens)")
+    for name, scores in report.scores.items():
+        table.add_row(name, *(f"{scores[n]:.2f}" for n in sizes))
+    console.print(table)
+    if report.short_input_cosine is not None:
+        console.print(f"  short inputs: mean cosine to {reference}: {report.short_input_cosine:.4f}", highlight=False)
+    if json_path:
+        json_path.write_text(json.dumps(report.to_dict(), indent=2))
 
 
 def run() -> None:

@@ -201,8 +201,8 @@ class _Run:
     grad_accum: int
     buckets: int
 
-    def evaluate(self) -> EvalReport:
-        return evaluate_model(self.unwrapped, self.eval_seqs, self.objective, tokenizer=self.tokenizer,
+    def evaluate(self) -> EvalReport:  # through the prepared model: sharded weights need every process
+        return evaluate_model(self.model, self.eval_seqs, self.objective, tokenizer=self.tokenizer,
                               buckets=self.buckets, old_length=self.old_length if self.old_length < self.length else None,
                               batch_size=self.batch_size, seed=self.seed)
 
@@ -274,6 +274,11 @@ def _setup(
     tokenizer.model_max_length = length
     train_seqs, eval_seqs = split(pack(tokenizer, docs, length))
     accelerator = make_accelerator(mixed_precision, grad_accum)
+    if train == "new-rows" and accelerator.distributed_type.value in ("FSDP", "DEEPSPEED"):
+        raise TrainingError(
+            "Training only the new rows edits one table's gradients in place, which sharded training (FSDP, "
+            "DeepSpeed) does not allow; train the positions or every parameter, or use data parallel training."
+        )
     # the run is a function of the global batch, so a resume may use another number of processes
     fingerprint = _fingerprint(src=str(directory), data=[str(d) for d in data], length=length, train=train, lr=lr,
                                schedule=schedule, global_batch=batch_size * accelerator.num_processes,
@@ -468,16 +473,20 @@ def finetune(
         before=before, after=after, processes=run.accelerator.num_processes,
         main_process=run.accelerator.is_main_process,
     )
+    state_dict = run.accelerator.get_state_dict(run.model)  # every process takes part (sharded weights)
     if run.accelerator.is_main_process:
-        _save(run.unwrapped, run.tokenizer, dst, report, directory, loaded, strategy, seed, overwrite)
+        _save(run.unwrapped, run.tokenizer, dst, report, directory, loaded, strategy, seed, overwrite, state_dict)
         shutil.rmtree(run.state_dir, ignore_errors=True)
     run.accelerator.wait_for_everyone()
     return report
 
 
 def _save(model, tokenizer, dst: Path, report: FinetuneReport, src: Path, loaded: Loaded, strategy: str,
-          seed: int, overwrite: bool) -> None:
-    """The fine-tuned model through the same atomic writer, with provenance and a model card."""
+          seed: int, overwrite: bool, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+    """The fine-tuned model through the same atomic writer, with provenance and a model card.
+
+    ``state_dict``: the full weights when they were sharded across processes (FSDP, DeepSpeed).
+    """
     from .checkpoint import ResizeReport
 
     card = ResizeReport(
@@ -491,7 +500,7 @@ def _save(model, tokenizer, dst: Path, report: FinetuneReport, src: Path, loaded
                                           "tokens": report.tokens}),
     }
     with atomic_output(dst, overwrite=overwrite) as tmp:
-        model.save_pretrained(tmp)
+        model.save_pretrained(tmp, state_dict=state_dict)
         tokenizer.save_pretrained(tmp)
         for f in sorted(tmp.glob("*.safetensors")):  # add provenance to each header
             entries, metadata = read_header(f)

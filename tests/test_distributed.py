@@ -91,6 +91,23 @@ def test_accelerate_launch_forms_a_cpu_group(tmp_path, corpus):
     assert _max_diff(tmp_path / "one", tmp_path / "two") < TOLERANCE
 
 
+def test_fsdp_config_shipped_in_examples_trains_on_two_cpu_processes(tmp_path, corpus):
+    """examples/accelerate/fsdp.yaml (2 processes, fp32 here): sharded training, full weights written."""
+    shipped = (Path(__file__).parent.parent / "examples" / "accelerate" / "fsdp.yaml").read_text()
+    config = tmp_path / "fsdp.yaml"
+    config.write_text(shipped.replace("num_processes: 8", "num_processes: 2").replace("mixed_precision: bf16",
+                                                                                      "mixed_precision: 'no'"))
+    src = _twin("causal", tmp_path)
+    _finetune("python", 1, src, tmp_path / "one", corpus, 2)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--main_process_port=0",
+           "-m", "posextend.cli", "finetune", str(src), str(tmp_path / "two"), "--data", str(corpus), "--length", "48",
+           "--steps", str(STEPS), "--batch-size", "1", "--lr", "3e-3", "--seed", "0"]
+    result = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "on 2 processes" in result.stdout
+    assert _max_diff(tmp_path / "one", tmp_path / "two") < TOLERANCE
+
+
 def test_resume_on_one_process_continues_a_two_process_run(tmp_path, corpus):
     """State saved by 2 processes, resumed by 1 with the same global batch: the same weights."""
     src = _twin("masked", tmp_path)
