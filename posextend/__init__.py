@@ -35,6 +35,9 @@ _LAZY = {
     "SPECS": "specs",
     "spec_for": "lookup",
     "all_specs": "lookup",
+    "register_objective": "objectives",
+    "available_objectives": "objectives",
+    "evaluate_retrieval": "retrieval",
 }
 
 __all__ = ["PosExtendError", "__version__", *_LAZY]
@@ -43,6 +46,8 @@ if TYPE_CHECKING:
     from .checkpoint import CheckpointInfo, ResizeReport, inspect_checkpoint, resize_checkpoint
     from .evaluation import EvalReport, evaluate
     from .lookup import all_specs, spec_for
+    from .objectives import available_objectives, register_objective
+    from .retrieval import evaluate_retrieval
     from .model import extend_model
     from .specs import SPECS, ArchitectureSpec
     from .strategies import available_strategies, get_strategy, register_strategy, resize_table

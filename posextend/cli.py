@@ -270,13 +270,15 @@ def _eval_table(title: str, reports: dict[str, Any]) -> None:
     from rich.table import Table
 
     first = next(r for r in reports.values() if r is not None)
-    metric = "perplexity" if first.objective == "causal" else "masked-LM perplexity"
-    table = Table("positions", *(f"{label} {metric}" for label in reports), "tokens", title=title)
+    metric, key = {"causal": ("perplexity", "perplexity"), "contrastive": ("retrieval accuracy@1", "accuracy")}.get(
+        first.objective, ("masked-LM perplexity", "perplexity"))
+    count = "passages" if first.objective == "contrastive" else "tokens"
+    table = Table("positions", *(f"{label} {metric}" for label in reports), count, title=title)
     for i, bucket in enumerate(first.buckets):
-        cells = [_fmt(r.buckets[i].perplexity) if r is not None else "-" for r in reports.values()]
+        cells = [_fmt(getattr(r.buckets[i], key)) if r is not None else "-" for r in reports.values()]
         mark = " (new)" if first.old_length and bucket.start >= first.old_length else ""
         table.add_row(f"{bucket.start}–{bucket.end - 1}{mark}", *cells, str(bucket.tokens))
-    table.add_row("all", *(_fmt(r.perplexity) if r is not None else "-" for r in reports.values()), str(first.tokens))
+    table.add_row("all", *(_fmt(getattr(r, key)) if r is not None else "-" for r in reports.values()), str(first.tokens))
     console.print(table)
 
 
@@ -302,6 +304,7 @@ def finetune_cmd(
     seed: Annotated[int, typer.Option(help="Seed for data order, masking and strategies.")] = 0,
     old_length: Annotated[int | None, typer.Option(help="Old length of a checkpoint extended by another tool (for new-rows).")] = None,
     init_head: Annotated[bool, typer.Option("--init-head", help="Train a fresh LM head when SRC has none.")] = False,
+    objective: Annotated[str | None, typer.Option("--objective", help="causal, masked or contrastive (default: contrastive for a sentence-transformers model, else the family's LM objective).")] = None,
     buckets: Annotated[int, typer.Option(help="Position buckets in the before/after table.")] = 8,
     plot: Annotated[Path | None, typer.Option("--plot", help="Save perplexity vs position (before and after) as PNG.")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace DST if it exists.")] = False,
@@ -323,7 +326,7 @@ def finetune_cmd(
             src, dst, data, length=length, strategy=strategy, steps=steps, train=train, lr=lr, schedule=schedule, batch_size=batch_size,
             grad_accum=grad_accum, mixed_precision=mixed_precision, gradient_checkpointing=gradient_checkpointing,
             eval_every=eval_every, save_every=save_every, resume=resume, seed=seed, old_length=old_length,
-            init_head=init_head, buckets=buckets, overwrite=overwrite,
+            init_head=init_head, objective=objective, buckets=buckets, overwrite=overwrite,
             progress=lambda step, total, loss, tps: progress.update(task, completed=step, loss=loss, tps=tps),
         )
     if not report.main_process:
@@ -331,7 +334,7 @@ def finetune_cmd(
     _eval_table("Held-out evaluation by position", {"before": report.before, "after": report.after})
     processes = f" on {report.processes} processes" if report.processes > 1 else ""
     console.print(
-        f"[green]Fine-tuned[/] ({report.train}, {report.steps} steps, lr {report.lr:g}) {report.old_length} → "
+        f"[green]Fine-tuned[/] ({report.objective}, {report.train}, {report.steps} steps, lr {report.lr:g}) {report.old_length} → "
         f"{report.new_length} positions: {report.tokens:,} tokens in {report.seconds:.1f} s "
         f"({report.tokens_per_second:,.0f} tok/s{processes}), written to {report.dst}",
         highlight=False,

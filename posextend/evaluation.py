@@ -28,6 +28,7 @@ class Bucket:
     loss: float
     perplexity: float
     tokens: int
+    accuracy: float | None = None  # contrastive: retrieval accuracy@1 of passages from this bucket
 
 
 @dataclass
@@ -40,6 +41,7 @@ class EvalReport:
     tokens: int
     buckets: list[Bucket] = field(default_factory=list)
     old_length: int | None = None
+    accuracy: float | None = None  # contrastive: mean retrieval accuracy@1
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -154,10 +156,12 @@ def evaluate(
         >>> [round(b.perplexity, 1) for b in report.buckets]
     """
     from .data import pack, read_documents
-    from .training import load_for_training
+    from .checkpoint import resolve_source
+    from .loading import config_objective, load_language_model
 
     docs = read_documents(data)
-    loaded = load_for_training(model_path)
+    directory = resolve_source(model_path)
+    loaded = load_language_model(directory, config_objective(directory))
     length = length or loaded.usable
     if length > loaded.usable:
         raise PosExtendError(

@@ -1,10 +1,14 @@
 """Short fine-tune that adapts the new positions (accelerate: CPU, one GPU, many).
 
-Data are packed into sequences of exactly the new length, so every step exercises every
-position. The order of sequences and the MLM masks are pure functions of (seed, step), so
-``resume`` continues exactly where a run stopped. Multi-GPU::
+``finetune`` is setup (load through the objective, extend, cut the data into samples, choose
+what trains), the shared loop (accumulation, resume, NaN, Ctrl-C, progress, distribution) and
+saving through the atomic writer. What is trained and how it is scored is the objective's
+(:mod:`posextend.objectives`). Samples are addressed by their global number: the order is a
+pure function of (seed, epoch) and every random choice of a sample of (seed, number), so a run
+on N processes equals one process with the same global batch, and ``resume`` continues a run
+on any number of processes. Several processes::
 
-    accelerate launch -m posextend.cli finetune SRC DST --data corpus/ --length 2048
+    torchrun --nproc_per_node 4 -m posextend.cli finetune SRC DST --data corpus/ --length 2048
 """
 
 from __future__ import annotations
@@ -26,12 +30,12 @@ from typing import Any, Literal
 
 import torch
 
-from .checkpoint import TOKENIZER_FILES, check_destination, model_card, read_config, resolve_source
-from .errors import PosExtendError, SourceError, TrainingError
-from .evaluation import EvalReport, evaluate_model
-from .io import SAFE_INDEX, atomic_output, read_header, write_safetensors
-from .lookup import spec_for
-from .specs import ArchitectureSpec
+from .checkpoint import check_destination, model_card, resolve_source
+from .errors import TrainingError
+from .evaluation import EvalReport
+from .io import atomic_output, read_header, write_safetensors
+from .loading import Loaded
+from .objectives import Objective, default_objective, get_objective
 
 log = logging.getLogger(__name__)
 TrainMode = Literal["new-rows", "positions", "all"]
@@ -39,72 +43,10 @@ DEFAULT_LR = {"new-rows": 1e-3, "positions": 1e-3, "all": 1e-4}
 
 
 @dataclass
-class Loaded:
-    model: torch.nn.Module
-    tokenizer: Any
-    spec: ArchitectureSpec
-    objective: str
-    usable: int
-    reserved: int
-    tables: tuple[str, ...]
-    old_length: int | None  # from posextend provenance, when the checkpoint was extended by it
-
-
-def _provenance(directory: Path) -> dict[str, str]:
-    """posextend's provenance metadata of a checkpoint (empty when it has none)."""
-    try:
-        if (directory / SAFE_INDEX).is_file():
-            return json.loads((directory / SAFE_INDEX).read_text()).get("metadata", {})
-        files = sorted(directory.glob("*.safetensors"))
-        return read_header(files[0])[1] if files else {}
-    except (PosExtendError, ValueError):
-        return {}
-
-
-def load_for_training(src: str | Path, *, init_head: bool = False) -> Loaded:
-    """Model with the head its objective needs (causal or masked LM), tokenizer, and layout."""
-    import transformers
-
-    directory = resolve_source(src)
-    config = read_config(directory)
-    spec = spec_for(config)
-    if spec.objective not in ("causal", "masked"):
-        raise TrainingError(
-            f"Fine-tuning {spec.model_type} (neither a causal nor a masked language model) is not supported yet; "
-            "resize it with posextend resize-model and train it with your own trainer."
-        )
-    advice = "save the tokenizer there (tokenizer.save_pretrained) so text can be tokenised."
-    if not any((directory / name).is_file() for name in TOKENIZER_FILES):
-        raise SourceError(f"No usable tokenizer in {directory} (none of {', '.join(TOKENIZER_FILES)}); {advice}")
-    try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
-    except (OSError, ValueError, TypeError) as exc:
-        raise SourceError(f"No usable tokenizer in {directory} ({str(exc).splitlines()[0]}); {advice}") from None
-    if len(tokenizer) < 10:
-        raise SourceError(f"No usable tokenizer in {directory} (its vocabulary has {len(tokenizer)} entries); {advice}")
-    cls = transformers.AutoModelForCausalLM if spec.objective == "causal" else transformers.AutoModelForMaskedLM
-    model, info = cls.from_pretrained(directory, output_loading_info=True)
-    missing = sorted(info["missing_keys"])
-    if missing:
-        head = "causal-LM" if spec.objective == "causal" else "masked-LM"
-        if not init_head:
-            raise TrainingError(
-                f"{directory} has no {head} head ({len(missing)} missing weights, e.g. {missing[0]}); "
-                f"pass --init-head to train a freshly initialised one."
-            )
-        log.warning("Initialising a fresh %s head (%d weights, e.g. %s)", head, len(missing), missing[0])
-    params = dict(model.named_parameters())
-    spec = spec_for(model.config.to_dict(), cls=type(model))  # the loaded class's own names
-    layout = spec.locate({n: tuple(p.shape) for n, p in params.items()}, model.config.to_dict())
-    old = _provenance(directory).get("posextend.old_length")
-    return Loaded(model, tokenizer, spec, spec.objective, layout.usable, layout.reserved, layout.tables,
-                  int(old) if old else None)
-
-
-@dataclass
 class FinetuneReport:
     dst: str
     train: str
+    objective: str
     steps: int
     old_length: int
     new_length: int
@@ -167,11 +109,6 @@ def batch_indices(k: int, batch_size: int, n: int, seed: int, world: int = 1, ra
     return torch.stack([_epoch_order(n, seed, p // n)[p % n] for p in batch_positions(k, batch_size, world, rank)])
 
 
-def sample_generator(seed: int, position: int) -> torch.Generator:
-    """The generator of global sample ``position``'s random choices."""
-    return torch.Generator().manual_seed(seed * 1_000_003 + position)
-
-
 def _fingerprint(**kwargs: Any) -> str:
     return hashlib.sha256(json.dumps(kwargs, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -186,7 +123,7 @@ class _Run:
     optimizer: Any
     scheduler: Any
     tokenizer: Any
-    objective: str
+    objective: Objective
     train_seqs: torch.Tensor
     eval_seqs: torch.Tensor
     length: int
@@ -200,11 +137,10 @@ class _Run:
     batch_size: int
     grad_accum: int
     buckets: int
+    cache: dict[str, Any] = field(default_factory=dict)  # an objective's per-run objects (its loss module)
 
     def evaluate(self) -> EvalReport:  # through the prepared model: sharded weights need every process
-        return evaluate_model(self.model, self.eval_seqs, self.objective, tokenizer=self.tokenizer,
-                              buckets=self.buckets, old_length=self.old_length if self.old_length < self.length else None,
-                              batch_size=self.batch_size, seed=self.seed)
+        return self.objective.evaluate(self)
 
     def save_state(self, step: int) -> None:
         self.accelerator.save_state(str(self.state_dir))
@@ -248,20 +184,21 @@ def _setup(
     directory: Path, dst: Path, data: Sequence[str | Path], *, length: int | None, strategy: str, steps: int,
     train: str, lr: float, schedule: str, batch_size: int, grad_accum: int, mixed_precision: str,
     gradient_checkpointing: bool, seed: int, old_length: int | None, init_head: bool, eval_sequences: int,
-    buckets: int,
+    buckets: int, objective: str | None,
 ) -> tuple[_Run, Loaded]:
-    """Load, extend, pack the data, choose what trains, and prepare model, optimizer and schedule."""
+    """Load, extend, cut the data into samples, choose what trains, and prepare model, optimizer and schedule."""
     from accelerate.utils import set_seed
 
-    from .data import pack, read_documents, split
+    from .data import read_documents, split
     from .model import extend_model
 
     docs = read_documents(data)
-    loaded = load_for_training(directory, init_head=init_head)
+    chosen = get_objective(objective or default_objective(directory))
+    loaded = chosen.load(directory, init_head=init_head)
     model, tokenizer = loaded.model, loaded.tokenizer
     current = loaded.usable
     if length is not None and length != current:
-        extend_model(model, length, strategy, seed=seed, allow_shrink=False)
+        extend_model(loaded.hf_model, length, strategy, seed=seed, allow_shrink=False)
         old_len = current
     else:
         length = current
@@ -272,7 +209,7 @@ def _setup(
             f"{old_len}: pass --length above {current}, or --old-length for a checkpoint extended elsewhere."
         )
     tokenizer.model_max_length = length
-    train_seqs, eval_seqs = split(pack(tokenizer, docs, length))
+    train_seqs, eval_seqs = split(chosen.samples(tokenizer, docs, length))
     accelerator = make_accelerator(mixed_precision, grad_accum)
     if train == "new-rows" and accelerator.distributed_type.value in ("FSDP", "DEEPSPEED"):
         raise TrainingError(
@@ -282,7 +219,7 @@ def _setup(
     # the run is a function of the global batch, so a resume may use another number of processes
     fingerprint = _fingerprint(src=str(directory), data=[str(d) for d in data], length=length, train=train, lr=lr,
                                schedule=schedule, global_batch=batch_size * accelerator.num_processes,
-                               grad_accum=grad_accum, seed=seed, strategy=strategy)
+                               grad_accum=grad_accum, seed=seed, strategy=strategy, objective=chosen.name)
     tables = [dict(model.named_parameters())[n] for n in loaded.tables]
     keep_rows = old_len + loaded.reserved
     for p in model.parameters():
@@ -294,13 +231,13 @@ def _setup(
         for t in tables:
             t.register_hook(lambda g: torch.cat([torch.zeros_like(g[:keep_rows]), g[keep_rows:]]))
     if gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+        loaded.hf_model.gradient_checkpointing_enable()
     set_seed(seed)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(lr_factor, steps=steps, schedule=schedule))
     prepared, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     run = _Run(accelerator, prepared, accelerator.unwrap_model(prepared), optimizer, scheduler, tokenizer,
-               loaded.objective, train_seqs, eval_seqs[:eval_sequences], length, old_len, tables, keep_rows,
+               chosen, train_seqs, eval_seqs[:eval_sequences], length, old_len, tables, keep_rows,
                saved_rows, dst.with_name(dst.name + ".state"), fingerprint, seed, batch_size, grad_accum, buckets)
     return run, loaded
 
@@ -315,21 +252,12 @@ def lr_factor(s: int, *, steps: int, schedule: str) -> float:
 
 def _micro_loss(run: _Run, k: int) -> tuple[torch.Tensor, int]:
     """Loss of micro-batch ``k`` on this process, scaled so that the processes' gradients average
-    to the gradient of the mean over the *global* batch's predicted tokens; and its token count."""
-    from .data import mask_tokens
-
+    to the gradient of the mean over the *global* batch's items (tokens, or pairs); and its tokens."""
     acc = run.accelerator
     positions = batch_positions(k, run.batch_size, acc.num_processes, acc.process_index)
     batch = run.train_seqs[batch_indices(k, run.batch_size, len(run.train_seqs), run.seed, acc.num_processes,
                                          acc.process_index)]
-    if run.objective == "causal":
-        inputs, labels = batch, batch
-        count = batch.shape[0] * (batch.shape[1] - 1)
-    else:
-        pairs = [mask_tokens(row[None], run.tokenizer, sample_generator(run.seed, p)) for row, p in zip(batch, positions)]
-        inputs, labels = torch.cat([a for a, _ in pairs]), torch.cat([b for _, b in pairs])
-        count = int((labels != -100).sum())
-    loss = run.model(input_ids=inputs.to(acc.device), labels=labels.to(acc.device)).loss
+    loss, count = run.objective.loss(run, positions, batch)
     if acc.num_processes > 1:
         total = int(acc.reduce(torch.tensor([count], device=acc.device), "sum").item())
         loss = loss * (count * acc.num_processes / max(total, 1)) if count else loss * 0.0
@@ -347,6 +275,7 @@ def _loop(
     eval_losses: list[tuple[int, float]] = []
     tokens = 0
     t0 = time.perf_counter()
+    run.model.train()  # gradient checkpointing applies only in training mode (dropout is the objective's choice)
     with _stop_at_step_boundary() as stop_requested:
         for step in range(start_step, steps):
             step_loss = 0.0
@@ -425,6 +354,7 @@ def finetune(
     seed: int = 0,
     old_length: int | None = None,
     init_head: bool = False,
+    objective: str | None = None,
     eval_sequences: int = 16,
     buckets: int = 8,
     overwrite: bool = False,
@@ -457,7 +387,7 @@ def finetune(
         directory, dst, data, length=length, strategy=strategy, steps=steps, train=train, lr=lr, schedule=schedule,
         batch_size=batch_size, grad_accum=grad_accum, mixed_precision=mixed_precision,
         gradient_checkpointing=gradient_checkpointing, seed=seed, old_length=old_length, init_head=init_head,
-        eval_sequences=eval_sequences, buckets=buckets,
+        eval_sequences=eval_sequences, buckets=buckets, objective=objective,
     )
     before = None if resume else run.evaluate()
     start_step = _resume_step(run) if resume else 0
@@ -466,7 +396,7 @@ def finetune(
     after = run.evaluate()
     run.accelerator.wait_for_everyone()
     report = FinetuneReport(
-        dst=str(dst.resolve()), train=train, steps=steps, old_length=run.old_length, new_length=run.length, lr=lr,
+        dst=str(dst.resolve()), train=train, objective=run.objective.name, steps=steps, old_length=run.old_length, new_length=run.length, lr=lr,
         batch_size=batch_size, grad_accum=grad_accum, tokens=tokens, seconds=seconds,
         tokens_per_second=tokens / max(seconds, 1e-9), losses=losses,
         eval_losses=([(0, before.loss)] if before else []) + eval_losses + [(steps, after.loss)],
@@ -475,13 +405,13 @@ def finetune(
     )
     state_dict = run.accelerator.get_state_dict(run.model)  # every process takes part (sharded weights)
     if run.accelerator.is_main_process:
-        _save(run.unwrapped, run.tokenizer, dst, report, directory, loaded, strategy, seed, overwrite, state_dict)
+        _save(run, dst, report, directory, loaded, strategy, seed, overwrite, state_dict)
         shutil.rmtree(run.state_dir, ignore_errors=True)
     run.accelerator.wait_for_everyone()
     return report
 
 
-def _save(model, tokenizer, dst: Path, report: FinetuneReport, src: Path, loaded: Loaded, strategy: str,
+def _save(run: _Run, dst: Path, report: FinetuneReport, src: Path, loaded: Loaded, strategy: str,
           seed: int, overwrite: bool, state_dict: dict[str, torch.Tensor] | None = None) -> None:
     """The fine-tuned model through the same atomic writer, with provenance and a model card.
 
@@ -490,7 +420,7 @@ def _save(model, tokenizer, dst: Path, report: FinetuneReport, src: Path, loaded
     from .checkpoint import ResizeReport
 
     card = ResizeReport(
-        src=str(src), dst=report.dst, model_type=model.config.model_type, strategy=strategy, params={}, seed=seed,
+        src=str(src), dst=report.dst, model_type=loaded.hf_model.config.model_type, strategy=strategy, params={}, seed=seed,
         old_length=report.old_length, new_length=report.new_length, reserved=loaded.reserved,
         tables=list(loaded.tables), buffers=[],
     )
@@ -500,8 +430,7 @@ def _save(model, tokenizer, dst: Path, report: FinetuneReport, src: Path, loaded
                                           "tokens": report.tokens}),
     }
     with atomic_output(dst, overwrite=overwrite) as tmp:
-        model.save_pretrained(tmp, state_dict=state_dict)
-        tokenizer.save_pretrained(tmp)
+        run.objective.save(run, tmp, state_dict)
         for f in sorted(tmp.glob("*.safetensors")):  # add provenance to each header
             entries, metadata = read_header(f)
             rewritten = f.with_suffix(".tmp")
@@ -510,7 +439,9 @@ def _save(model, tokenizer, dst: Path, report: FinetuneReport, src: Path, loaded
         lines = [model_card(card, trained=True).rstrip(), "", "## Fine-tune", "",
                  f"- Trained: `{report.train}` for {report.steps} steps ({report.tokens} tokens, lr {report.lr})"]
         for label, ev in (("before", report.before), ("after", report.after)):
-            if ev is not None and math.isfinite(ev.perplexity):
+            if ev is not None and ev.accuracy is not None:
+                lines.append(f"- Held-out retrieval accuracy@1 {label}: {ev.accuracy:.3f}")
+            elif ev is not None and math.isfinite(ev.perplexity):
                 lines.append(f"- Held-out perplexity {label}: {ev.perplexity:.3f}")
         (tmp / "README.md").write_text("\n".join(lines) + "\n")
         if report.before or report.after:

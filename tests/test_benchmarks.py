@@ -69,3 +69,19 @@ def test_finetune_speed_tiny(tmp_path):
     assert [r.split("|")[2].strip() for r in rows] == ["posextend", "trainer"] * 2
     assert all(float(r.split("|")[3].replace(",", "")) > 0 for r in rows)  # tokens/s
     assert "gradient checkpointing" in out
+
+
+def test_longembed_tiny(tmp_path):
+    import sysconfig
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text((Path(sysconfig.get_paths()["stdlib"]) / "argparse.py").read_text())
+    out = _run(ROOT / "benchmarks" / "longembed.py", "--data", corpus, "--lengths", "64,200", "--documents", "3",
+               "--length", "600", "--workdir", tmp_path / "w", "--json", tmp_path / "r.json", cwd=ROOT)
+    rows = [line for line in out.splitlines() if line.startswith("| ") and not line.startswith("| model")]
+    assert [r.split("|")[1].strip() for r in rows] == [
+        "original, truncated at 512", "original, chunk-and-average (512)", "tile to 600, no training",
+        "interpolate to 600, no training"]
+    results = json.loads((tmp_path / "r.json").read_text())["results"]
+    assert results["tile to 600, no training"]["short_input_cosine"] == pytest.approx(1.0, abs=1e-6)
+    assert results["interpolate to 600, no training"]["short_input_cosine"] < 0.999

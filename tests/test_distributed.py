@@ -83,6 +83,26 @@ def test_two_processes_equal_one_with_the_same_global_batch(tmp_path, corpus, ki
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("two")) == ["two"]
 
 
+def test_contrastive_two_processes_equal_one(tmp_path, corpus, minilm):
+    """In-batch negatives are gathered across processes: the global batch is the same either way."""
+    import json
+    import shutil
+
+    src = tmp_path / "minilm"
+    shutil.copytree(minilm, src)
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "hidden_dropout_prob": 0.0,
+                                                 "attention_probs_dropout_prob": 0.0}))
+    args = ["--length", "600", "--steps", "3", "--lr", "1e-4", "--seed", "0", "--eval-every", "0"]
+    one = _launch("python", 1, ["finetune", str(src), str(tmp_path / "one"), "--data", str(corpus), "--batch-size", "2",
+                                *args])
+    two = _launch("torchrun", 2, ["finetune", str(src), str(tmp_path / "two"), "--data", str(corpus),
+                                  "--batch-size", "1", *args])
+    assert "contrastive" in one.stdout and "on 2 processes" in two.stdout
+    assert _max_diff(tmp_path / "one", tmp_path / "two") < TOLERANCE
+    assert _max_diff(src, tmp_path / "two") > 1e-6  # it did train
+
+
 def test_accelerate_launch_forms_a_cpu_group(tmp_path, corpus):
     src = _twin("masked", tmp_path)
     one = _finetune("python", 1, src, tmp_path / "one", corpus, 2)

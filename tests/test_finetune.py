@@ -154,7 +154,35 @@ def test_finetune_bad_input(gpt, corpus, tmp_path, case, args, message):
 
 def test_model_without_head_needs_init_head(minilm, corpus, tmp_path):
     with pytest.raises(posextend.TrainingError, match="has no masked-LM head .* pass --init-head"):
-        finetune(minilm, tmp_path / "out", [corpus], length=600, steps=1)
+        finetune(minilm, tmp_path / "out", [corpus], length=600, steps=1, objective="masked")
+
+
+def test_contrastive_is_the_default_for_sentence_transformers_and_new_rows_keep_short_inputs(minilm, corpus, tmp_path):
+    """The real all-MiniLM-L6-v2, 512 -> 640: passages from anywhere in a window retrieve it."""
+    from sentence_transformers import SentenceTransformer
+
+    report = finetune(minilm, tmp_path / "out", [corpus], length=640, steps=3, batch_size=2, train="new-rows",
+                      eval_sequences=4, buckets=4, seed=0)
+    assert report.objective == "contrastive" and (report.old_length, report.new_length) == (512, 640)
+    assert report.after.accuracy is not None and 0 <= report.after.accuracy <= 1
+    assert [b.accuracy is not None for b in report.after.buckets] == [True] * len(report.after.buckets)
+    assert report.after.buckets[-1].end == 640 and report.tokens == 3 * 2 * 638
+    tuned = SentenceTransformer(str(tmp_path / "out"), device="cpu")
+    original = SentenceTransformer(str(minilm), device="cpu")
+    assert tuned.max_seq_length == 640 and [type(m).__name__ for m in tuned] == [type(m).__name__ for m in original]
+    table = tuned[0].auto_model.embeddings.position_embeddings.weight
+    assert table.shape == (640, 384)
+    assert torch.equal(table[:512], original[0].auto_model.embeddings.position_embeddings.weight)
+    short = ["Emma Woodhouse, handsome, clever, and rich.", "A short sentence."]
+    assert torch.equal(tuned.encode(short, convert_to_tensor=True), original.encode(short, convert_to_tensor=True))
+    assert "Held-out retrieval accuracy@1 after" in (tmp_path / "out" / "README.md").read_text()
+    # attention dropout is off while training (fused attention kernels), never in the written model
+    assert tuned[0].auto_model.config.attention_probs_dropout_prob == 0.1
+
+
+def test_contrastive_refuses_a_model_that_is_no_sentence_transformer(gpt, corpus, tmp_path):
+    with pytest.raises(posextend.TrainingError, match="not a sentence-transformers model"):
+        finetune(gpt, tmp_path / "out", [corpus], steps=1, objective="contrastive")
 
 
 def test_a_family_without_a_written_spec_is_fine_tuned_through_the_probe(corpus, tmp_path):

@@ -45,3 +45,53 @@ def test_minilm_resized_through_the_cli(minilm, original, tmp_path, length, stra
         assert torch.equal(before_h, after_h), "old positions must give bit-identical outputs"
     else:
         assert not torch.equal(before_h, after_h)
+
+
+@pytest.fixture(scope="module")
+def minilm_2k(minilm, tmp_path_factory):
+    dst = tmp_path_factory.mktemp("st") / "minilm-2k"
+    r = CliRunner().invoke(app, ["resize-model", str(minilm), str(dst), "--length", "2048", "--seed", "0"])
+    assert r.exit_code == 0 and "sentence-transformers max_seq_length: 2048" in r.output, r.output
+    return dst
+
+
+def test_sentence_transformers_reads_all_2048_tokens(minilm, minilm_2k, corpus):
+    from sentence_transformers import SentenceTransformer
+
+    original, resized = SentenceTransformer(str(minilm), device="cpu"), SentenceTransformer(str(minilm_2k), device="cpu")
+    assert (original.max_seq_length, resized.max_seq_length) == (256, 2048)
+    ids = resized.tokenizer(corpus.read_text(), add_special_tokens=False)["input_ids"][:2046]
+    text = resized.tokenizer.decode(ids)
+    assert len(resized.tokenize([text])["input_ids"][0]) == 2048  # nothing is cut
+    full = resized.encode([text], convert_to_tensor=True)
+    for n in (256, 512):
+        head = resized.encode([resized.tokenizer.decode(ids[: n - 2])], convert_to_tensor=True)
+        assert float(torch.nn.functional.cosine_similarity(full, head)) < 0.999  # the rest of the text counts
+    short = ["A short sentence.", "Emma Woodhouse, handsome, clever, and rich, with a comfortable home."]
+    assert torch.equal(original.encode(short, convert_to_tensor=True), resized.encode(short, convert_to_tensor=True))
+
+
+def test_retrieval_tasks_and_baselines_on_the_real_model(minilm, minilm_2k, corpus):
+    from posextend.retrieval import corpus_tokens, evaluate_retrieval, load_embedding_model, make_task
+
+    model = load_embedding_model(minilm)
+    task = make_task(model.tokenizer, corpus_tokens(model.tokenizer, [corpus]), "passkey", 300, n=6, seed=1)
+    assert [len(d) for d in task.documents] == [298] * 6 and len(set(task.queries)) == 6
+    for doc, query in zip(task.documents, task.queries):  # each document holds its own key, once
+        name = query.removeprefix("What is the pass key for ").removesuffix("?")
+        assert model.tokenizer.decode(doc).count(f"pass key for {name.lower()} is") == 1
+    again = make_task(model.tokenizer, corpus_tokens(model.tokenizer, [corpus]), "passkey", 300, n=6, seed=1)
+    assert again.documents == task.documents  # reproducible
+    report = evaluate_retrieval(minilm_2k, [corpus], lengths=(128, 600), n=6, reference=minilm)
+    assert set(report.scores) == {"passkey", "needle"} and report.max_seq_length == 2048
+    assert all(0.0 <= v <= 1.0 for scores in report.scores.values() for v in scores.values())
+    assert report.short_input_cosine == pytest.approx(1.0, abs=1e-6)  # tile: short inputs unchanged
+    # the baselines: truncation reads the first window; chunk-and-average averages every window's embedding
+    from posextend.retrieval import _embed_ids
+
+    doc = task.documents[0] * 2  # 596 tokens: windows of 254, 254 and 88
+    windows = [doc[:254], doc[254:508], doc[508:]]
+    each = torch.cat([_embed_ids(model, [w], 256, "full") for w in windows])
+    chunked = _embed_ids(model, [doc], 256, "chunk")[0]
+    assert torch.allclose(chunked, torch.nn.functional.normalize(each.mean(0), dim=0), atol=1e-6)
+    assert torch.allclose(_embed_ids(model, [doc], 256, "full")[0], each[0], atol=1e-6)

