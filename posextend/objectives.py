@@ -49,6 +49,7 @@ class Objective:
 
     name: ClassVar[str] = ""
     description: ClassVar[str] = ""
+    unused_parameters: ClassVar[bool] = False  # some trainable parameters get no gradient from the loss
 
     def load(self, directory: Path, *, init_head: bool) -> Loaded:
         raise NotImplementedError
@@ -151,19 +152,23 @@ def without_dropout(model: torch.nn.Module, *, attention_only: bool = False) -> 
 
 
 class _LanguageModel(Objective):
+    head: ClassVar[str]  # "causal" or "masked": the head loaded and how held-out text is scored
+
     def load(self, directory: Path, *, init_head: bool) -> Loaded:
-        model = load_language_model(directory, self.name, init_head=init_head)
+        model = load_language_model(directory, self.head, init_head=init_head)
         without_dropout(model.model)
         return model
 
     def evaluate(self, run: _Run) -> EvalReport:
-        return evaluate_model(run.model, run.eval_seqs, self.name, tokenizer=run.tokenizer, buckets=run.buckets,
+        return evaluate_model(run.model, run.eval_seqs, self.head, tokenizer=run.tokenizer, buckets=run.buckets,
                               old_length=run.old_length if run.old_length < run.length else None,
                               batch_size=run.batch_size, seed=run.seed)
 
 
 @register_objective("causal", description="Next-token prediction (GPT-style models).")
 class CausalLM(_LanguageModel):
+    head = "causal"
+
     def loss(self, run: _Run, positions: range, batch: torch.Tensor) -> tuple[torch.Tensor, int]:
         batch = batch.to(run.accelerator.device)
         return run.model(input_ids=batch, labels=batch).loss, batch.shape[0] * (batch.shape[1] - 1)
@@ -171,6 +176,8 @@ class CausalLM(_LanguageModel):
 
 @register_objective("masked", description="BERT masking: 15% of tokens (80% [MASK], 10% random, 10% kept).")
 class MaskedLM(_LanguageModel):
+    head = "masked"
+
     def loss(self, run: _Run, positions: range, batch: torch.Tensor) -> tuple[torch.Tensor, int]:
         from .data import mask_tokens
 
@@ -195,6 +202,8 @@ class Contrastive(Objective):
     query), so every position is trained. The loss is sentence-transformers'
     ``MultipleNegativesRankingLoss`` (the other documents of the global batch are negatives);
     pooling and normalisation are the checkpoint's own modules."""
+
+    unused_parameters = True  # the transformer's own pooler, when the checkpoint pools otherwise
 
     def load(self, directory: Path, *, init_head: bool) -> Loaded:
         from sentence_transformers import SentenceTransformer

@@ -158,19 +158,24 @@ def _check_options(train: str, schedule: str, steps: int, batch_size: int, grad_
             raise TrainingError(f"{name} must be at least 1, got {value}.")
 
 
-def make_accelerator(mixed_precision: str, grad_accum: int):
+def make_accelerator(mixed_precision: str, grad_accum: int, *, unused_parameters: bool = False):
     """An Accelerator whose process group is the one the launcher started, or a one-line error.
 
     Without a GPU, processes started by ``torchrun`` / ``accelerate launch --multi_gpu`` form a
     CPU (gloo) group; accelerate alone would make each of them a separate one-process run.
+    ``unused_parameters``: some trainable parameters get no gradient (a sentence-transformers
+    model's unused pooler), which DistributedDataParallel must be told.
     """
     import os
 
     from accelerate import Accelerator
+    from accelerate.utils import DistributedDataParallelKwargs
 
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     cpu_group = launched > 1 and not torch.cuda.is_available()
-    accelerator = Accelerator(mixed_precision=mixed_precision, gradient_accumulation_steps=grad_accum, cpu=cpu_group)
+    ddp = DistributedDataParallelKwargs(find_unused_parameters=unused_parameters)
+    accelerator = Accelerator(mixed_precision=mixed_precision, gradient_accumulation_steps=grad_accum, cpu=cpu_group,
+                              kwargs_handlers=[ddp])
     if accelerator.num_processes != launched:
         raise TrainingError(
             f"The launcher started {launched} processes (WORLD_SIZE) but accelerate formed a group of "
@@ -210,7 +215,7 @@ def _setup(
         )
     tokenizer.model_max_length = length
     train_seqs, eval_seqs = split(chosen.samples(tokenizer, docs, length))
-    accelerator = make_accelerator(mixed_precision, grad_accum)
+    accelerator = make_accelerator(mixed_precision, grad_accum, unused_parameters=chosen.unused_parameters)
     if train == "new-rows" and accelerator.distributed_type.value in ("FSDP", "DEEPSPEED"):
         raise TrainingError(
             "Training only the new rows edits one table's gradients in place, which sharded training (FSDP, "

@@ -66,6 +66,15 @@ def _max_diff(a: Path, b: Path) -> float:
     return max(float((x[k].float() - y[k].float()).abs().max()) for k in x if x[k].shape == y[k].shape)
 
 
+def _update_difference(src: Path, a: Path, b: Path) -> float:
+    """|update_a - update_b| / |update_a| over every tensor the three hold with the same shape."""
+    s, x, y = (load_file(p / "model.safetensors") for p in (src, a, b))
+    same = [k for k in x if k in s and s[k].shape == x[k].shape == y[k].shape]
+    num = sum(float(((x[k].double() - y[k].double()) ** 2).sum()) for k in same)
+    den = sum(float(((x[k].double() - s[k].double()) ** 2).sum()) for k in same)
+    return (num / den) ** 0.5
+
+
 def _tokens(card: Path) -> int:
     return int(re.search(r"for \d+ steps \((\d+) tokens", card.read_text()).group(1))
 
@@ -84,7 +93,12 @@ def test_two_processes_equal_one_with_the_same_global_batch(tmp_path, corpus, ki
 
 
 def test_contrastive_two_processes_equal_one(tmp_path, corpus, minilm):
-    """In-batch negatives are gathered across processes: the global batch is the same either way."""
+    """In-batch negatives are gathered across processes: the global batch is the same either way.
+
+    Compared by the whole update rather than the largest difference: some gradients here are
+    zero up to rounding (attention key biases: softmax ignores them), and Adam turns a gradient's
+    rounding into a step of the full learning rate. Without the gathering each process would see
+    one document and no negative (loss 0): the updates would differ entirely."""
     import json
     import shutil
 
@@ -99,8 +113,8 @@ def test_contrastive_two_processes_equal_one(tmp_path, corpus, minilm):
     two = _launch("torchrun", 2, ["finetune", str(src), str(tmp_path / "two"), "--data", str(corpus),
                                   "--batch-size", "1", *args])
     assert "contrastive" in one.stdout and "on 2 processes" in two.stdout
-    assert _max_diff(tmp_path / "one", tmp_path / "two") < TOLERANCE
-    assert _max_diff(src, tmp_path / "two") > 1e-6  # it did train
+    assert _update_difference(src, tmp_path / "one", src) == 1.0  # it did train
+    assert _update_difference(src, tmp_path / "one", tmp_path / "two") < 1e-2
 
 
 def test_accelerate_launch_forms_a_cpu_group(tmp_path, corpus):
