@@ -291,9 +291,9 @@ def finetune_cmd(
     data: Data,
     length: Annotated[int | None, typer.Option("--length", "-n", help="Extend to this many usable positions first.")] = None,
     strategy: Strategy = "tile",
-    steps: Annotated[int, typer.Option(help="Optimizer steps.")] = 200,
+    steps: Annotated[int | None, typer.Option(help="Optimizer steps (default: 200 for language models, 80 for contrastive).")] = None,
     train: Annotated[str, typer.Option(help="all (every parameter; best in our benchmark), positions (the table), or new-rows (only rows beyond the old length).")] = "all",
-    lr: Annotated[float | None, typer.Option(help="Learning rate (default 1e-3 for new-rows/positions, 1e-4 for all).")] = None,
+    lr: Annotated[float | None, typer.Option(help="Learning rate (default 1e-3 for new-rows/positions; for all 1e-4, 5e-5 with contrastive).")] = None,
     schedule: Annotated[str, typer.Option(help="Learning rate after a 10% warm-up: constant, or cosine down to 10%.")] = "constant",
     batch_size: Annotated[int, typer.Option(help="Sequences per micro-batch (per process).")] = 4,
     grad_accum: Annotated[int, typer.Option(help="Micro-batches per optimizer step.")] = 1,
@@ -321,14 +321,14 @@ def finetune_cmd(
         TextColumn("loss {task.fields[loss]:.4f}  {task.fields[tps]:,.0f} tok/s"), TimeRemainingColumn(),
         console=err_console, transient=True, disable=not main_process,
     )
-    task = progress.add_task("Training", total=steps, loss=float("nan"), tps=0.0)
+    task = progress.add_task("Training", total=steps or 1, loss=float("nan"), tps=0.0)
     with progress:
         report = finetune(
             src, dst, data, length=length, strategy=strategy, steps=steps, train=train, lr=lr, schedule=schedule, batch_size=batch_size,
             grad_accum=grad_accum, mixed_precision=mixed_precision, gradient_checkpointing=gradient_checkpointing,
             eval_every=eval_every, save_every=save_every, resume=resume, seed=seed, old_length=old_length,
             init_head=init_head, objective=objective, buckets=buckets, overwrite=overwrite,
-            progress=lambda step, total, loss, tps: progress.update(task, completed=step, loss=loss, tps=tps),
+            progress=lambda step, total, loss, tps: progress.update(task, completed=step, total=total, loss=loss, tps=tps),
         )
     if not report.main_process:
         return

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,7 @@ class Loaded:
     reserved: int
     tables: tuple[str, ...]
     old_length: int | None  # from posextend provenance, when the checkpoint was extended by it
+    extras: dict[str, Any] = field(default_factory=dict)  # the objective's own objects for the run (a frozen source)
 
 
 def provenance(directory: Path) -> dict[str, str]:

@@ -39,7 +39,7 @@ from .objectives import Objective, default_objective, get_objective
 
 log = logging.getLogger(__name__)
 TrainMode = Literal["new-rows", "positions", "all"]
-DEFAULT_LR = {"new-rows": 1e-3, "positions": 1e-3, "all": 1e-4}
+TRAIN_MODES = ("new-rows", "positions", "all")
 
 
 @dataclass
@@ -139,6 +139,11 @@ class _Run:
     buckets: int
     cache: dict[str, Any] = field(default_factory=dict)  # an objective's per-run objects (its loss module)
 
+    @property
+    def short_inputs_fixed(self) -> bool:
+        """Only new rows train (``new-rows``): outputs on inputs within the old length never change."""
+        return bool(self.saved_rows)
+
     def evaluate(self) -> EvalReport:  # through the prepared model: sharded weights need every process
         return self.objective.evaluate(self)
 
@@ -149,8 +154,8 @@ class _Run:
 
 
 def _check_options(train: str, schedule: str, steps: int, batch_size: int, grad_accum: int) -> None:
-    if train not in DEFAULT_LR:
-        raise TrainingError(f"--train must be one of {', '.join(DEFAULT_LR)}, got {train!r}.")
+    if train not in TRAIN_MODES:
+        raise TrainingError(f"--train must be one of {', '.join(TRAIN_MODES)}, got {train!r}.")
     if schedule not in ("constant", "cosine"):
         raise TrainingError(f"--schedule must be constant or cosine, got {schedule!r}.")
     for name, value in (("steps", steps), ("batch_size", batch_size), ("grad_accum", grad_accum)):
@@ -189,7 +194,7 @@ def _setup(
     directory: Path, dst: Path, data: Sequence[str | Path], *, length: int | None, strategy: str, steps: int,
     train: str, lr: float, schedule: str, batch_size: int, grad_accum: int, mixed_precision: str,
     gradient_checkpointing: bool, seed: int, old_length: int | None, init_head: bool, eval_sequences: int,
-    buckets: int, objective: str | None,
+    buckets: int, chosen: Objective,
 ) -> tuple[_Run, Loaded]:
     """Load, extend, cut the data into samples, choose what trains, and prepare model, optimizer and schedule."""
     from accelerate.utils import set_seed
@@ -198,7 +203,6 @@ def _setup(
     from .model import extend_model
 
     docs = read_documents(data)
-    chosen = get_objective(objective or default_objective(directory))
     loaded = chosen.load(directory, init_head=init_head)
     model, tokenizer = loaded.model, loaded.tokenizer
     current = loaded.usable
@@ -243,7 +247,8 @@ def _setup(
     prepared, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     run = _Run(accelerator, prepared, accelerator.unwrap_model(prepared), optimizer, scheduler, tokenizer,
                chosen, train_seqs, eval_seqs[:eval_sequences], length, old_len, tables, keep_rows,
-               saved_rows, dst.with_name(dst.name + ".state"), fingerprint, seed, batch_size, grad_accum, buckets)
+               saved_rows, dst.with_name(dst.name + ".state"), fingerprint, seed, batch_size, grad_accum, buckets,
+               cache=dict(loaded.extras))
     return run, loaded
 
 
@@ -345,7 +350,7 @@ def finetune(
     *,
     length: int | None = None,
     strategy: str = "tile",
-    steps: int = 200,
+    steps: int | None = None,
     train: TrainMode = "all",
     lr: float | None = None,
     schedule: Literal["constant", "cosine"] = "constant",
@@ -368,8 +373,9 @@ def finetune(
 ) -> FinetuneReport:
     """Extend (optionally) and fine-tune ``src``, evaluate before and after, save to ``dst``.
 
-    ``schedule``: linear warm-up over 10% of the steps, then ``constant`` or ``cosine``
-    (down to 10% of ``lr``).
+    ``steps`` and ``lr`` default to the objective's (:mod:`posextend.objectives`: 200 steps for
+    language models, 80 for ``contrastive``; lr by ``train``). ``schedule``: linear warm-up over
+    10% of the steps, then ``constant`` or ``cosine`` (down to 10% of ``lr``).
     ``train``: ``new-rows`` trains only the rows beyond the old length (everything else,
     the old rows included, stays bit-identical), ``positions`` the whole table, ``all``
     every parameter. ``progress(step, steps, loss, tokens_per_second)`` is called per step
@@ -383,16 +389,18 @@ def finetune(
         >>> report = posextend.finetune("gpt2", "gpt2-2k", ["corpus/"], length=2048, steps=500)
         >>> report.before.perplexity, report.after.perplexity
     """
-    _check_options(train, schedule, steps, batch_size, grad_accum)
     directory = resolve_source(src)
+    chosen = get_objective(objective or default_objective(directory))
+    steps = steps if steps is not None else chosen.steps
+    _check_options(train, schedule, steps, batch_size, grad_accum)
     dst = Path(dst).expanduser()
     check_destination(directory, dst, overwrite=overwrite)
-    lr = lr if lr is not None else DEFAULT_LR[train]
+    lr = lr if lr is not None else chosen.lr[train]
     run, loaded = _setup(
         directory, dst, data, length=length, strategy=strategy, steps=steps, train=train, lr=lr, schedule=schedule,
         batch_size=batch_size, grad_accum=grad_accum, mixed_precision=mixed_precision,
         gradient_checkpointing=gradient_checkpointing, seed=seed, old_length=old_length, init_head=init_head,
-        eval_sequences=eval_sequences, buckets=buckets, objective=objective,
+        eval_sequences=eval_sequences, buckets=buckets, chosen=chosen,
     )
     before = None if resume else run.evaluate()
     start_step = _resume_step(run) if resume else 0

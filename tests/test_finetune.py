@@ -207,3 +207,29 @@ def test_a_family_without_a_written_spec_is_fine_tuned_through_the_probe(corpus,
     assert model.config.max_position_embeddings == 66
     with torch.no_grad():
         assert model(input_ids=torch.full((1, 64), 2000)).logits.shape == (1, 64, 30527)
+
+
+def test_contrastive_anchor_keeps_short_inputs_near_the_source(minilm, corpus, tmp_path):
+    """Training every parameter moves short inputs; the anchor term pulls them back towards the source's."""
+    from sentence_transformers import SentenceTransformer
+
+    from posextend import objectives
+    from posextend.objectives import Contrastive, register_objective
+
+    register_objective("contrastive-no-anchor", description="The contrastive objective without its anchor term.")(
+        type("NoAnchor", (Contrastive,), {"anchor": 0.0}))
+    try:
+        kwargs = dict(length=640, steps=4, batch_size=2, train="all", lr=3e-4, eval_sequences=2, buckets=2, seed=0)
+        anchored = finetune(minilm, tmp_path / "anchored", [corpus], **kwargs)
+        free = finetune(minilm, tmp_path / "free", [corpus], objective="contrastive-no-anchor", **kwargs)
+    finally:
+        objectives._REGISTRY.pop("contrastive-no-anchor")
+    assert anchored.steps == free.steps == 4 and anchored.lr == 3e-4
+    texts = [corpus.read_text()[i : i + n] for i, n in ((0, 80), (5000, 400), (20000, 1200))]
+    source = SentenceTransformer(str(minilm), device="cpu").encode(texts, convert_to_tensor=True)
+
+    def cosine(path):
+        return float((SentenceTransformer(str(path), device="cpu").encode(texts, convert_to_tensor=True) * source).sum(1).mean())
+
+    assert cosine(tmp_path / "free") < cosine(tmp_path / "anchored") < 1.0
+
