@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .errors import InvalidLengthError
+from .errors import InvalidLengthError, StrategyError
 from .lookup import spec_for
 from .specs import ArchitectureSpec, Layout
 from .strategies import DEFAULTS, check_params, check_rank, get_strategy, resize_grid
@@ -100,6 +100,8 @@ def plan_resize(
     if new_length is None and image_size is None:
         raise InvalidLengthError("Give a new length (positions) or a new image size (image grids) to resize to.")
     ranks = [r for r, v in ((1, new_length), (2, image_size)) if v is not None]
+    if params and strategy is None and len(ranks) > 1:
+        raise StrategyError("Strategy parameters were given for a length and an image size: name the strategy they are for.")
     if strategy is not None and not any(r in get_strategy(strategy).ranks for r in ranks):
         check_rank(strategy, ranks[0])  # raises, naming the strategies that fit
     plans = []
@@ -115,7 +117,9 @@ def plan_resize(
             new_grid = spec.grid.grid(config, target)
             _check_grid(new_grid, layout.grid, target, allow_shrink=allow_shrink)
         name = strategy if strategy is not None and rank in get_strategy(strategy).ranks else DEFAULTS[rank]
-        own = dict(params or {}) if name == strategy else {}
+        own = dict(params or {}) if name == strategy or strategy is None else {}
+        if rank == 2 and spec.grid.antialias and "antialias" in get_strategy(name).params:
+            own.setdefault("antialias", True)  # what the family's own run-time interpolation does
         check_params(name, own)
         plans.append(GroupPlan(spec, layout, new_grid, target, name, own))
     return plans

@@ -111,11 +111,14 @@ class GridSpec:
     - ``image_key`` / ``patch_key``: config fields (dotted for nested configs); each holds an
       int (square) or ``[height, width]``.
     - ``square``: the family's code only handles square images (CLIP, SigLIP, DINOv2).
+    - ``antialias``: the family's run-time ``interpolate_pos_encoding`` antialiases (DINOv2 with
+      registers); resampling strategies then do too unless told otherwise, to reproduce it.
     """
 
     image_key: str = "image_size"
     patch_key: str = "patch_size"
     square: bool = False
+    antialias: bool = False
 
     def sizes(self, config: Mapping[str, Any]) -> tuple[tuple[int, int], tuple[int, int]]:
         """``((height, width), (patch_h, patch_w))`` from ``config``."""
@@ -331,18 +334,20 @@ def _seq2seq(model_type: str, offset: int) -> ArchitectureSpec:
 
 
 def _vision(model_type: str, prefix: str, table: str, reserved: int, *, square: bool = False, group: str = "model",
-            config: str = "", buffers: tuple[BufferRule, ...] = ()) -> ArchitectureSpec:
+            config: str = "", buffers: tuple[BufferRule, ...] = (), antialias: bool = False) -> ArchitectureSpec:
     """An image-patch grid after ``reserved`` prefix tokens, sized by ``<config>image_size / patch_size``."""
-    grid = GridSpec(f"{config}image_size", f"{config}patch_size", square=square)
+    grid = GridSpec(f"{config}image_size", f"{config}patch_size", square=square, antialias=antialias)
     return ArchitectureSpec(model_type, prefix, (table,), length_keys=(grid.image_key,), reserved=reserved,
                             buffers=buffers, objective="other", group=group, grid=grid)
 
 
 def _vision_tower(model_type: str, reserved: int, *, group: str = "model", config: str = "") -> ArchitectureSpec:
-    """CLIP-style towers: ``vision_model.embeddings.position_embedding`` (an ``nn.Embedding``) + ``position_ids``."""
-    ids = BufferRule(r"(^|\.)vision_model\.embeddings\.position_ids$", "arange")
-    return _vision(model_type, "", "vision_model.embeddings.position_embedding.weight", reserved, square=True,
-                   group=group, config=config, buffers=(ids,))
+    """CLIP-style towers: ``embeddings.position_embedding`` (an ``nn.Embedding``) + ``position_ids``, under
+    ``vision_model.`` (in a composite model; a bare tower saves its tensors without it)."""
+    inner = "vision_model." if config else ""
+    ids = BufferRule(rf"(^|\.){re.escape(inner)}embeddings\.position_ids$", "arange")
+    return _vision(model_type, "" if config else "vision_model", f"{inner}embeddings.position_embedding.weight",
+                   reserved, square=True, group=group, config=config, buffers=(ids,))
 
 
 # Image-patch grids, one written spec per family (kept apart from the text families' SPECS).
@@ -355,7 +360,9 @@ GRID_SPECS: dict[str, ArchitectureSpec] = {
         _vision("deit", "deit", "embeddings.position_embeddings", 2),
         # DINOv2 interpolates whenever height != width: square only (registers follow the table, not in it)
         _vision("dinov2", "dinov2", "embeddings.position_embeddings", 1, square=True),
-        _vision("dinov2_with_registers", "dinov2_with_registers", "embeddings.position_embeddings", 1, square=True),
+        # ... and with registers, its run-time interpolation antialiases (plain DINOv2's does not)
+        _vision("dinov2_with_registers", "dinov2_with_registers", "embeddings.position_embeddings", 1, square=True,
+                antialias=True),
         _vision_tower("clip_vision_model", 1),
         _vision_tower("siglip_vision_model", 0),
     ]
