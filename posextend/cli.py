@@ -268,7 +268,7 @@ def _fmt(value: Any) -> str:
 
 
 def _diagnostics(src: str, compare: str | None, out: Path | None, table: str | None = None) -> dict[str, dict[str, Any]]:
-    from .analysis import analyze, plot, table_of
+    from .analysis import analyze, plot, plot_grid, table_of
 
     names = [Path(src).name or str(src), Path(compare).name if compare else ""]
     if names[0] == names[1]:
@@ -282,6 +282,11 @@ def _diagnostics(src: str, compare: str | None, out: Path | None, table: str | N
         (out / "analysis.json").write_text(json.dumps(analysis, indent=2))
         lengths = [t.shape[0] for t in tables.values()]
         plot(tables, out, mark=min(lengths) if len(set(lengths)) > 1 else None)
+        from .checkpoint import read_position_table
+
+        grids = {label: read_position_table(path, table, grid=True) for label, path in zip(names, [src, compare]) if path}
+        if all(g.dim() == 3 for g in grids.values()):  # image grids: similarity to reference patches on the grid
+            plot_grid({k: g.float() for k, g in grids.items()}, out)
     return analysis
 
 

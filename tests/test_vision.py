@@ -48,7 +48,12 @@ def vision(tmp_path_factory) -> dict[str, Path]:
     out = {}
     for model_type, (cls, *_) in VISION.items():
         torch.manual_seed(0)
-        cls(_config(model_type)).save_pretrained(root / model_type)
+        model = cls(_config(model_type))
+        with torch.no_grad():  # some families initialise their table to zeros: make every row distinct
+            for name, p in model.named_parameters():
+                if "position_embedding" in name:
+                    p.copy_(torch.randn_like(p))
+        model.save_pretrained(root / model_type)
         (root / model_type / "preprocessor_config.json").write_text(json.dumps(PROCESSOR))
         out[model_type] = root / model_type
     return out
@@ -226,3 +231,20 @@ def test_cli_image_size_and_inspect(vision, tmp_path):
     assert r.exit_code == 1 and "--image-size takes pixels" in r.output
     r = runner.invoke(app, ["resize-model", str(vision["vit"]), str(tmp_path / "bad")])
     assert r.exit_code == 1 and "Give --length" in r.output
+
+
+def test_inspect_plot_shows_the_grid_similarity(vision, tmp_path):
+    pytest.importorskip("matplotlib")
+    posextend.resize_checkpoint(vision["vit"], tmp_path / "big", image_size=56)
+    r = CliRunner().invoke(app, ["inspect", str(tmp_path / "big"), "--plot", str(tmp_path / "plots"),
+                                 "--compare", str(vision["vit"])])
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "plots" / "grid_similarity.png").stat().st_size > 1000
+    from posextend.analysis import grid_similarity
+
+    from posextend.checkpoint import read_position_table
+
+    grid = read_position_table(tmp_path / "big", grid=True)
+    assert grid.shape[:2] == (7, 7)
+    sim = grid_similarity(grid, [(3, 3)])
+    assert sim.shape == (1, 7, 7) and abs(float(sim[0, 3, 3]) - 1) < 1e-5
