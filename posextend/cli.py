@@ -232,7 +232,11 @@ def inspect_cmd(
         + (f"\n  sentence-transformers max_seq_length: {info.st_max_seq_length}" if info.st_max_seq_length is not None else ""),
         highlight=False,
     )
-    table = Table(*(["group"] if len(info.groups) > 1 else []), "table", "rows", "dim", "dtype")
+    from rich.table import Column
+
+    longest = max((len(t.name) for g in info.groups for t in g.tables), default=5)
+    table = Table(*(["group"] if len(info.groups) > 1 else []), Column("table", min_width=longest, no_wrap=True),
+                  "rows", "dim", "dtype")
     for g in info.groups:
         for t in g.tables:
             table.add_row(*([g.group] if len(info.groups) > 1 else []), t.name, str(t.rows), str(t.dim), t.dtype)

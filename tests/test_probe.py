@@ -733,7 +733,7 @@ def test_cli_inspect_probed_clip(clip_twin):
     assert "text_model.embeddings.position_embedding.weight" in r.output
     assert "text_config.max_position_embeddings=77" in r.output
     info = json.loads(cli("inspect", clip_twin, "--json").output)
-    assert info["covered_by"] == "probed" and [g["group"] for g in info["groups"]] == ["text"]
+    assert info["covered_by"] == "probed" and [g["group"] for g in info["groups"]] == ["text", "vision"]
 
 
 def test_cli_inspect_led_lists_both_groups(led_twin):
