@@ -157,7 +157,7 @@ def main() -> None:
     reports = {}
     r = evaluate(ref, seq_old, 1, None)
     rows["reference @ own length"] = {"buckets": [r.buckets[0].perplexity], "overall": r.perplexity, "steps": 0}
-    for strategy in posextend.available_strategies():
+    for strategy in [n for n, s in posextend.available_strategies().items() if 1 in s.ranks]:  # tables of positions
         ext = work / f"{strategy}-0"
         posextend.resize_checkpoint(ref, ext, new, strategy, seed=args.seed)
         r = evaluate(ext, seq_new, 5, old)

@@ -27,12 +27,14 @@ _LAZY = {
     "available_strategies": "strategies",
     "get_strategy": "strategies",
     "resize_table": "strategies",
+    "resize_grid": "strategies",
     "finetune": "training",
     "FinetuneReport": "training",
     "evaluate": "evaluation",
     "EvalReport": "evaluation",
     "ArchitectureSpec": "specs",
     "SPECS": "specs",
+    "GRID_SPECS": "specs",
     "spec_for": "lookup",
     "all_specs": "lookup",
     "register_objective": "objectives",
@@ -49,8 +51,8 @@ if TYPE_CHECKING:
     from .objectives import available_objectives, register_objective
     from .retrieval import evaluate_retrieval
     from .model import extend_model
-    from .specs import SPECS, ArchitectureSpec
-    from .strategies import available_strategies, get_strategy, register_strategy, resize_table
+    from .specs import GRID_SPECS, SPECS, ArchitectureSpec
+    from .strategies import available_strategies, get_strategy, register_strategy, resize_grid, resize_table
     from .training import FinetuneReport, finetune
 
 

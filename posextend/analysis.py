@@ -176,6 +176,41 @@ def plot(tables: dict[str, Any], out_dir: str | Path, *, mark: int | None = None
     return written
 
 
+def grid_similarity(grid: torch.Tensor, refs: list[tuple[int, int]]) -> torch.Tensor:
+    """``[len(refs), H, W]``: cosine similarity of every patch of ``grid [H, W, D]`` to each reference patch."""
+    unit = torch.nn.functional.normalize(grid.float(), dim=-1)
+    return torch.stack([unit @ unit[i, j] for i, j in refs])
+
+
+def reference_patches(h: int, w: int) -> list[tuple[int, int]]:
+    """A few patches to compare against: the corners, the centre, and the middle of the left and top edges."""
+    refs = [(0, 0), (0, w - 1), (h // 2, w // 2), (h // 2, 0), (0, w // 2), (h - 1, 0), (h - 1, w - 1)]
+    return list(dict.fromkeys(refs))
+
+
+def plot_grid(grids: dict[str, torch.Tensor], out_dir: str | Path) -> Path:
+    """``grid_similarity.png``: for each image grid (label -> ``[H, W, D]``, one row each), the
+    similarity of every patch position to a few reference patches, laid out on the grid (the
+    familiar ViT figure: a good table shows a bright blob around each reference)."""
+    plt = _pyplot()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    first = next(iter(grids.values()))
+    n = len(reference_patches(*first.shape[:2]))
+    fig, axes = plt.subplots(len(grids), n, figsize=(2.2 * n, 2.4 * len(grids)), squeeze=False)
+    for row, (label, grid) in zip(axes, grids.items()):
+        h, w = grid.shape[:2]
+        refs = reference_patches(h, w)
+        for ax, (i, j), sim in zip(row, refs, grid_similarity(grid, refs)):
+            ax.imshow(sim.numpy(), cmap="viridis", vmin=-1, vmax=1)
+            ax.plot(j, i, "r+", markersize=8)
+            ax.set_title(f"{label}: ({i}, {j})", fontsize=7)
+            ax.set_xticks([])
+            ax.set_yticks([])
+    fig.suptitle("cosine similarity of each patch position to the marked one")
+    return _save(fig, out / "grid_similarity.png", plt)
+
+
 def _save(fig, path: Path, plt) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -30,8 +30,9 @@ from .io import (
     nonfinite_count, prefetch_torch, write_safetensors,
 )
 from .lookup import all_specs, spec_for
-from .specs import ArchitectureSpec, Layout
-from .strategies import check_params, get_strategy, resize_table
+from .plan import GroupPlan, ImageSize, check_length, plan_resize
+from .specs import Layout, table_rows as rows_of
+from .strategies import get_strategy
 from .twin import get_path, set_path
 
 if TYPE_CHECKING:
@@ -61,7 +62,9 @@ class GroupInfo:
     tables: list[TableInfo]
     usable: int
     reserved: int
-    config_lengths: dict[str, int]
+    config_lengths: dict[str, Any]
+    grid: list[int] = field(default_factory=list)  # [L] for positions, [H, W] patches for an image grid
+    patch_size: list[int] | None = None  # image grids: [height, width] of a patch
 
 
 @dataclass(frozen=True)
@@ -112,6 +115,11 @@ class ResizeReport:
     files_skipped: list[str] = field(default_factory=list)
     bytes_written: int = 0
     seconds: float = 0.0
+    old_image_size: list[int] | None = None  # image grids: [height, width] in pixels
+    new_image_size: list[int] | None = None
+    old_grid: list[int] | None = None  # image grids: [H, W] patches
+    new_grid: list[int] | None = None
+    strategies: dict[str, str] = field(default_factory=dict)  # group -> strategy, when several groups
 
     def provenance(self) -> dict[str, str]:
         """String metadata recorded in the safetensors header and index."""
@@ -124,6 +132,9 @@ class ResizeReport:
             "posextend.old_length": str(self.old_length),
             "posextend.new_length": str(self.new_length),
             "posextend.tables": ",".join(self.tables),
+            **({"posextend.old_image_size": "x".join(map(str, self.old_image_size)),
+                "posextend.new_image_size": "x".join(map(str, self.new_image_size))} if self.new_image_size else {}),
+            **({"posextend.strategies": json.dumps(self.strategies, sort_keys=True)} if len(self.strategies) > 1 else {}),
         }
 
 
@@ -163,16 +174,6 @@ def read_config(directory: Path) -> dict[str, Any]:
     return config
 
 
-def check_length(new_length: int, old_length: int, *, allow_shrink: bool) -> None:
-    if not isinstance(new_length, int) or isinstance(new_length, bool) or new_length <= 0:
-        raise InvalidLengthError(f"The new length must be a positive number of positions, got {new_length!r}.")
-    if new_length < old_length and not allow_shrink:
-        raise InvalidLengthError(
-            f"The new length {new_length} is below the current {old_length}: positions from "
-            f"{new_length} on would be cut. To shrink on purpose, pass --shrink (allow_shrink=True)."
-        )
-
-
 def check_destination(src: Path, dst: Path, *, overwrite: bool) -> None:
     src, dst = src.resolve(), dst.resolve()
     if dst == src or src in dst.parents:
@@ -197,27 +198,27 @@ ST_CONFIG = "sentence_bert_config.json"  # sentence-transformers: encode() trunc
 
 
 @contextlib.contextmanager
-def _opened(
-    src: str | Path, table: str | None = None,
-) -> Iterator[tuple[Path, dict[str, Any], CheckpointReader, ArchitectureSpec, Layout]]:
-    """Resolve, read the config, open the weights lazily and locate the position table(s)."""
+def _opened(src: str | Path) -> Iterator[tuple[Path, dict[str, Any], CheckpointReader, dict[str, tuple[int, ...]]]]:
+    """Resolve, read the config, open the weights lazily; yields the tensors' shapes by name too."""
     directory = resolve_source(src)
     config = read_config(directory)
     reader = CheckpointReader(directory)
     try:
-        shapes = {name: entry.shape for name, entry in reader.entries.items()}
-        spec = spec_for(config, table=table)
-        if spec.covered_by == "probed":
-            log.info("No spec for model type %r: observed on a twin: %s", spec.model_type, ", ".join(spec.tables))
-        yield directory, config, reader, spec, spec.locate(shapes, config)
+        yield directory, config, reader, {name: entry.shape for name, entry in reader.entries.items()}
     finally:
         reader.close()
 
 
-def read_position_table(src: str | Path, table: str | None = None) -> torch.Tensor:
-    """The usable rows of a checkpoint's (first) position table, read by name only."""
-    with _opened(src, table) as (_, _, reader, _, layout):
-        return reader.get(layout.tables[0])[layout.reserved :]
+def read_position_table(src: str | Path, table: str | None = None, *, grid: bool = False) -> torch.Tensor:
+    """The usable rows ``[N, D]`` of a checkpoint's (first) position table, read by name only.
+
+    ``table`` names a group (``"vision"``); ``grid=True`` gives an image grid's rows as ``[H, W, D]``.
+    """
+    with _opened(src) as (_, config, reader, shapes):
+        layout = spec_for(config, table=table).locate(shapes, config)
+        rows = reader.get(layout.tables[0])
+        rows = rows.reshape(rows.shape[-2], rows.shape[-1])[layout.reserved :]
+        return rows.reshape(*layout.grid, rows.shape[-1]) if grid else rows
 
 
 # ------------------------------------------------------------------------------- public
@@ -239,9 +240,12 @@ def inspect_checkpoint(src: str | Path) -> CheckpointInfo:
         groups = []
         for spec in all_specs(config):
             layout = spec.locate(shapes, config)
-            tables = [TableInfo(n, shapes[n][0], shapes[n][1], reader.entries[n].dtype) for n in layout.tables]
-            lengths = {k: v for k in spec.length_keys if (v := get_path(config, k)) is not None}
-            groups.append((spec, layout, GroupInfo(spec.group, tables, layout.usable, layout.reserved, lengths)))
+            tables = [TableInfo(n, rows_of(shapes[n]), shapes[n][-1], reader.entries[n].dtype) for n in layout.tables]
+            keys = (*spec.length_keys, spec.grid.patch_key) if spec.grid else spec.length_keys
+            lengths = {k: v for k in keys if (v := get_path(config, k)) is not None}
+            patch = list(spec.grid.sizes(config)[1]) if spec.grid else None
+            groups.append((spec, layout, GroupInfo(spec.group, tables, layout.usable, layout.reserved, lengths,
+                                                   list(layout.grid), patch)))
         spec, layout, first = groups[0]
         return CheckpointInfo(
             path=str(directory),
@@ -265,9 +269,10 @@ def inspect_checkpoint(src: str | Path) -> CheckpointInfo:
 def resize_checkpoint(
     src: str | Path,
     dst: str | Path,
-    new_length: int,
-    strategy: str = "tile",
+    new_length: int | None = None,
+    strategy: str | None = None,
     *,
+    image_size: int | ImageSize | None = None,
     seed: int | None = None,
     overwrite: bool = False,
     allow_shrink: bool = False,
@@ -278,7 +283,8 @@ def resize_checkpoint(
     progress: Callable[[int, int], None] | None = None,
     **params: Any,
 ) -> ResizeReport:
-    """Write a copy of checkpoint ``src`` at ``dst`` with ``new_length`` usable positions.
+    """Write a copy of checkpoint ``src`` at ``dst`` with ``new_length`` usable positions and/or
+    image grids for ``image_size``.
 
     Only the position table(s) and the buffers that follow the length change; every
     other tensor's bytes are copied as they are. ``src`` is never modified, and ``dst``
@@ -287,11 +293,17 @@ def resize_checkpoint(
     ``link=True`` hard-links shards that need no change instead of copying them.
 
     Args:
+        new_length: usable positions of the table(s) of positions (text).
+        strategy: applies to the tables whose grid rank it handles; the others get their
+            rank's default (``tile`` for positions, ``bicubic`` for image grids).
+        image_size: pixels, ``448`` or ``(height, width)``, for an image-patch grid (ViT,
+            DINOv2, CLIP's vision tower); ``config.json``'s ``image_size`` and the image
+            processor's ``size``/``crop_size`` follow it.
         table: which tables, for a model with several lengths (``"encoder"``, ``"decoder"``,
             ``"text"``; see ``inspect_checkpoint(src).groups``). Not needed with one length.
         verify: check the output against a twin of its written config (shapes, a forward
-            pass at the full new length) before it appears. Default: only for a family
-            observed on a twin (no written spec); ``True`` for any family.
+            pass at the full new length or image size) before it appears. Default: for a
+            family observed on a twin (no written spec) and for every image grid; ``True`` for any family.
         st_max_seq_length: what a sentence-transformers model's ``max_seq_length`` becomes
             (default: the new length).
 
@@ -300,45 +312,80 @@ def resize_checkpoint(
         >>> report = posextend.resize_checkpoint("gpt2", "gpt2-4k", 4096, "interpolate", seed=0)
         >>> report.old_length, report.new_length
         (1024, 4096)
+        >>> posextend.resize_checkpoint("vit-base", "vit-448", image_size=448).new_grid
+        [28, 28]
     """
     start = time.perf_counter()
     dst = Path(dst).expanduser()
-    strat = check_params(strategy, params)
-    with _opened(src, table) as (directory, config, reader, spec, layout):
+    with _opened(src) as (directory, config, reader, shapes):
+        plans = plan_resize(config, shapes, new_length=new_length, image_size=image_size, strategy=strategy,
+                            params=params, table=table, allow_shrink=allow_shrink)
+        for plan in plans:
+            if plan.spec.covered_by == "probed":
+                log.info("No spec for model type %r: observed on a twin: %s", plan.spec.model_type, ", ".join(plan.spec.tables))
         check_destination(directory, dst, overwrite=overwrite)
-        check_length(new_length, layout.usable, allow_shrink=allow_shrink)
-        if st_max_seq_length is not None and not 0 < st_max_seq_length <= new_length:
+        if st_max_seq_length is not None and (new_length is None or not 0 < st_max_seq_length <= new_length):
             raise InvalidLengthError(
                 f"The sentence-transformers max_seq_length must be between 1 and the new length {new_length}, "
                 f"got {st_max_seq_length}."
             )
         seed = secrets.randbits(63) if seed is None else seed
-        _check_source_tables(reader, layout)
-
-        def new_table(name: str) -> Source:
-            if strat.rows and reader.format == "safetensors":  # a row strategy: copy the rows' bytes
-                return table_rows(reader.entries[name], layout.reserved, strat.rows(layout.usable, new_length),
-                                  new_length)
-            return lambda: resize_table(reader.get(name), new_length, strategy, reserved=layout.reserved,
-                                        seed=seed, params=params, context=config)
-
-        new_tables = {name: new_table(name) for name in layout.tables}
-        report = ResizeReport(
-            src=str(directory), dst=str(dst.resolve()), model_type=spec.model_type, strategy=strategy,
-            params=dict(params), seed=seed, old_length=layout.usable, new_length=new_length,
-            reserved=layout.reserved, tables=list(layout.tables), buffers=list(layout.buffers),
-            dropped=list(layout.dropped), covered_by=spec.covered_by,
-        )
+        for plan in plans:
+            _check_source_tables(reader, plan.layout)
+        changed = {name: made for plan in plans for name, made in _changed_tensors(reader, config, plan, seed).items()}
+        report = _report(directory, dst, plans, config, seed)
         with atomic_output(dst, overwrite=overwrite) as tmp:
-            _write_weights(reader, tmp, spec, new_tables, spec.config_value(config, new_length), report, link, progress)
-            _copy_other_files(directory, tmp, reader, spec, config, report, st_max_seq_length)
-            if verify or (verify is None and spec.covered_by == "probed"):
-                _verify(tmp, spec, report, reader)
+            _write_weights(reader, tmp, changed, report, link, progress)
+            _copy_other_files(directory, tmp, reader, plans, config, report, st_max_seq_length)
+            for plan in plans:
+                if verify or (verify is None and (plan.spec.covered_by == "probed" or plan.spec.grid)):
+                    _verify(tmp, plan, reader)
+                    report.verified = True
             card = directory / "README.md"
             (tmp / "README.md").write_text(model_card(report, card.read_text(errors="replace") if card.is_file() else ""))
         report.seconds = time.perf_counter() - start
-        log.info("Resized %s: %d -> %d positions (%s) in %.2fs", directory, report.old_length, new_length, strategy, report.seconds)
+        log.info("Resized %s: %d -> %d positions (%s) in %.2fs", directory, report.old_length, report.new_length,
+                 report.strategy, report.seconds)
         return report
+
+
+def _changed_tensors(
+    reader: CheckpointReader, config: Mapping[str, Any], plan: GroupPlan, seed: int,
+) -> dict[str, tuple[tuple[int, ...], Source]]:
+    """Each table and buffer of ``plan``: its written shape and how to make it."""
+    strat = get_strategy(plan.strategy)
+    layout, out = plan.layout, {}
+    for name in layout.tables:
+        entry = reader.entries[name]
+        if strat.rows and reader.format == "safetensors":  # a row strategy: copy the rows' bytes
+            make: Source = table_rows(entry, layout.reserved, strat.rows(layout.usable, plan.new_usable), plan.new_usable)
+        else:
+            make = (lambda n=name: plan.resize(reader.get(n), seed=seed, context=config))
+        out[name] = (plan.table_shape(entry.shape), make)
+    value = plan.buffer_value(config)
+    for name in layout.buffers:
+        rule = plan.spec.buffer_rule(name)
+        out[name] = (rule.new_shape(reader.entries[name].shape, value),
+                     lambda n=name, r=rule: r.rebuild(reader.get(n), value))
+    return out
+
+
+def _report(directory: Path, dst: Path, plans: list[GroupPlan], config: Mapping[str, Any], seed: int) -> ResizeReport:
+    """The report of a resize: the first group's numbers (positions before an image grid) at the top."""
+    main = plans[0]
+    report = ResizeReport(
+        src=str(directory), dst=str(dst.resolve()), model_type=main.spec.model_type, strategy=main.strategy,
+        params=dict(main.params), seed=seed, old_length=main.layout.usable, new_length=main.new_usable,
+        reserved=main.layout.reserved, tables=[t for p in plans for t in p.layout.tables],
+        buffers=[b for p in plans for b in p.layout.buffers], dropped=sorted({d for p in plans for d in p.layout.dropped}),
+        covered_by=main.spec.covered_by, strategies={p.spec.group: p.strategy for p in plans},
+    )
+    for plan in plans:
+        if plan.spec.grid:
+            report.old_image_size = list(plan.spec.grid.sizes(config)[0])
+            report.new_image_size = list(plan.target)
+            report.old_grid, report.new_grid = list(plan.layout.grid), list(plan.new_grid)
+    return report
 
 
 def _check_source_tables(reader: CheckpointReader, layout: Layout) -> None:
@@ -357,15 +404,17 @@ def _check_source_tables(reader: CheckpointReader, layout: Layout) -> None:
             )
 
 
-def _verify(out_dir: Path, spec: ArchitectureSpec, report: ResizeReport, reader: CheckpointReader) -> None:
+def _verify(out_dir: Path, plan: GroupPlan, reader: CheckpointReader) -> None:
     """Check the written files against a twin of the written config (see :func:`posextend.probe.verify`)."""
-    from .probe import verify
+    from .probe import verify, verify_grid
 
     with CheckpointReader(out_dir) as written:
         shapes = {n: e.shape for n, e in written.entries.items()}
     source = {n: e.shape for n, e in reader.entries.items()}
-    verify(out_dir, spec, report.tables, shapes, source, report.new_length, report.reserved)
-    report.verified = True
+    if plan.spec.grid:
+        verify_grid(out_dir, plan.spec, list(plan.layout.tables), shapes, source, plan.target, plan.new_rows)
+    else:
+        verify(out_dir, plan.spec, list(plan.layout.tables), shapes, source, plan.new_usable, plan.layout.reserved)
 
 
 COPY_THREADS = 4  # whole-file copies at once: the kernel's copy of a file runs on one core
@@ -394,25 +443,19 @@ def table_rows(entry: Entry, reserved: int, rows: list[int], new_length: int) ->
 def _write_weights(
     reader: CheckpointReader,
     out_dir: Path,
-    spec: ArchitectureSpec,
-    new_tables: dict[str, Source],
-    buffer_length: int,
+    changed: Mapping[str, tuple[tuple[int, ...], Source]],
     report: ResizeReport,
     link: bool,
     progress: Callable[[int, int], None] | None,
 ) -> None:
-    rules = {name: spec.buffer_rule(name) for name in report.buffers}
-    new_rows = report.new_length + report.reserved
+    """Write every tensor: those in ``changed`` (tables, buffers) with their new shape, the rest copied."""
 
     def plan(entry: Entry) -> tuple[Entry, Source]:
         """The output entry and how to make it (None: copy the source bytes)."""
         name = entry.name
-        if name in new_tables:  # same dtype, new number of rows
-            return dataclasses.replace(entry, shape=(new_rows, *entry.shape[1:])), new_tables[name]
-        if name in rules:
-            rule = rules[name]
-            shape = rule.new_shape(entry.shape, buffer_length)
-            return dataclasses.replace(entry, shape=shape), lambda: rule.rebuild(reader.get(name), buffer_length)
+        if name in changed:  # same dtype, new shape
+            shape, make = changed[name]
+            return dataclasses.replace(entry, shape=shape), make
         if reader.format == "bin":
             return entry, lambda: reader.get(name)
         return entry, None
@@ -476,6 +519,29 @@ def _write_weights(
         (out_dir / SAFE_INDEX).write_text(json.dumps(index, indent=2) + "\n")
 
 
+def processor_config(data: Mapping[str, Any], old: ImageSize, new: ImageSize) -> dict[str, Any]:
+    """An image processor's settings for images of ``new`` (height, width) pixels instead of ``old``.
+
+    ``crop_size`` and a ``size`` given as height/width become the new size; a ``size`` given by
+    its shortest edge (CLIP: resize to 224, crop 224; DINOv2: 256, crop 224) scales with the
+    image, unless the new size is not square (then both become the new height/width). An int
+    (older processors) scales too.
+    """
+    out = dict(data)
+    for key in ("size", "crop_size"):
+        value = out.get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            out[key] = round(value * new[0] / old[0]) if new[0] == new[1] else {"height": new[0], "width": new[1]}
+        elif isinstance(value, Mapping):
+            if "height" in value or "width" in value or new[0] != new[1]:
+                rest = {k: v for k, v in value.items() if k not in ("height", "width", "shortest_edge", "longest_edge")}
+                out[key] = {**rest, "height": new[0], "width": new[1]}
+            else:  # shortest_edge (and longest_edge) scale with the side
+                out[key] = {k: round(v * new[0] / old[0]) if k.endswith("_edge") and isinstance(v, int) else v
+                            for k, v in value.items()}
+    return out
+
+
 def updated_config(config: Mapping[str, Any], updates: Mapping[str, int]) -> dict[str, Any]:
     """``config`` with each (dotted) field in ``updates`` set."""
     out = dict(config)
@@ -484,11 +550,17 @@ def updated_config(config: Mapping[str, Any], updates: Mapping[str, int]) -> dic
     return out
 
 
+PROCESSOR_CONFIG = "preprocessor_config.json"  # image processors: size / crop_size follow the image size
+
+
 def _copy_other_files(
-    src: Path, out_dir: Path, reader: CheckpointReader, spec: ArchitectureSpec,
+    src: Path, out_dir: Path, reader: CheckpointReader, plans: list[GroupPlan],
     config: dict[str, Any], report: ResizeReport, st_max_seq_length: int | None = None,
 ) -> None:
-    """Copy config, tokenizer and every other non-weight file, editing lengths as JSON."""
+    """Copy config, tokenizer, image processor and every other non-weight file, editing lengths as JSON."""
+    updates = {k: v for plan in plans for k, v in plan.config_updates(config).items()}
+    text = next((p for p in plans if not p.spec.grid), None)
+    image = next((p for p in plans if p.spec.grid), None)
     weight_files = {f.resolve() for f in reader.files}
     for path in sorted(src.rglob("*")):
         rel = path.relative_to(src)
@@ -503,16 +575,19 @@ def _copy_other_files(
         target = out_dir / rel
         target.parent.mkdir(parents=True, exist_ok=True)
         if rel == Path("config.json"):
-            _write_json(target, updated_config(config, spec.config_updates(config, report.new_length)))
-        elif rel == Path("tokenizer_config.json"):
-            _write_json(target, {**json.loads(path.read_text()), "model_max_length": report.new_length})
-        elif rel.name == ST_CONFIG:
+            _write_json(target, updated_config(config, updates))
+        elif rel == Path("tokenizer_config.json") and text:
+            _write_json(target, {**json.loads(path.read_text()), "model_max_length": text.new_usable})
+        elif rel == Path(PROCESSOR_CONFIG) and image:
+            old = image.spec.grid.sizes(config)[0]
+            _write_json(target, processor_config(json.loads(path.read_text()), old, image.target))
+        elif rel.name == ST_CONFIG and text:
             report.st_max_seq_length = st_max_seq_length or report.new_length
             _write_json(target, {**json.loads(path.read_text()), "max_seq_length": report.st_max_seq_length})
         elif rel != Path("README.md"):
             shutil.copy2(path, target)
     has_tokenizer = any((src / name).is_file() for name in TOKENIZER_FILES)
-    if has_tokenizer and not (src / "tokenizer_config.json").is_file():
+    if text and has_tokenizer and not (src / "tokenizer_config.json").is_file():
         _write_json(out_dir / "tokenizer_config.json", {"model_max_length": report.new_length})
     if st_max_seq_length is not None and report.st_max_seq_length is None:
         log.warning("A sentence-transformers max_seq_length was given, but %s has no %s: nothing to set.", src, ST_CONFIG)
@@ -524,7 +599,8 @@ def _write_json(path: Path, data: Mapping[str, Any]) -> None:
 
 def model_card(report: ResizeReport, original: str = "", *, trained: bool = False) -> str:
     """A short model card stating how the checkpoint was made (``trained``: after a fine-tune)."""
-    grew = report.new_length > report.old_length and not trained
+    text = report.new_grid is None or len(report.strategies) > 1  # the top numbers are positions, not patches
+    grew = report.new_length > report.old_length and not trained and text
     strategy = get_strategy(report.strategy)
     lines = [
         "---",
@@ -537,14 +613,20 @@ def model_card(report: ResizeReport, original: str = "", *, trained: bool = Fals
         f"- Source: `{report.src}`",
         f"- Usable positions: {report.old_length} → {report.new_length}"
         + (f" (plus {report.reserved} reserved rows)" if report.reserved else ""),
+        *([f"- Image size: {'x'.join(map(str, report.old_image_size))} → {'x'.join(map(str, report.new_image_size))} "
+           f"pixels (patch grid {'x'.join(map(str, report.old_grid))} → {'x'.join(map(str, report.new_grid))})"]
+          if report.new_image_size else []),
         f"- Strategy: `{report.strategy}` — {strategy.description}",
+        *([f"- Strategies by table group: {', '.join(f'{g} `{s}`' for g, s in report.strategies.items())}"]
+          if len(report.strategies) > 1 else []),
         f"- Parameters: `{json.dumps(report.params, sort_keys=True)}`, seed {report.seed}",
         f"- Tables: {', '.join(f'`{t}`' for t in report.tables)}",
     ]
     if report.covered_by == "probed":
         lines.append("- Family: no written spec; tables, reserved rows and length field observed on a twin of its config")
     if report.verified:
-        lines.append("- Verified: a twin built from the written config has the written shapes and runs at the full length")
+        lines.append("- Verified: a twin built from the written config has the written shapes and runs at the full "
+                     "length or image size")
     if report.st_max_seq_length is not None:
         lines.append(f"- sentence-transformers `max_seq_length`: {report.st_max_seq_length}")
     if report.buffers:

@@ -112,6 +112,7 @@ def byte_progress(description: str):
 
 Length = Annotated[int, typer.Option("--length", "-n", help="New length in usable positions (what the tokenizer's model_max_length will say).")]
 Strategy = Annotated[str, typer.Option("--strategy", "-s", help="How to fill the table: see `posextend strategies`.")]
+ResizeStrategy = Annotated[str | None, typer.Option("--strategy", "-s", help="How to fill the table(s): see `posextend strategies` (default: tile for positions, bicubic for image grids).")]
 Seed = Annotated[int | None, typer.Option("--seed", help="Seed for strategies that draw random numbers.")]
 Params = Annotated[list[str] | None, typer.Option("--param", "-p", help="Strategy parameter key=value (repeatable), e.g. std=matched.")]
 
@@ -121,8 +122,9 @@ Params = Annotated[list[str] | None, typer.Option("--param", "-p", help="Strateg
 def resize_model(
     src: Annotated[str, typer.Argument(help="Checkpoint directory (or a hub id in the local HF cache).")],
     dst: Annotated[Path, typer.Argument(help="Output directory; created atomically.")],
-    length: Length,
-    strategy: Strategy = "tile",
+    length: Annotated[int | None, typer.Option("--length", "-n", help="New length in usable positions (what the tokenizer's model_max_length will say).")] = None,
+    image_size: Annotated[str | None, typer.Option("--image-size", help="New image size in pixels for an image-patch grid (ViT, DINOv2, CLIP's vision tower): 448, or HEIGHTxWIDTH such as 448x336.")] = None,
+    strategy: ResizeStrategy = None,
     seed: Seed = None,
     param: Params = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace DST if it exists.")] = False,
@@ -134,20 +136,35 @@ def resize_model(
 ) -> None:
     """Resize the position table(s) of a checkpoint on disk, without loading the model."""
     from .checkpoint import resize_checkpoint
+    from .errors import InvalidLengthError
 
+    if length is None and image_size is None:
+        raise InvalidLengthError("Give --length (positions), --image-size (image grids), or both.")
     progress, update = byte_progress("Writing")
     with progress:
         report = resize_checkpoint(
-            src, dst, length, strategy, seed=seed, overwrite=overwrite, allow_shrink=shrink, link=link,
+            src, dst, length, strategy, image_size=_image_size(image_size), seed=seed, overwrite=overwrite,
+            allow_shrink=shrink, link=link,
             table=table, verify=verify, st_max_seq_length=st_max_seq_length, progress=update, **_params(param),
         )
     params = ", ".join(f"{k}={v}" for k, v in report.params.items())
-    console.print(
-        f"[green]Resized[/] {report.model_type} checkpoint: {report.old_length} → [bold]{report.new_length}[/] "
-        f"usable positions with [bold]{report.strategy}[/]" + (f" ({params})" if params else "")
-        + f", seed {report.seed}, in {report.seconds:.2f} s",
-        highlight=False,
-    )
+    if length is not None:
+        console.print(
+            f"[green]Resized[/] {report.model_type} checkpoint: {report.old_length} → [bold]{report.new_length}[/] "
+            f"usable positions with [bold]{report.strategy}[/]" + (f" ({params})" if params else "")
+            + f", seed {report.seed}, in {report.seconds:.2f} s",
+            highlight=False,
+        )
+    if report.new_image_size:
+        size = "x".join
+        grid_strategy = list(report.strategies.values())[-1]
+        console.print(
+            f"[green]Resized[/] {report.model_type} image grid: {size(map(str, report.old_image_size))} → "
+            f"[bold]{size(map(str, report.new_image_size))}[/] px, patches {size(map(str, report.old_grid))} → "
+            f"{size(map(str, report.new_grid))} with [bold]{grid_strategy}[/]"
+            + (f" ({params})" if params and length is None else "") + f", in {report.seconds:.2f} s",
+            highlight=False,
+        )
     console.print(f"  tables: {', '.join(report.tables)}", highlight=False)
     if report.covered_by == "probed":
         console.print("  family observed on a twin of its config (no written spec)", highlight=False)
@@ -165,6 +182,22 @@ def resize_model(
     )
     console.print(f"  written to {report.dst}", highlight=False)
     _exit_without_teardown()
+
+
+def _image_size(text: str | None) -> int | tuple[int, int] | None:
+    """``"448"`` → 448; ``"448x336"`` → (448, 336) (height x width)."""
+    from .errors import InvalidLengthError
+
+    if text is None:
+        return None
+    parts = text.lower().replace("×", "x").split("x")
+    try:
+        numbers = [int(p) for p in parts]
+    except ValueError:
+        raise InvalidLengthError(f"--image-size takes pixels, 448 or HEIGHTxWIDTH (448x336), not {text!r}.") from None
+    if len(numbers) not in (1, 2):
+        raise InvalidLengthError(f"--image-size takes pixels, 448 or HEIGHTxWIDTH (448x336), not {text!r}.")
+    return numbers[0] if len(numbers) == 1 else (numbers[0], numbers[1])
 
 
 @app.command("inspect")
@@ -194,16 +227,16 @@ def inspect_cmd(
         f"[bold]{info.path}[/]\n  model type {info.model_type} ({covered}), "
         f"{', '.join(info.architectures) or 'no architectures listed'}\n"
         f"  weights: {info.weights_format}, {len(info.weight_files)} file(s)\n"
-        + "".join(
-            f"  {g.group + ': ' if len(info.groups) > 1 else ''}usable positions: [bold]{g.usable}[/], "
-            f"reserved rows: {g.reserved}, config: {', '.join(f'{k}={v}' for k, v in g.config_lengths.items())}\n"
-            for g in info.groups
-        )
+        + "".join(_group_line(g, len(info.groups) > 1) for g in info.groups)
         + f"  tokenizer model_max_length: {info.tokenizer_max_length if info.tokenizer_max_length is not None else 'no tokenizer_config.json'}"
         + (f"\n  sentence-transformers max_seq_length: {info.st_max_seq_length}" if info.st_max_seq_length is not None else ""),
         highlight=False,
     )
-    table = Table(*(["group"] if len(info.groups) > 1 else []), "table", "rows", "dim", "dtype")
+    from rich.table import Column
+
+    longest = max((len(t.name) for g in info.groups for t in g.tables), default=5)
+    table = Table(*(["group"] if len(info.groups) > 1 else []), Column("table", min_width=longest, no_wrap=True),
+                  "rows", "dim", "dtype")
     for g in info.groups:
         for t in g.tables:
             table.add_row(*([g.group] if len(info.groups) > 1 else []), t.name, str(t.rows), str(t.dim), t.dtype)
@@ -224,12 +257,22 @@ def inspect_cmd(
             console.print(f"  diagnostics written to {plot}/ (analysis.json and PNGs)", highlight=False)
 
 
+def _group_line(g: Any, named: bool) -> str:
+    """One line of ``inspect`` per group: positions, or an image grid with its patch and prefix tokens."""
+    config = ", ".join(f"{k}={v}" for k, v in g.config_lengths.items())
+    head = f"  {g.group + ': ' if named else ''}"
+    if g.patch_size:
+        return (f"{head}image grid: [bold]{'x'.join(map(str, g.grid))}[/] patches of "
+                f"{'x'.join(map(str, g.patch_size))} px, prefix tokens: {g.reserved}, config: {config}\n")
+    return f"{head}usable positions: [bold]{g.usable}[/], reserved rows: {g.reserved}, config: {config}\n"
+
+
 def _fmt(value: Any) -> str:
     return f"{value:.3f}" if isinstance(value, float) else str(value)
 
 
 def _diagnostics(src: str, compare: str | None, out: Path | None, table: str | None = None) -> dict[str, dict[str, Any]]:
-    from .analysis import analyze, plot, table_of
+    from .analysis import analyze, plot, plot_grid, table_of
 
     names = [Path(src).name or str(src), Path(compare).name if compare else ""]
     if names[0] == names[1]:
@@ -243,6 +286,11 @@ def _diagnostics(src: str, compare: str | None, out: Path | None, table: str | N
         (out / "analysis.json").write_text(json.dumps(analysis, indent=2))
         lengths = [t.shape[0] for t in tables.values()]
         plot(tables, out, mark=min(lengths) if len(set(lengths)) > 1 else None)
+        from .checkpoint import read_position_table
+
+        grids = {label: read_position_table(path, table, grid=True) for label, path in zip(names, [src, compare]) if path}
+        if all(g.dim() == 3 for g in grids.values()):  # image grids: similarity to reference patches on the grid
+            plot_grid({k: g.float() for k, g in grids.items()}, out)
     return analysis
 
 
@@ -254,12 +302,13 @@ def strategies_cmd() -> None:
 
     from .strategies import CONTEXT_PARAMS, available_strategies
 
-    table = Table("strategy", "description", "parameters", "keeps old rows")
+    table = Table("strategy", "description", "parameters", "keeps old rows", "tables")
     for s in available_strategies().values():
         params = ", ".join(
             f"{n}={p.default!r}" for n, p in s.params.items() if n not in CONTEXT_PARAMS
         )
-        table.add_row(s.name, s.description, params or "-", "yes" if s.keeps_rows else "no")
+        kinds = ", ".join({1: "positions", 2: "image grids"}[r] for r in s.ranks)
+        table.add_row(s.name, s.description, params or "-", "yes" if s.keeps_rows else "no", kinds)
     console.print(table)
 
 

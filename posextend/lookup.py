@@ -11,7 +11,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from .errors import NotLearnedPositionsError, UnsupportedArchitectureError
-from .specs import SPECS, ArchitectureSpec, positions_kind_problem
+from .twin import get_path
+from .specs import GRID_SPECS, SPECS, VISION_TOWERS, ArchitectureSpec, positions_kind_problem
 
 
 def all_specs(config: Mapping[str, Any], *, cls: type | None = None) -> tuple[ArchitectureSpec, ...]:
@@ -34,26 +35,42 @@ def all_specs(config: Mapping[str, Any], *, cls: type | None = None) -> tuple[Ar
         )
     if model_type in SPECS:
         return (SPECS[model_type],)
+    if model_type in GRID_SPECS:
+        return (GRID_SPECS[model_type],)
     from .probe import observe
 
-    return observe(config, cls)
+    tower = (VISION_TOWERS[model_type],) if model_type in VISION_TOWERS else ()
+    return observe(config, cls) + tower
 
 
-def spec_for(config: Mapping[str, Any], *, cls: type | None = None, table: str | None = None) -> ArchitectureSpec:
+def spec_for(
+    config: Mapping[str, Any], *, cls: type | None = None, table: str | None = None, rank: int | None = None,
+) -> ArchitectureSpec:
     """The spec of the tables to resize: the model's only length, or the group named ``table``.
+
+    ``rank``: 1 for a length of positions, 2 for an image grid. Without ``table`` or ``rank``,
+    a model with a text length and an image grid (CLIP) gives its text length.
 
     Example::
 
         >>> spec_for(json.load(open("led/config.json")), table="decoder").length_keys
         ('max_decoder_position_embeddings',)
     """
-    specs = all_specs(config, cls=cls)
+    every = all_specs(config, cls=cls)
+    wanted = rank or (1 if any(s.rank == 1 for s in every) else 2)
+    specs = tuple(s for s in every if s.rank == wanted or (rank is None and table is not None))
+    if not specs:
+        what = "an image grid" if wanted == 2 else "a length of positions"
+        raise UnsupportedArchitectureError(
+            f"Model type {config.get('model_type')!r} has no learned table of {what} posextend resizes; "
+            f"its tables: {', '.join(s.group for s in every)}."
+        )
     if table is None and len(specs) == 1:
         return specs[0]
     names = {s.group: s for s in specs}
     if table in names:
         return names[table]
-    lengths = ", ".join(f"{s.group} ({s.length_keys[0]}={s.config_length(config)})" for s in specs)
+    lengths = ", ".join(f"{s.group} ({s.length_keys[0]}={get_path(config, s.length_keys[0])})" for s in specs)
     if table is None:
         raise UnsupportedArchitectureError(
             f"Model type {config.get('model_type')!r} has several position lengths: {lengths}; "

@@ -7,29 +7,31 @@ from typing import Any
 
 from torch import nn
 
-from .checkpoint import check_length
-from .lookup import spec_for
-from .strategies import resize_table
+from .plan import plan_resize
 
 log = logging.getLogger(__name__)
 
 
 def extend_model(
     model: nn.Module,
-    new_length: int,
-    strategy: str = "tile",
+    new_length: int | None = None,
+    strategy: str | None = None,
     *,
+    image_size: int | tuple[int, int] | None = None,
     seed: int | None = None,
     allow_shrink: bool = False,
     table: str | None = None,
     **params: Any,
 ) -> nn.Module:
-    """Give a transformers ``PreTrainedModel`` ``new_length`` usable positions, in place.
+    """Give a transformers ``PreTrainedModel`` ``new_length`` usable positions and/or image grids
+    for ``image_size`` pixels (``448`` or ``(height, width)``), in place.
 
     The table keeps its module class, dtype, device, ``padding_idx`` and ``requires_grad``;
     length-dependent buffers are rebuilt and the config updated, so a forward pass at
-    ``new_length`` works and ``save_pretrained`` → ``from_pretrained`` loads cleanly.
-    Create optimizers after calling this (the table is a new ``Parameter``). Returns the model.
+    ``new_length`` (or on images of ``image_size``) works and ``save_pretrained`` →
+    ``from_pretrained`` loads cleanly. Create optimizers after calling this (the table is a new
+    ``Parameter``). Returns the model. ``strategy`` applies to the tables whose grid rank it
+    handles; the others get their rank's default (``tile``, ``bicubic``).
     ``table`` names the tables to resize in a model with several lengths (``"decoder"``, ``"text"``).
     A family without a written spec is first observed on a twin of ``type(model)`` (seconds).
 
@@ -39,42 +41,73 @@ def extend_model(
         >>> posextend.extend_model(model, 2048, "interpolate")
         >>> model.config.max_position_embeddings
         2048
+        >>> vit = posextend.extend_model(AutoModel.from_pretrained("google/vit-base-patch16-224"), image_size=448)
     """
     config = model.config.to_dict()
     shapes = {n: tuple(t.shape) for n, t in [*model.named_parameters(), *model.named_buffers()]}
-    spec = spec_for(config, cls=type(model), table=table)
-    layout = spec.locate(shapes, config)
-    check_length(new_length, layout.usable, allow_shrink=allow_shrink)
-    new_rows = new_length + layout.reserved
-    buffer_length = spec.config_value(config, new_length)
+    plans = plan_resize(config, shapes, new_length=new_length, image_size=image_size, strategy=strategy,
+                        params=params, table=table, allow_shrink=allow_shrink, cls=type(model))
     # every new table is computed and checked before any is swapped in: a refusal changes nothing
-    new_tables = {
-        name: resize_table(model.get_parameter(name) if name in dict(model.named_parameters()) else model.get_buffer(name),
-                           new_length, strategy, reserved=layout.reserved, seed=seed, params=params, context=config)
-        for name in layout.tables
-    }
-    for name, new in new_tables.items():
-        owner_name, _, attr = name.rpartition(".")
-        module = model.get_submodule(owner_name)
-        old = getattr(module, attr)
-        if isinstance(old, nn.Parameter):
-            setattr(module, attr, nn.Parameter(new, requires_grad=old.requires_grad))
-        else:  # a companion buffer that follows the table (I-BERT's weight_integer)
-            module.register_buffer(attr, new, persistent=attr not in module._non_persistent_buffers_set)
-        for count in ("num_embeddings", "num_"):  # nn.Embedding; I-BERT's QuantEmbedding
-            if getattr(module, count, None) == old.shape[0]:
-                setattr(module, count, new_rows)
-    for name in layout.buffers:
-        owner_name, _, attr = name.rpartition(".")
-        owner = model.get_submodule(owner_name)
-        persistent = attr not in owner._non_persistent_buffers_set
-        owner.register_buffer(attr, spec.buffer_rule(name).rebuild(getattr(owner, attr), buffer_length), persistent=persistent)
-    set_config(model, spec.config_updates(config, new_length))
-    log.info("Extended %s in memory: %d -> %d positions (%s)", spec.model_type, layout.usable, new_length, strategy)
+    new_tables = {name: (plan, plan.resize(_tensor(model, name), seed=seed, context=config))
+                  for plan in plans for name in plan.layout.tables}
+    for name, (plan, new) in new_tables.items():
+        _swap(model, name, new)
+    for plan in plans:
+        for name in plan.layout.buffers:
+            owner_name, _, attr = name.rpartition(".")
+            owner = model.get_submodule(owner_name)
+            persistent = attr not in owner._non_persistent_buffers_set
+            rebuilt = plan.spec.buffer_rule(name).rebuild(getattr(owner, attr), plan.buffer_value(config))
+            owner.register_buffer(attr, rebuilt, persistent=persistent)
+        if plan.spec.grid:
+            _sync_image_attributes(model, plan, config)
+        set_config(model, plan.config_updates(config))
+        log.info("Extended %s in memory: %s -> %s (%s)", plan.spec.model_type, plan.layout.grid, plan.new_grid,
+                 plan.strategy)
     return model
 
 
-def set_config(model: nn.Module, updates: dict[str, int]) -> None:
+def _tensor(model: nn.Module, name: str):
+    return model.get_parameter(name) if name in dict(model.named_parameters()) else model.get_buffer(name)
+
+
+def _swap(model: nn.Module, name: str, new) -> None:
+    """Put table ``new`` in place of ``name``: a Parameter stays one (same ``requires_grad``), a buffer
+    a buffer; the owner's row count (``nn.Embedding.num_embeddings``) follows."""
+    owner_name, _, attr = name.rpartition(".")
+    module = model.get_submodule(owner_name)
+    old = getattr(module, attr)
+    if isinstance(old, nn.Parameter):
+        setattr(module, attr, nn.Parameter(new, requires_grad=old.requires_grad))
+    else:  # a companion buffer that follows the table (I-BERT's weight_integer)
+        module.register_buffer(attr, new, persistent=attr not in module._non_persistent_buffers_set)
+    for count in ("num_embeddings", "num_"):  # nn.Embedding; I-BERT's QuantEmbedding
+        if getattr(module, count, None) == old.shape[-2]:
+            setattr(module, count, new.shape[-2])
+
+
+def _sync_image_attributes(model: nn.Module, plan, config) -> None:
+    """Modules of an image grid's tower copy the config at construction (``image_size``,
+    ``num_patches``, ``num_positions``) and check inputs against it: set the new values
+    wherever the old ones are held, in the same form (int or pair)."""
+    (h, w), _ = plan.spec.grid.sizes(config)
+    new_h, new_w = plan.target
+    old_usable, reserved = plan.layout.usable, plan.layout.reserved
+    tower = plan.layout.tables[0].split(".embeddings.")[0] if ".embeddings." in plan.layout.tables[0] else ""
+    root = model.get_submodule(tower) if tower else model
+    for module in root.modules():
+        size = getattr(module, "image_size", None)
+        if size == h == w and isinstance(size, int):
+            module.image_size = new_h
+        elif isinstance(size, (tuple, list)) and tuple(size) == (h, w):
+            module.image_size = type(size)((new_h, new_w))
+        if getattr(module, "num_patches", None) == old_usable:
+            module.num_patches = plan.new_usable
+        if getattr(module, "num_positions", None) == old_usable + reserved:
+            module.num_positions = plan.new_rows
+
+
+def set_config(model: nn.Module, updates: dict[str, Any]) -> None:
     """Set (dotted) config fields on the model's config and on every sub-module's copy of it.
 
     ``text_config.max_position_embeddings`` is set on ``model.config.text_config`` and on any

@@ -299,19 +299,7 @@ def verify(
     the source had must be written).
     """
     config = json.loads((directory / "config.json").read_text())
-    expected = twin.meta_shapes(config, cls)
-    # Names on disk can differ from the model's (transformers renames some on load, e.g. LayerNorm.gamma):
-    # shapes are compared where the names agree, which covers every tensor a length field sizes.
-    wrong = [f"{n}: written {list(s)}, model expects {list(expected[n])}" for n, s in shapes.items()
-             if n in expected and expected[n] != s]
-    missing = [n for n in tables if n not in expected]
-    lost = [n for n in source_shapes if n not in shapes and n in expected]
-    problems = wrong + [f"{n}: not a tensor of the model" for n in missing] + [f"{n}: not written" for n in lost]
-    if problems:
-        raise VerificationError(
-            f"The written {spec.model_type} checkpoint does not match its own config ({'; '.join(problems[:3])}); "
-            "nothing was written. Please report this model type."
-        )
+    _check_shapes(config, spec, tables, shapes, source_shapes, cls)
     try:
         used, _ = twin.tiny_lookups(config, cls, tables, usable)
     except RuntimeError as exc:
@@ -328,3 +316,46 @@ def verify(
                 f"{int(rows[0])}..{int(rows[:usable].max())} for {usable} positions, not "
                 f"{reserved}..{reserved + usable - 1}; nothing was written."
             )
+
+
+def verify_grid(
+    directory: Path, spec: ArchitectureSpec, tables: list[str], shapes: Mapping[str, tuple[int, ...]],
+    source_shapes: Mapping[str, tuple[int, ...]], image_size: tuple[int, int], rows: int, cls: type | None = None,
+) -> None:
+    """Check a written image-grid checkpoint: a twin of its written config has the written shapes,
+    a table of ``rows`` rows, and a tiny twin runs on an image of ``image_size`` without resampling
+    its positions (so it uses the written grid as it is); raise VerificationError."""
+    config = json.loads((directory / "config.json").read_text())
+    _check_shapes(config, spec, tables, shapes, source_shapes, cls)
+    small = twin.shrink(config)
+    try:
+        model = twin.build(small, cls=cls)
+        found = {n: t.shape[-2] for n, t in [*model.named_parameters(), *model.named_buffers()] if n in tables}
+        if any(r != rows for r in found.values()) or not found:
+            raise RuntimeError(f"its tables have {sorted(set(found.values()))} rows, not {rows}")
+        twin.run_pixels(model, tables, image_size, twin.num_channels(small))
+    except (RuntimeError, ValueError) as exc:
+        raise VerificationError(
+            f"A twin of the written {spec.model_type} checkpoint does not run at its image size "
+            f"{image_size[0]}x{image_size[1]} ({exc}); nothing was written."
+        ) from None
+
+
+def _check_shapes(
+    config: Mapping[str, Any], spec: ArchitectureSpec, tables: list[str], shapes: Mapping[str, tuple[int, ...]],
+    source_shapes: Mapping[str, tuple[int, ...]], cls: type | None,
+) -> None:
+    """Every written tensor has the shape a twin of the written config expects, and none is lost."""
+    expected = twin.meta_shapes(config, cls)
+    # Names on disk can differ from the model's (transformers renames some on load, e.g. LayerNorm.gamma):
+    # shapes are compared where the names agree, which covers every tensor a length field sizes.
+    wrong = [f"{n}: written {list(s)}, model expects {list(expected[n])}" for n, s in shapes.items()
+             if n in expected and expected[n] != s]
+    missing = [n for n in tables if n not in expected]
+    lost = [n for n in source_shapes if n not in shapes and n in expected]
+    problems = wrong + [f"{n}: not a tensor of the model" for n in missing] + [f"{n}: not written" for n in lost]
+    if problems:
+        raise VerificationError(
+            f"The written {spec.model_type} checkpoint does not match its own config ({'; '.join(problems[:3])}); "
+            "nothing was written. Please report this model type."
+        )

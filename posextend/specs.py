@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from .errors import CorruptCheckpointError
+from .errors import CorruptCheckpointError, InvalidLengthError
 from .twin import get_path
 
 if TYPE_CHECKING:
@@ -90,13 +90,84 @@ def _extend_toeplitz(old: torch.Tensor, rows: int) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Layout:
-    """Where a spec found its tables and buffers in one model or checkpoint."""
+    """Where a spec found its tables and buffers in one model or checkpoint.
+
+    ``grid``: the shape of the usable rows: ``(usable,)`` for a 1-D table, ``(H, W)`` patches
+    for an image grid (``reserved`` are then its prefix tokens: class, distillation).
+    """
 
     tables: tuple[str, ...]
     buffers: tuple[str, ...]
     dropped: tuple[str, ...]
     reserved: int
     usable: int
+    grid: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class GridSpec:
+    """How an image-patch grid maps to config fields: ``(image_size / patch_size)`` per side.
+
+    - ``image_key`` / ``patch_key``: config fields (dotted for nested configs); each holds an
+      int (square) or ``[height, width]``.
+    - ``square``: the family's code only handles square images (CLIP, SigLIP, DINOv2).
+    - ``antialias``: the family's run-time ``interpolate_pos_encoding`` antialiases (DINOv2 with
+      registers); resampling strategies then do too unless told otherwise, to reproduce it.
+    """
+
+    image_key: str = "image_size"
+    patch_key: str = "patch_size"
+    square: bool = False
+    antialias: bool = False
+
+    def sizes(self, config: Mapping[str, Any]) -> tuple[tuple[int, int], tuple[int, int]]:
+        """``((height, width), (patch_h, patch_w))`` from ``config``."""
+        image, patch = get_path(config, self.image_key), get_path(config, self.patch_key)
+        pair = [_pair(image), _pair(patch)]
+        if pair[0] is None or pair[1] is None:
+            raise CorruptCheckpointError(
+                f"config.json has no usable {self.image_key!r} ({image!r}) or {self.patch_key!r} ({patch!r}); "
+                "add the image and patch sizes the model was trained with."
+            )
+        return pair[0], pair[1]
+
+    def grid(self, config: Mapping[str, Any], image_size: tuple[int, int] | None = None) -> tuple[int, int]:
+        """The patch grid of ``config``'s image size, or of ``image_size`` (checked to fit the family)."""
+        (h, w), (ph, pw) = self.sizes(config)
+        if image_size is None:
+            return h // ph, w // pw
+        h, w = image_size
+        if h <= 0 or w <= 0 or h % ph or w % pw:
+            raise InvalidLengthError(
+                f"The image size {h}x{w} must be a positive multiple of the patch size {ph}x{pw}; "
+                f"e.g. {max(ph, h // ph * ph)}x{max(pw, w // pw * pw)}."
+            )
+        if self.square and h != w:
+            raise InvalidLengthError(
+                f"This family's code handles square images only; give one size (e.g. {h}), not {h}x{w}."
+            )
+        return h // ph, w // pw
+
+    def config_updates(self, config: Mapping[str, Any], image_size: tuple[int, int]) -> dict[str, Any]:
+        """The image-size field for ``image_size``: an int when square and the field was an int."""
+        h, w = image_size
+        old = get_path(config, self.image_key)
+        return {self.image_key: h if h == w and isinstance(old, int) else [h, w]}
+
+
+def _pair(value: Any) -> tuple[int, int] | None:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value, value
+    if isinstance(value, (list, tuple)) and len(value) == 2 and all(isinstance(v, int) for v in value):
+        return value[0], value[1]
+    return None
+
+
+def table_rows(shape: tuple[int, ...]) -> int | None:
+    """The rows of a table stored as ``[rows, dim]`` or ``[1, rows, dim]`` (ViT's Parameter); else None."""
+    if len(shape) == 2 or (len(shape) == 3 and shape[0] == 1):
+        return shape[-2]
+    return None
 
 
 @dataclass(frozen=True)
@@ -119,7 +190,9 @@ class ArchitectureSpec:
       ``seq2seq`` / ``other`` (not supported by the fine-tune loop).
     - ``note``: ``""`` for a written spec, ``"probed"`` for one observed on twins (:mod:`.probe`).
     - ``group``: what a user calls these tables when a model has several lengths
-      (``text``, ``encoder``, ``decoder``; ``model`` when it has one).
+      (``text``, ``encoder``, ``decoder``, ``vision``; ``model`` when it has one).
+    - ``grid``: for an image-patch grid, how it maps to the config (:class:`GridSpec`); the
+      ``reserved`` rows are then its prefix tokens and ``length_keys`` its image-size field.
     """
 
     model_type: str
@@ -133,6 +206,12 @@ class ArchitectureSpec:
     objective: Objective = "masked"
     note: str = ""
     group: str = "model"
+    grid: GridSpec | None = None
+
+    @property
+    def rank(self) -> int:
+        """1 for a table of positions, 2 for an image-patch grid."""
+        return 1 if self.grid is None else 2
 
     def reserved_rows(self, config: Mapping[str, Any]) -> int:
         return self.reserved(config) if callable(self.reserved) else self.reserved
@@ -174,7 +253,14 @@ class ArchitectureSpec:
             )
         return value
 
+    def grid_shape(self, config: Mapping[str, Any]) -> tuple[int, ...]:
+        """The shape of the usable rows the config describes: ``(L,)`` or ``(H, W)`` patches."""
+        return self.grid.grid(config) if self.grid else (self.usable_from_config(config),)
+
     def usable_from_config(self, config: Mapping[str, Any]) -> int:
+        if self.grid:
+            h, w = self.grid.grid(config)
+            return h * w
         n = self.config_length(config)
         return n - self.reserved_rows(config) if self.config_counts_reserved else n
 
@@ -184,25 +270,35 @@ class ArchitectureSpec:
         reserved = self.reserved_rows(config)
         rows = self.usable_from_config(config) + reserved
         for name in tables:
-            if len(shapes[name]) != 2 or shapes[name][0] != rows:
+            if table_rows(shapes[name]) != rows:
+                source = (f"{self.grid.image_key}={get_path(config, self.grid.image_key)}, "
+                          f"{self.grid.patch_key}={get_path(config, self.grid.patch_key)}" if self.grid
+                          else f"{self.length_keys[0]}={self.config_length(config)}")
                 raise CorruptCheckpointError(
                     f"{name} has shape {list(shapes[name])} but the config implies {rows} rows "
-                    f"({self.length_keys[0]}={self.config_length(config)}, {reserved} reserved); "
-                    "the config and the weights disagree."
+                    f"({source}, {reserved} reserved); the config and the weights disagree."
                 )
         buffers = tuple(n for n in sorted(shapes) if any(rule.matches(n) for rule in self.buffers))
         dropped = tuple(n for n in sorted(shapes) if any(re.search(p, n) for p in self.dropped))
-        return Layout(tuple(tables), buffers, dropped, reserved=reserved, usable=rows - reserved)
+        return Layout(tuple(tables), buffers, dropped, reserved=reserved, usable=rows - reserved,
+                      grid=self.grid_shape(config))
 
     def buffer_rule(self, name: str) -> BufferRule:
         return next(rule for rule in self.buffers if rule.matches(name))
 
     def config_value(self, config: Mapping[str, Any], usable: int) -> int:
-        """What the first length key holds for ``usable`` positions (buffers follow it too)."""
-        return usable + self.reserved_rows(config) if self.config_counts_reserved else usable
+        """What the first length key holds for ``usable`` positions (buffers follow it too).
 
-    def config_updates(self, config: Mapping[str, Any], usable: int) -> dict[str, int]:
-        """Config fields and values that describe ``usable`` positions."""
+        For a grid: the rows, prefix tokens included (what CLIP's ``position_ids`` counts).
+        """
+        return usable + self.reserved_rows(config) if self.config_counts_reserved or self.grid else usable
+
+    def config_updates(self, config: Mapping[str, Any], usable: int | tuple[int, int]) -> dict[str, Any]:
+        """Config fields and values that describe ``usable`` positions (for a grid: an image size)."""
+        if self.grid:
+            if not isinstance(usable, tuple):
+                raise InvalidLengthError("An image grid is resized to an image size (height, width), not a length.")
+            return self.grid.config_updates(config, usable)
         value = self.config_value(config, usable)
         return {k: value for i, k in enumerate(self.length_keys) if i == 0 or get_path(config, k) is not None}
 
@@ -236,6 +332,50 @@ def _seq2seq(model_type: str, offset: int) -> ArchitectureSpec:
         objective="seq2seq",
     )
 
+
+def _vision(model_type: str, prefix: str, table: str, reserved: int, *, square: bool = False, group: str = "model",
+            config: str = "", buffers: tuple[BufferRule, ...] = (), antialias: bool = False) -> ArchitectureSpec:
+    """An image-patch grid after ``reserved`` prefix tokens, sized by ``<config>image_size / patch_size``."""
+    grid = GridSpec(f"{config}image_size", f"{config}patch_size", square=square, antialias=antialias)
+    return ArchitectureSpec(model_type, prefix, (table,), length_keys=(grid.image_key,), reserved=reserved,
+                            buffers=buffers, objective="other", group=group, grid=grid)
+
+
+def _vision_tower(model_type: str, reserved: int, *, group: str = "model", config: str = "") -> ArchitectureSpec:
+    """CLIP-style towers: ``embeddings.position_embedding`` (an ``nn.Embedding``) + ``position_ids``, under
+    ``vision_model.`` (in a composite model; a bare tower saves its tensors without it)."""
+    inner = "vision_model." if config else ""
+    ids = BufferRule(rf"(^|\.){re.escape(inner)}embeddings\.position_ids$", "arange")
+    return _vision(model_type, "" if config else "vision_model", f"{inner}embeddings.position_embedding.weight",
+                   reserved, square=True, group=group, config=config, buffers=(ids,))
+
+
+# Image-patch grids, one written spec per family (kept apart from the text families' SPECS).
+GRID_SPECS: dict[str, ArchitectureSpec] = {
+    s.model_type: s
+    for s in [
+        # image-patch grids: [1, prefix + H*W, D] parameters after class (and distillation) tokens
+        _vision("vit", "vit", "embeddings.position_embeddings", 1),
+        _vision("vit_msn", "vit", "embeddings.position_embeddings", 1),
+        _vision("deit", "deit", "embeddings.position_embeddings", 2),
+        # DINOv2 interpolates whenever height != width: square only (registers follow the table, not in it)
+        _vision("dinov2", "dinov2", "embeddings.position_embeddings", 1, square=True),
+        # ... and with registers, its run-time interpolation antialiases (plain DINOv2's does not)
+        _vision("dinov2_with_registers", "dinov2_with_registers", "embeddings.position_embeddings", 1, square=True,
+                antialias=True),
+        _vision_tower("clip_vision_model", 1),
+        _vision_tower("siglip_vision_model", 0),
+    ]
+}
+
+# Image towers of composite models, a length group beside the text tables the probe observes.
+VISION_TOWERS: dict[str, ArchitectureSpec] = {
+    s.model_type: s
+    for s in [
+        _vision_tower("clip", 1, group="vision", config="vision_config."),
+        _vision_tower("siglip", 0, group="vision", config="vision_config."),
+    ]
+}
 
 SPECS: dict[str, ArchitectureSpec] = {
     s.model_type: s
@@ -318,6 +458,7 @@ _NOT_LEARNED = {
     "ALiBi attention biases": ("bloom", "mpt"),
     "relative attention": ("t5", "mt5", "funnel", "xlnet", "transfo-xl"),
     "fixed sinusoidal positions": ("xglm", "m2m_100", "marian", "pegasus", "speech_to_text"),
+    "relative position biases inside attention windows": ("swin", "swinv2", "donut-swin"),
 }
 
 
@@ -343,6 +484,8 @@ def positions_kind_problem(config: Mapping[str, Any]) -> str | None:
     if pet != "absolute" or "position_embedding_type" not in config:
         if any(k in config for k in ("rope_theta", "rope_scaling", "rope_parameters", "rotary_dim", "rotary_pct")):
             return "rotary embeddings (RoPE)"
+    if model_type in ("beit", "data2vec-vision") and not config.get("use_absolute_position_embeddings"):
+        return "relative position biases (use_absolute_position_embeddings=false)"
     if config.get("alibi"):
         return "ALiBi attention biases"
     return None

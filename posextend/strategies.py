@@ -9,6 +9,13 @@ reserved rows before calling it, checks the result's shape and finiteness, casts
 to the table's dtype and re-attaches the reserved rows bit-exact, so no plugin can
 corrupt a checkpoint.
 
+Grids: a table's usable rows form a grid, ``(L,)`` for positions or ``(H, W)`` for image
+patches after prefix tokens. A strategy declares the grid ranks it accepts
+(``register_strategy(..., ranks=(2,))``); a rank-2 strategy is called as
+``fn(grid: Tensor[H, W, D], new_size: tuple[int, int], *, generator, **params) -> Tensor[H', W', D]``
+(like timm's ``resample_abs_pos_embed``), through :func:`resize_grid`. A strategy is
+never given a rank it did not declare.
+
 Row strategies: a strategy whose every new row is a copy of an old one (``tile``) may also
 give ``rows(old_len, new_len) -> list[int]``, the old row behind each new row, and define
 ``fn`` from it. Files are then resized by copying those rows' bytes: exact in every dtype,
@@ -54,6 +61,7 @@ StrategyFn = Callable[..., "torch.Tensor"]
 ENTRY_POINT_GROUP = "posextend.strategies"
 _NAME = re.compile(r"^[a-z][a-z0-9_-]*$")
 CONTEXT_PARAMS = ("initializer_range",)
+DEFAULTS = {1: "tile", 2: "bicubic"}  # the strategy used when none is named, by grid rank
 
 
 @dataclass(frozen=True)
@@ -63,6 +71,7 @@ class Strategy:
     description: str
     keeps_rows: bool  # whether rows below the old length come out bit-exact when growing
     rows: Callable[[int, int], list[int]] | None = None  # old row of each new row, for row strategies
+    ranks: tuple[int, ...] = (1,)  # the grid ranks it resizes: 1 (positions), 2 (image patches)
 
     @property
     def params(self) -> dict[str, inspect.Parameter]:
@@ -84,8 +93,12 @@ def register_strategy(
     description: str | None = None,
     keeps_rows: bool = False,
     rows: Callable[[int, int], list[int]] | None = None,
+    ranks: tuple[int, ...] = (1,),
 ) -> Callable[[StrategyFn], StrategyFn]:
     """Decorator registering ``fn`` as strategy ``name``; refuses invalid or duplicate names.
+
+    ``ranks``: the grid ranks ``fn`` handles, ``(1,)`` for tables of positions (the default),
+    ``(2,)`` for image-patch grids (see the module doc).
 
     ``rows`` (row strategies only, see the module doc) must agree with ``fn``: ``fn(table,
     n)`` is ``table[rows(len(table), n)]``.
@@ -116,12 +129,14 @@ def register_strategy(
                 f"Strategy {name!r} must accept a keyword-only 'generator' argument: "
                 "fn(table, new_len, *, generator, **params)."
             )
+        if not ranks or any(r not in (1, 2) for r in ranks) or (rows is not None and ranks != (1,)):
+            raise StrategyError(f"Strategy {name!r}: ranks must be 1 and/or 2 (a row strategy: 1 only), got {ranks!r}.")
         if rows is not None and any(
             p.kind is inspect.Parameter.KEYWORD_ONLY and n != "generator" for n, p in params.items()
         ):
             raise StrategyError(f"Strategy {name!r}: a row strategy (rows=...) takes no parameters.")
         doc = description or (inspect.getdoc(fn) or "").split("\n")[0]
-        _REGISTRY[name] = Strategy(name, fn, doc, keeps_rows, rows)
+        _REGISTRY[name] = Strategy(name, fn, doc, keeps_rows, rows, tuple(ranks))
         return fn
 
     return decorator
@@ -188,6 +203,19 @@ def check_params(strategy: str, params: Mapping[str, Any] | None) -> Strategy:
     return strat
 
 
+def check_rank(strategy: str, rank: int) -> Strategy:
+    """The strategy, once it is known to handle grids of ``rank`` (1: positions, 2: image patches)."""
+    strat = get_strategy(strategy)
+    if rank not in strat.ranks:
+        what = {1: "a 1-D table of positions", 2: "a 2-D grid of image patches"}
+        fits = ", ".join(n for n, s in available_strategies().items() if rank in s.ranks)
+        raise StrategyError(
+            f"Strategy {strategy!r} resizes {' and '.join(what[r] for r in strat.ranks)}; this table is "
+            f"{what[rank]}: use {DEFAULTS[rank]} (the default) or another of: {fits}."
+        )
+    return strat
+
+
 def resize_table(
     table: torch.Tensor,
     new_usable: int,
@@ -206,41 +234,82 @@ def resize_table(
         >>> resize_table(t, 1024, "tile", reserved=2).shape
         torch.Size([1026, 8])
     """
-    import torch
-
-    strat = check_params(strategy, params)
-    params = dict(params or {})
-    accepted = strat.params
-    for key in CONTEXT_PARAMS:
-        if key in accepted and key not in params and context and context.get(key) is not None:
-            params[key] = context[key]
     if table.dim() != 2 or table.shape[0] <= reserved:
         raise StrategyError(
             f"Expected a 2-D table with more than {reserved} reserved rows, got shape {tuple(table.shape)}."
         )
-    generator = torch.Generator(device="cpu")
-    generator.manual_seed(seed if seed is not None else torch.seed())
+    return resize_grid(table, (table.shape[0] - reserved,), (new_usable,), strategy, reserved=reserved, seed=seed,
+                       params=params, context=context)
 
-    usable = table[reserved:]
-    bad = int((~torch.isfinite(table.detach().float())).sum())
+
+def resize_grid(
+    table: torch.Tensor,
+    grid: tuple[int, ...],
+    new_grid: tuple[int, ...],
+    strategy: str,
+    *,
+    reserved: int = 0,
+    seed: int | None = None,
+    params: Mapping[str, Any] | None = None,
+    context: Mapping[str, Any] | None = None,
+) -> torch.Tensor:
+    """Return ``table`` (``[rows, D]`` or ``[1, rows, D]``) with its usable rows, a ``grid``, resized
+    to ``new_grid``; the ``reserved`` leading rows (prefix tokens) are kept bit-exact.
+
+    The usable rows are reshaped to the grid (row-major, as ViT flattens patches), given to the
+    strategy in float32, checked (shape, finiteness), flattened back and cast to the table's dtype.
+
+    Example::
+
+        >>> t = torch.randn(1, 1 + 14 * 14, 768)      # ViT-B/16 at 224 px: class token + 14x14
+        >>> resize_grid(t, (14, 14), (28, 28), "bicubic", reserved=1).shape
+        torch.Size([1, 785, 768])
+    """
+    import math
+
+    import torch
+
+    rank = len(grid)
+    strat = check_params(strategy, params)
+    check_rank(strategy, rank)
+    params = dict(params or {})
+    for key in CONTEXT_PARAMS:
+        if key in strat.params and key not in params and context and context.get(key) is not None:
+            params[key] = context[key]
+    lead = tuple(table.shape[:-2])
+    rows = table.shape[-2] if table.dim() >= 2 else 0
+    if table.dim() not in (2, 3) or any(d != 1 for d in lead) or rows != reserved + math.prod(grid) or len(new_grid) != rank:
+        raise StrategyError(
+            f"Expected a table of {reserved} reserved rows and a {'x'.join(map(str, grid))} grid "
+            f"([rows, dim] or [1, rows, dim]), got shape {tuple(table.shape)}; new grid {new_grid}."
+        )
+    if any(not isinstance(n, int) or n <= 0 for n in new_grid):
+        raise StrategyError(f"A new grid size must be positive integers, got {new_grid}.")
+    flat = table.reshape(rows, table.shape[-1])
+    bad = int((~torch.isfinite(flat.detach().float())).sum())
     if bad:
         raise CorruptCheckpointError(
             f"The position table already holds {bad} NaN/Inf value(s) before resizing: the source model is "
             "damaged (no strategy can repair it). Re-download or re-save it; nothing was changed."
         )
+    generator = torch.Generator(device="cpu")
+    generator.manual_seed(seed if seed is not None else torch.seed())
+    dim = flat.shape[1]
+    usable = flat[reserved:].detach().to("cpu", torch.float32).clone().reshape(*grid, dim)
     with torch.no_grad():
         try:
-            out = strat.fn(usable.detach().to("cpu", torch.float32).clone(), new_usable, generator=generator, **params)
+            out = strat.fn(usable, new_grid[0] if rank == 1 else tuple(new_grid), generator=generator, **params)
         except (ValueError, TypeError) as exc:
             raise StrategyError(f"Strategy {strategy!r} rejected its parameters: {exc}") from exc
-    expected = (new_usable, table.shape[1])
+    expected = (*new_grid, dim)
     if not isinstance(out, torch.Tensor) or tuple(out.shape) != expected:
         got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
         raise StrategyError(f"Strategy {strategy!r} returned {got}, expected shape {expected}.")
     if not torch.isfinite(out).all():
         raise StrategyError(f"Strategy {strategy!r} produced non-finite values; the table was not changed.")
-    out = out.to(device=table.device, dtype=table.dtype)
-    return torch.cat([table[:reserved].detach(), out]) if reserved else out.contiguous()
+    out = out.reshape(-1, dim).to(device=table.device, dtype=table.dtype)
+    out = torch.cat([flat[:reserved].detach(), out]) if reserved else out.contiguous()
+    return out.reshape(*lead, out.shape[0], dim)
 
 
 # ---------------------------------------------------------------------------- built-ins
@@ -319,3 +388,74 @@ def random(
     extra = max(new_len - table.shape[0], 0)
     fill = torch.randn(extra, table.shape[1], generator=generator) * float(std)
     return torch.cat([table[:new_len], fill])
+
+
+@register_strategy(
+    "kps",
+    description="Knowledge-preserved stretching (Long-CLIP): first `keep` rows bit-exact, the rest stretched.",
+)
+def kps(table: torch.Tensor, new_len: int, *, generator: torch.Generator, keep: int = 20) -> torch.Tensor:
+    """Long-CLIP's knowledge-preserved stretching (arXiv 2403.15378).
+
+    Rows ``0 .. keep-1`` are copied. The rest stretch by ``ratio = (new_len - keep) / (L - keep)``:
+    new row ``keep + j`` samples the old table at ``x = keep + j / ratio``, linear between
+    ``floor(x)`` and ``floor(x) + 1``; past the last old row it extrapolates with the last
+    slope. For CLIP's 77 → 248 (ratio 4) that is Long-CLIP's table exactly: rows ``20+4k ..
+    23+4k`` blend ``old[20+k]`` and ``old[21+k]`` with weights 1, ¾, ½, ¼, and rows 244..247 are
+    ``old[76] + j * (old[76] - old[75]) / 4``. Shrinking compresses the tail the same way.
+    """
+    import torch
+
+    old_len = table.shape[0]
+    if not isinstance(keep, int) or not 0 <= keep < old_len - 1:
+        raise ValueError(f"keep must be an integer between 0 and {old_len - 2} (the old length less 2), got {keep!r}")
+    if new_len <= keep:
+        return table[:new_len].clone()
+    j = torch.arange(new_len - keep, dtype=torch.float64)
+    x = keep + j * ((old_len - keep) / (new_len - keep))
+    lo = x.floor().long().clamp(max=old_len - 2)
+    w = (x - lo)[:, None]
+    stretched = ((1 - w) * table[lo].double() + w * table[lo + 1].double()).to(table.dtype)
+    return torch.cat([table[:keep], stretched])
+
+
+def _resample(grid: torch.Tensor, new_size: tuple[int, int], mode: str, antialias: bool | None) -> torch.Tensor:
+    """``grid [H, W, D]`` resampled to ``new_size`` like transformers' ``interpolate_pos_encoding``:
+    ``[1, D, H, W]``, ``align_corners=False``, in float32; ``antialias`` (None: when shrinking)."""
+    import torch.nn.functional as F
+
+    shrinking = new_size[0] < grid.shape[0] or new_size[1] < grid.shape[1]
+    if antialias is None:
+        antialias = shrinking
+    if not isinstance(antialias, bool):
+        raise ValueError(f"antialias must be true or false, got {antialias!r}")
+    x = grid[None].permute(0, 3, 1, 2)  # the strides transformers' reshape + permute gives
+    extra = {"align_corners": False, "antialias": antialias} if mode != "nearest-exact" else {}
+    return F.interpolate(x, size=tuple(new_size), mode=mode, **extra)[0].permute(1, 2, 0).contiguous()
+
+
+@register_strategy(
+    "bicubic",
+    description="Image grids: bicubic resampling, as transformers' interpolate_pos_encoding (antialias when shrinking).",
+    ranks=(2,),
+)
+def bicubic(grid: torch.Tensor, new_size: tuple[int, int], *, generator: torch.Generator,
+            antialias: bool | None = None) -> torch.Tensor:
+    """Bicubic, ``align_corners=False``, in float32: growing, exactly what transformers computes at
+    run time with ``interpolate_pos_encoding=True``. ``antialias`` defaults to on when shrinking
+    (timm's ``resample_abs_pos_embed`` always antialiases; transformers never does: ``antialias=false``)."""
+    return _resample(grid, new_size, "bicubic", antialias)
+
+
+@register_strategy("bilinear", description="Image grids: bilinear resampling (antialias when shrinking).", ranks=(2,))
+def bilinear(grid: torch.Tensor, new_size: tuple[int, int], *, generator: torch.Generator,
+             antialias: bool | None = None) -> torch.Tensor:
+    """Bilinear, ``align_corners=False``, in float32; smoother than bicubic, never overshoots."""
+    return _resample(grid, new_size, "bilinear", antialias)
+
+
+@register_strategy("nearest", description="Image grids: each new patch copies the nearest old one.", ranks=(2,))
+def nearest(grid: torch.Tensor, new_size: tuple[int, int], *, generator: torch.Generator) -> torch.Tensor:
+    """Nearest neighbour with pixel centres aligned (``nearest-exact``): every new row is an old row,
+    bit-exact; doubling the size repeats each patch as a 2x2 block."""
+    return _resample(grid, new_size, "nearest-exact", None)

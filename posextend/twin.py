@@ -378,12 +378,8 @@ def run_lookups(
         raise RuntimeError(f"none of {', '.join(tables)} is a learned parameter of {type(model).__name__}")
     tables = list(watched)
     ids = torch.full((1, length), token, dtype=torch.long)
-    paths = {""}
-    for name in tables:
-        parts = name.split(".")[:-1]
-        paths.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
     failures = []
-    for path in sorted(paths, key=lambda p: (p.count(".") + bool(p), p)):
+    for path in _paths_around(tables):
         module = model.get_submodule(path) if path else model
         kwargs = forward_inputs(model, module, ids)
         if kwargs is None:
@@ -398,6 +394,58 @@ def run_lookups(
             return {n: seen.seen[n][0] for n in tables if seen.seen[n]}, path or type(model).__name__
         failures.append(f"{path or type(model).__name__}: ran without looking up {', '.join(tables)}")
     raise RuntimeError("; ".join(failures[-3:]) or "no module around the table takes input_ids")
+
+
+def num_channels(config: Mapping[str, Any]) -> int:
+    """The image channels a vision model (or tower) takes: its config's ``num_channels``, else 3."""
+    return next((v for _, sub in sub_configs(config) if isinstance(v := sub.get("num_channels"), int)), 3)
+
+
+def run_pixels(model: nn.Module, tables: list[str], image_size: tuple[int, int], channels: int = 3) -> torch.Tensor:
+    """Run the outermost module around ``tables`` that takes ``pixel_values`` on one random image
+    of ``image_size`` (height, width); return its main output.
+
+    Raises ``RuntimeError`` when no module on the way runs, or when the one that runs resamples
+    anything (``F.interpolate``): at its own image size a model must use its table as it is.
+    """
+    import torch
+    import torch.nn.functional as F
+    from torch.overrides import TorchFunctionMode
+
+    class Resampling(TorchFunctionMode):
+        calls = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is F.interpolate:
+                Resampling.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    pixels = torch.randn(1, channels, *image_size, generator=torch.Generator().manual_seed(0))
+    failures = []
+    for path in _paths_around(tables):
+        module = model.get_submodule(path) if path else model
+        if not _accepts(module, "pixel_values"):
+            continue
+        try:
+            with Resampling(), torch.no_grad(), _quiet():
+                out = module(pixel_values=pixels)
+        except Exception as exc:  # a foreign forward (CLIPModel wants input_ids too): try the next module inside
+            failures.append(f"{path or type(model).__name__}: {_first_line(exc)}")
+            continue
+        if Resampling.calls:
+            raise RuntimeError(f"{path or type(model).__name__} resamples its positions at its own image size")
+        return out if isinstance(out, torch.Tensor) else next(
+            v for k in ("last_hidden_state", "logits") if isinstance(v := getattr(out, k, None), torch.Tensor))
+    raise RuntimeError("; ".join(failures[-3:]) or "no module around the table takes pixel_values")
+
+
+def _paths_around(tables: list[str]) -> list[str]:
+    """The modules around ``tables``, outermost first (``""`` is the model)."""
+    paths = {""}
+    for name in tables:
+        parts = name.split(".")[:-1]
+        paths.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+    return sorted(paths, key=lambda p: (p.count(".") + bool(p), p))
 
 
 def _plain_tokens(config: Mapping[str, Any]) -> list[int]:

@@ -84,7 +84,7 @@ BAD = {
     "not learned": (lambda s, t: _retype(s, t, "llama"), [], "uses rotary embeddings (RoPE), not a learned absolute position table"),
     "length zero": (lambda s, t: s, ["--length", "0"], "must be a positive number of positions, got 0"),
     "length negative": (lambda s, t: s, ["--length", "-5"], "must be a positive number of positions, got -5"),
-    "unknown strategy": (lambda s, t: s, ["--strategy", "zigzag"], "Unknown strategy 'zigzag'. Valid strategies: interpolate, random, tile"),
+    "unknown strategy": (lambda s, t: s, ["--strategy", "zigzag"], "Unknown strategy 'zigzag'. Valid strategies: bicubic, bilinear, interpolate, kps, nearest, random, tile"),
     "bad param": (lambda s, t: s, ["--param", "sdt=1", "--strategy", "random"], "does not take parameter(s) sdt"),
     "truncated": (lambda s, t: _corrupt(s, t, "truncated"), [], "is not a valid safetensors file"),
     "garbage header": (lambda s, t: _corrupt(s, t, "header"), [], "is not a valid safetensors file"),

@@ -238,7 +238,7 @@ def clip_twin(tmp_path_factory) -> Path:
 def test_clip_text_table_only(clip_twin, tmp_path):
     info = posextend.inspect_checkpoint(clip_twin)
     assert info.covered_by == "probed"
-    assert [g.group for g in info.groups] == ["text"]
+    assert [g.group for g in info.groups] == ["text", "vision"]  # the image grid is a group of its own
     assert info.groups[0].usable == 77 and info.groups[0].reserved == 0
     assert info.groups[0].config_lengths == {"text_config.max_position_embeddings": 77}
     dst = tmp_path / "out"
@@ -733,7 +733,7 @@ def test_cli_inspect_probed_clip(clip_twin):
     assert "text_model.embeddings.position_embedding.weight" in r.output
     assert "text_config.max_position_embeddings=77" in r.output
     info = json.loads(cli("inspect", clip_twin, "--json").output)
-    assert info["covered_by"] == "probed" and [g["group"] for g in info["groups"]] == ["text"]
+    assert info["covered_by"] == "probed" and [g["group"] for g in info["groups"]] == ["text", "vision"]
 
 
 def test_cli_inspect_led_lists_both_groups(led_twin):

@@ -19,7 +19,17 @@ def table() -> torch.Tensor:
     return torch.randn(OLD, DIM) * 0.05
 
 
-@pytest.mark.parametrize("name", list(posextend.available_strategies()))
+ONE_D = [n for n, s in posextend.available_strategies().items() if 1 in s.ranks]
+TWO_D = [n for n, s in posextend.available_strategies().items() if 2 in s.ranks]
+GRID = (5, 7)  # usable rows of a 2-D table: 5 x 7 patches after prefix tokens
+
+
+def test_every_strategy_declares_its_ranks():
+    assert set(ONE_D) | set(TWO_D) == set(posextend.available_strategies())
+    assert {"tile", "interpolate", "random", "kps"} <= set(ONE_D) and {"bicubic", "bilinear", "nearest"} <= set(TWO_D)
+
+
+@pytest.mark.parametrize("name", ONE_D)
 @pytest.mark.parametrize("new_len", [OLD, 50, 4 * OLD, 150, 20])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_contract_every_strategy(name, new_len, dtype, table):
@@ -40,7 +50,87 @@ def test_contract_every_strategy(name, new_len, dtype, table):
     assert torch.equal(a[0], t[0])
 
 
-@pytest.mark.parametrize("name", list(posextend.available_strategies()))
+@pytest.mark.parametrize("name", TWO_D)
+@pytest.mark.parametrize("new_grid", [GRID, (10, 14), (9, 4), (3, 3), (1, 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("stored", ["rows", "parameter"])  # [rows, D] (CLIP) or [1, rows, D] (ViT)
+def test_contract_every_grid_strategy(name, new_grid, dtype, stored, table):
+    """The 2-D contract: shape (prefix + H'W' rows, layout kept), dtype, finiteness, determinism,
+    prefix rows bit-exact, input untouched; same grid size gives the table back."""
+    prefix = torch.full((2, DIM), 3.0)
+    full = torch.cat([prefix, table[: GRID[0] * GRID[1]]]).to(dtype)
+    t = full[None] if stored == "parameter" else full
+    before = t.clone()
+    a = S.resize_grid(t, GRID, new_grid, name, reserved=2, seed=3)
+    b = S.resize_grid(t, GRID, new_grid, name, reserved=2, seed=3)
+    rows = 2 + new_grid[0] * new_grid[1]
+    assert a.shape == ((1, rows, DIM) if stored == "parameter" else (rows, DIM)) and a.dtype == dtype
+    assert torch.isfinite(a.float()).all() and torch.equal(a, b) and torch.equal(t, before)
+    assert torch.equal(a.reshape(rows, DIM)[:2], prefix.to(dtype))
+    assert torch.equal(S.resize_grid(t, GRID, GRID, name, reserved=2), t)
+
+
+@pytest.mark.parametrize("name", TWO_D)
+def test_grid_strategies_refuse_1d_tables_and_vice_versa(name, table):
+    with pytest.raises(StrategyError, match=rf"'{name}' resizes a 2-D grid .* this table is a 1-D table .* use tile"):
+        S.resize_table(table, 50, name)
+    grid = table[:35]
+    with pytest.raises(StrategyError, match=r"'tile' resizes a 1-D table .* 2-D grid of image patches: use bicubic"):
+        S.resize_grid(grid, GRID, (10, 14), "tile")
+
+
+def test_bicubic_is_transformers_run_time_interpolation(table):
+    """Growing: exactly ViT's interpolate_pos_encoding (bicubic, align_corners=False, no antialias)."""
+    grid = table[:35].reshape(1, *GRID, DIM).permute(0, 3, 1, 2)
+    ref = torch.nn.functional.interpolate(grid, size=(10, 14), mode="bicubic", align_corners=False)
+    out = S.resize_grid(table[:35], GRID, (10, 14), "bicubic")
+    assert torch.equal(out, ref.permute(0, 2, 3, 1).reshape(-1, DIM))
+    # shrinking antialiases by default (timm-like); antialias=false is transformers' run-time path
+    small = torch.nn.functional.interpolate(grid, size=(3, 4), mode="bicubic", align_corners=False)
+    plain = S.resize_grid(table[:35], GRID, (3, 4), "bicubic", params={"antialias": False})
+    assert torch.equal(plain, small.permute(0, 2, 3, 1).reshape(-1, DIM))
+    assert not torch.equal(S.resize_grid(table[:35], GRID, (3, 4), "bicubic"), plain)
+
+
+def test_nearest_copies_rows(table):
+    out = S.resize_grid(table[:35], GRID, (10, 14), "nearest").reshape(10, 14, DIM)
+    old = table[:35].reshape(*GRID, DIM)
+    assert torch.equal(out[::2, ::2], old) and torch.equal(out[1::2, 1::2], old)
+
+
+def long_clip_reference(pre: torch.Tensor, keep: int = 20) -> torch.Tensor:
+    """Long-CLIP's own loop (model/longclip.py, load_from_clip), for 77 -> 248 positions."""
+    length = pre.shape[0]
+    res = torch.zeros(4 * length - 3 * keep, pre.shape[1], dtype=pre.dtype)
+    res[:keep] = pre[:keep]
+    for i in range(length - 1 - keep):
+        res[4 * i + keep] = pre[i + keep]
+        res[4 * i + 1 + keep] = 3 * pre[i + keep] / 4 + 1 * pre[i + 1 + keep] / 4
+        res[4 * i + 2 + keep] = 2 * pre[i + keep] / 4 + 2 * pre[i + 1 + keep] / 4
+        res[4 * i + 3 + keep] = 1 * pre[i + keep] / 4 + 3 * pre[i + 1 + keep] / 4
+    last = 4 * length - 3 * keep - 4
+    for j in range(4):
+        res[last + j] = pre[length - 1] + j * (pre[length - 1] - pre[length - 2]) / 4
+    return res
+
+
+def test_kps_reproduces_long_clip_77_to_248():
+    torch.manual_seed(0)
+    pre = torch.randn(77, 24) * 0.02
+    out = S.resize_table(pre, 248, "kps")
+    ref = long_clip_reference(pre)
+    assert ref.shape == (248, 24)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-7)
+    assert torch.equal(out[:20], pre[:20])
+    assert torch.equal(out[20:244:4], pre[20:76])  # weight (1, 0): the old rows themselves
+    # a general length: keep rows exact, the stretched tail starts at old[keep] and is linear
+    out = S.resize_table(pre, 134, "kps", params={"keep": 10})  # ratio (134-10)/(77-10) = 124/67
+    assert torch.equal(out[:10], pre[:10]) and torch.equal(out[10], pre[10])
+    with pytest.raises(StrategyError, match="keep must be an integer between 0 and 75"):
+        S.resize_table(pre, 248, "kps", params={"keep": 80})
+
+
+@pytest.mark.parametrize("name", ONE_D)
 def test_reserved_rows_are_never_seen_or_changed(name, table):
     reserved = torch.full((2, DIM), 7.0)  # a strategy that saw these would spread 7s around
     full = torch.cat([reserved, table])
@@ -89,7 +179,7 @@ def test_shrink_keeps_the_first_rows(table):
 
 
 def test_unknown_strategy_lists_the_valid_ones(table):
-    with pytest.raises(StrategyError, match=r"Unknown strategy 'nope'. Valid strategies: interpolate, random, tile"):
+    with pytest.raises(StrategyError, match=r"Unknown strategy 'nope'. Valid strategies: bicubic, bilinear, interpolate, kps, nearest, random, tile"):
         S.resize_table(table, 50, "nope")
 
 

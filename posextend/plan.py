@@ -1,0 +1,134 @@
+"""What one resize changes, group by group: the plan both doors (file, in memory) carry out.
+
+A model may have a length of positions (``--length``: GPT-2, BERT, CLIP's text tower) and an
+image grid (``--image-size``: ViT, CLIP's vision tower). :func:`plan_resize` picks the
+group(s) to resize, checks the new sizes, and gives each its strategy: the one named when it
+handles the group's grid rank, else the rank's default (``tile`` for positions, ``bicubic``
+for image grids).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .errors import InvalidLengthError, StrategyError
+from .lookup import spec_for
+from .specs import ArchitectureSpec, Layout
+from .strategies import DEFAULTS, check_params, check_rank, get_strategy, resize_grid
+
+if TYPE_CHECKING:
+    import torch
+
+ImageSize = tuple[int, int]
+
+
+def check_length(new_length: int, old_length: int, *, allow_shrink: bool) -> None:
+    if not isinstance(new_length, int) or isinstance(new_length, bool) or new_length <= 0:
+        raise InvalidLengthError(f"The new length must be a positive number of positions, got {new_length!r}.")
+    if new_length < old_length and not allow_shrink:
+        raise InvalidLengthError(
+            f"The new length {new_length} is below the current {old_length}: positions from "
+            f"{new_length} on would be cut. To shrink on purpose, pass --shrink (allow_shrink=True)."
+        )
+
+
+def image_size_pair(value: int | tuple[int, int] | list[int]) -> ImageSize:
+    """``448`` → ``(448, 448)``; ``(448, 336)`` stays (height, width)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value, value
+    if isinstance(value, (tuple, list)) and len(value) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return int(value[0]), int(value[1])
+    raise InvalidLengthError(f"An image size is a number of pixels or (height, width), got {value!r}.")
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    """One group of tables (one length or one image grid), its new grid and strategy."""
+
+    spec: ArchitectureSpec
+    layout: Layout
+    new_grid: tuple[int, ...]
+    target: int | ImageSize  # the new length, or the new image size (height, width)
+    strategy: str
+    params: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def new_usable(self) -> int:
+        return math.prod(self.new_grid)
+
+    @property
+    def new_rows(self) -> int:
+        return self.new_usable + self.layout.reserved
+
+    def table_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """A table's written shape: ``[rows, D]`` or ``[1, rows, D]`` with the new rows."""
+        return (*shape[:-2], self.new_rows, shape[-1])
+
+    def buffer_value(self, config: Mapping[str, Any]) -> int:
+        """The value length-dependent buffers are rebuilt for (see :meth:`ArchitectureSpec.config_value`)."""
+        return self.spec.config_value(config, self.new_usable)
+
+    def config_updates(self, config: Mapping[str, Any]) -> dict[str, Any]:
+        return self.spec.config_updates(config, self.target)
+
+    def resize(self, table: torch.Tensor, *, seed: int | None, context: Mapping[str, Any]) -> torch.Tensor:
+        return resize_grid(table, self.layout.grid, self.new_grid, self.strategy, reserved=self.layout.reserved,
+                           seed=seed, params=self.params, context=context)
+
+
+def plan_resize(
+    config: Mapping[str, Any],
+    shapes: Mapping[str, tuple[int, ...]],
+    *,
+    new_length: int | None = None,
+    image_size: int | ImageSize | None = None,
+    strategy: str | None = None,
+    params: Mapping[str, Any] | None = None,
+    table: str | None = None,
+    allow_shrink: bool = False,
+    cls: type | None = None,
+) -> list[GroupPlan]:
+    """The groups to resize (positions first, then the image grid), checked; nothing is computed yet.
+
+    ``strategy`` (with ``params``) applies to the groups whose grid rank it handles; the others
+    get their rank's default. ``table`` names the group of positions in a model with several
+    (``"decoder"``), or the grid's group when only an image size is given.
+    """
+    if new_length is None and image_size is None:
+        raise InvalidLengthError("Give a new length (positions) or a new image size (image grids) to resize to.")
+    ranks = [r for r, v in ((1, new_length), (2, image_size)) if v is not None]
+    if params and strategy is None and len(ranks) > 1:
+        raise StrategyError("Strategy parameters were given for a length and an image size: name the strategy they are for.")
+    if strategy is not None and not any(r in get_strategy(strategy).ranks for r in ranks):
+        check_rank(strategy, ranks[0])  # raises, naming the strategies that fit
+    plans = []
+    for rank in ranks:
+        spec = spec_for(config, cls=cls, table=table if rank == 1 or len(ranks) == 1 else None, rank=rank)
+        layout = spec.locate(shapes, config)
+        if rank == 1:
+            check_length(new_length, layout.usable, allow_shrink=allow_shrink)
+            target: int | ImageSize = new_length
+            new_grid: tuple[int, ...] = (new_length,)
+        else:
+            target = image_size_pair(image_size)
+            new_grid = spec.grid.grid(config, target)
+            _check_grid(new_grid, layout.grid, target, allow_shrink=allow_shrink)
+        name = strategy if strategy is not None and rank in get_strategy(strategy).ranks else DEFAULTS[rank]
+        own = dict(params or {}) if name == strategy or strategy is None else {}
+        if rank == 2 and spec.grid.antialias and "antialias" in get_strategy(name).params:
+            own.setdefault("antialias", True)  # what the family's own run-time interpolation does
+        check_params(name, own)
+        plans.append(GroupPlan(spec, layout, new_grid, target, name, own))
+    return plans
+
+
+def _check_grid(new: tuple[int, ...], old: tuple[int, ...], size: ImageSize, *, allow_shrink: bool) -> None:
+    if any(n < o for n, o in zip(new, old)) and not allow_shrink:
+        raise InvalidLengthError(
+            f"The image size {size[0]}x{size[1]} gives a {new[0]}x{new[1]} patch grid, smaller than the current "
+            f"{old[0]}x{old[1]} on a side: the positions would be resampled to fewer. To shrink on purpose, "
+            "allow shrinking (allow_shrink=True)."
+        )
