@@ -242,7 +242,7 @@ def _setup(
     if gradient_checkpointing:
         loaded.hf_model.gradient_checkpointing_enable()
     set_seed(seed)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
+    optimizer = _adamw([p for p in model.parameters() if p.requires_grad], lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(lr_factor, steps=steps, schedule=schedule))
     prepared, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     run = _Run(accelerator, prepared, accelerator.unwrap_model(prepared), optimizer, scheduler, tokenizer,
@@ -250,6 +250,14 @@ def _setup(
                saved_rows, dst.with_name(dst.name + ".state"), fingerprint, seed, batch_size, grad_accum, buckets,
                cache=dict(loaded.extras))
     return run, loaded
+
+
+def _adamw(params: list[torch.nn.Parameter], lr: float) -> torch.optim.Optimizer:
+    """AdamW without weight decay, fused where this torch supports it (Trainer's default too)."""
+    try:
+        return torch.optim.AdamW(params, lr=lr, weight_decay=0.0, fused=True)
+    except (RuntimeError, TypeError):  # an older torch, or a device without the fused kernel
+        return torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
 
 
 def lr_factor(s: int, *, steps: int, schedule: str) -> float:
