@@ -169,7 +169,7 @@ def resize_model(
     if report.covered_by == "probed":
         console.print("  family observed on a twin of its config (no written spec)", highlight=False)
     if report.verified:
-        console.print("  [green]verified[/]: a twin of the written config has its shapes and runs at the full length",
+        console.print("  [green]verified[/]: a twin of the written config has its shapes and runs at the full new size",
                       highlight=False)
     if report.st_max_seq_length is not None:
         console.print(f"  sentence-transformers max_seq_length: {report.st_max_seq_length}", highlight=False)
