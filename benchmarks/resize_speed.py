@@ -1,13 +1,16 @@
 """Resize speed and memory: posextend vs the naive transformers path vs `cp`, side by side.
 
     python benchmarks/resize_speed.py                      # small, medium, xl; 3 repetitions
-    python benchmarks/resize_speed.py --sizes tiny --reps 1
+    python benchmarks/resize_speed.py --sizes vit-l        # ViT-L/16, 224 -> 448 px
+    python benchmarks/resize_speed.py --sizes tiny vit-tiny --reps 1
 
-Builds random GPT-2-shaped checkpoints (fp32; xl sharded into 2 GB files) under --workdir,
+Builds random GPT-2-shaped checkpoints (fp32; xl sharded into 2 GB files) and ViT ones under --workdir,
 then times whole processes (wall clock, peak RSS of the process tree's largest member):
   posextend   `posextend resize-model SRC DST --length 2*n_positions` (tile: row bytes copied,
               no torch), also with `--link` and with `--strategy interpolate` (computed in torch)
-  naive       from_pretrained → swap the wpe table → save_pretrained (transformers only)
+  naive       from_pretrained → swap the wpe table (ViT: interpolate the grid, bicubic) →
+              save_pretrained (transformers only)
+  For ViT, posextend is `resize-model SRC DST --image-size 2*image_size` (bicubic, in torch).
   cp          `cp -r SRC DST`
   startup     `posextend --version`: the interpreter and the tool, with no work;
               "startup + torch" is `python -c "import posextend.cli, torch"`, with the framework
@@ -36,11 +39,18 @@ import transformers
 
 from posextend.io import Entry, write_safetensors
 
-SIZES = {  # n_embd, n_layer, n_head, shard size
-    "tiny": (64, 2, 2, None),
-    "small": (768, 12, 12, None),  # 124M
-    "medium": (1024, 24, 16, None),  # 355M
-    "xl": (1600, 48, 25, 2 * 2**30),  # 1.5B, sharded
+SIZES = {  # family, config, shard size
+    "tiny": ("gpt2", dict(n_embd=64, n_layer=2, n_head=2), None),
+    "small": ("gpt2", dict(n_embd=768, n_layer=12, n_head=12), None),  # 124M
+    "medium": ("gpt2", dict(n_embd=1024, n_layer=24, n_head=16), None),  # 355M
+    "xl": ("gpt2", dict(n_embd=1600, n_layer=48, n_head=25), 2 * 2**30),  # 1.5B, sharded
+    "vit-tiny": ("vit", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128), None),
+    "vit-l": ("vit", dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096),
+              None),  # ViT-L/16 at 224 px, 304M
+}
+FAMILIES = {  # config class, model class, the tensor save_pretrained ties away
+    "gpt2": (transformers.GPT2Config, transformers.GPT2LMHeadModel, "lm_head.weight"),
+    "vit": (transformers.ViTConfig, transformers.ViTModel, None),
 }
 
 NAIVE = """
@@ -56,6 +66,21 @@ model.config.n_positions = n
 model.save_pretrained(dst)
 """
 
+NAIVE_VIT = """
+import sys, torch
+from transformers import ViTModel
+src, dst, size = sys.argv[1], sys.argv[2], int(sys.argv[3])
+model = ViTModel.from_pretrained(src)
+table = model.embeddings.position_embeddings.data  # [1, 1 + n*n, D]: class token, then the grid
+old, new = int((table.shape[1] - 1) ** 0.5), size // model.config.patch_size
+grid = table[:, 1:].reshape(1, old, old, -1).permute(0, 3, 1, 2)
+grid = torch.nn.functional.interpolate(grid, size=(new, new), mode="bicubic", align_corners=False)
+grid = grid.permute(0, 2, 3, 1).reshape(1, new * new, -1)
+model.embeddings.position_embeddings = torch.nn.Parameter(torch.cat([table[:, :1], grid], dim=1))
+model.config.image_size = size
+model.save_pretrained(dst)
+"""
+
 MEASURE = """
 import resource, subprocess, sys, time
 t = time.perf_counter()
@@ -66,14 +91,16 @@ print(wall, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024, rc)
 
 
 def build_checkpoint(path: Path, size: str) -> Path:
-    """A random GPT-2 checkpoint written tensor by tensor (never holding the model in memory)."""
+    """A random checkpoint written tensor by tensor (never holding the model in memory)."""
     if (path / "config.json").exists():
         return path
-    n_embd, n_layer, n_head, shard_bytes = SIZES[size]
-    config = transformers.GPT2Config(n_embd=n_embd, n_layer=n_layer, n_head=n_head)
+    family, kwargs, shard_bytes = SIZES[size]
+    config_cls, model_cls, tied = FAMILIES[family]
+    config = config_cls(**kwargs)
     with torch.device("meta"):
-        shapes = {k: tuple(v.shape) for k, v in transformers.GPT2LMHeadModel(config).state_dict().items()}
-    shapes.pop("lm_head.weight")  # tied to wte, not saved (as save_pretrained does)
+        shapes = {k: tuple(v.shape) for k, v in model_cls(config).state_dict().items()}
+    if tied:
+        shapes.pop(tied)  # tied to the input embeddings, not saved (as save_pretrained does)
     shapes = dict(sorted(shapes.items()))  # safetensors orders same-dtype tensors by name
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -123,26 +150,32 @@ def main() -> None:
     posextend_bin = str(Path(sys.executable).with_name("posextend"))
     rows = []
     for size in args.sizes:
-        src = build_checkpoint(args.workdir / f"gpt2-{size}", size)
+        family = SIZES[size][0]
+        src = build_checkpoint(args.workdir / f"{family}-{size}", size)
         files = sorted(src.glob("*.safetensors"))
         nbytes = sum(f.stat().st_size for f in files)
-        n = 2 * json.loads((src / "config.json").read_text())["n_positions"]
         for f in files:  # warm the page cache
             with open(f, "rb") as h:
                 while h.read(1 << 26):
                     pass
-        resize = [posextend_bin, "resize-model", str(src), "DST", "--length", str(n)]
+        config = json.loads((src / "config.json").read_text())
         methods = {
             "startup": [posextend_bin, "--version"],
             "startup + torch": [sys.executable, "-c", "import posextend.cli, torch"],
             "cp": ["cp", "-r", str(src), "DST"],
-            "posextend": resize,
-            "posextend --link": [*resize, "--link"],
-            "posextend interpolate": [*resize, "--strategy", "interpolate"],
-            "naive": [sys.executable, "-c", NAIVE, str(src), "DST", str(n)],
         }
+        if family == "gpt2":  # the table doubled (tile: row bytes copied), and interpolated
+            n = 2 * config["n_positions"]
+            resize = [posextend_bin, "resize-model", str(src), "DST", "--length", str(n)]
+            methods |= {"posextend": resize, "posextend --link": [*resize, "--link"],
+                        "posextend interpolate": [*resize, "--strategy", "interpolate"],
+                        "naive": [sys.executable, "-c", NAIVE, str(src), "DST", str(n)]}
+        else:  # the image size doubled: the grid resampled bicubic (computed in torch)
+            n = 2 * config["image_size"]
+            methods |= {"posextend": [posextend_bin, "resize-model", str(src), "DST", "--image-size", str(n)],
+                        "naive": [sys.executable, "-c", NAIVE_VIT, str(src), "DST", str(n)]}
         if len(files) == 1:
-            methods.pop("posextend --link")
+            methods.pop("posextend --link", None)
         walls: dict[str, list[float]] = {m: [] for m in methods}
         rsss: dict[str, list[float]] = {m: [] for m in methods}
         dst = args.workdir / "dst"
@@ -168,7 +201,7 @@ def main() -> None:
         if not args.keep:
             shutil.rmtree(src)
 
-    print(f"\nGPT-2-shaped fp32 checkpoints, table doubled; median of {args.reps} runs; "
+    print(f"\nfp32 checkpoints: GPT-2's table doubled, ViT's image size doubled; median of {args.reps} runs; "
           f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}\n")
     print("| size | checkpoint | files | method | wall s | peak RSS MiB | wall vs cp | wall vs cp + startup "
           "| wall vs cp + startup + torch |")
@@ -181,9 +214,9 @@ def main() -> None:
     print("\n| size | naive / posextend (wall) | naive / posextend (peak RSS) | naive / posextend interpolate (wall) |")
     print("|---|---|---|---|")
     for size, _, _, results in rows:
-        print(f"| {size} | {results['naive'][0] / results['posextend'][0]:.1f}× | "
-              f"{results['naive'][1] / results['posextend'][1]:.1f}× | "
-              f"{results['naive'][0] / results['posextend interpolate'][0]:.1f}× |")
+        naive, interpolated = results["naive"], results.get("posextend interpolate")
+        print(f"| {size} | {naive[0] / results['posextend'][0]:.1f}× | {naive[1] / results['posextend'][1]:.1f}× | "
+              + (f"{naive[0] / interpolated[0]:.1f}× |" if interpolated else "- |"))
 
 
 if __name__ == "__main__":

@@ -50,10 +50,10 @@ def test_quality_quick(tmp_path):
 
 
 def test_resize_speed_tiny(tmp_path):
-    out = _run(ROOT / "benchmarks" / "resize_speed.py", "--sizes", "tiny", "--reps", "1", "--workdir", tmp_path,
-               cwd=ROOT)
-    assert "| tiny |" in out and "naive / posextend" in out
-    for method in ("startup", "cp", "posextend", "naive"):
+    out = _run(ROOT / "benchmarks" / "resize_speed.py", "--sizes", "tiny", "vit-tiny", "--reps", "1", "--workdir",
+               tmp_path, cwd=ROOT)
+    assert "| tiny |" in out and "| vit-tiny |" in out and "naive / posextend" in out
+    for method in ("startup", "cp", "posextend", "naive", "posextend interpolate"):
         assert f"| {method} |" in out
 
 
