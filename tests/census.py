@@ -10,7 +10,9 @@ Outcomes:
 - ``verified``: resized and every check passed;
 - ``refused``: a PosExtendError with a reason, and the twin holds no learned 1-D table;
 - ``refused-table``: refused although the twin holds a 1-D position-named table;
-- ``grid``: refused; the twin holds a 2-D image-patch grid (a separate issue);
+- ``grid``: refused; the twin holds a 2-D image-patch grid that no written grid spec covers;
+- ``grid-spec``: a 2-D image-patch grid with a written spec (``--image-size``), checked by
+  tests/test_vision.py against transformers' run-time interpolation, not walked here;
 - ``silently-wrong``: written, then a check failed (must never happen);
 - ``no-twin``: transformers itself cannot build the type from its default config.
 
@@ -227,7 +229,7 @@ def census_one(model_type: str, workdir: Path) -> Result:
         # image grids (ViT, CLIP's vision tower) are checked by tests/test_vision.py, not walked here yet
         grids, specs = [s for s in specs if s.rank == 2], [s for s in specs if s.rank == 1]
         if not specs:
-            result.outcome, result.reason = "grid", f"image grid ({grids[0].model_type}): tests/test_vision.py"
+            result.outcome, result.reason = "grid-spec", f"image grid ({grids[0].model_type}): tests/test_vision.py"
             return result
         result.covered_by = specs[0].covered_by
         for spec in specs:
@@ -291,7 +293,9 @@ def markdown(results: list[Result]) -> str:
         "",
         "- **spec**: a written spec in `posextend/specs.py`; **probed**: observed on a twin of the model's own config.",
         "- **refused**: no learned absolute 1-D table (rotary, relative, sinusoidal, none), with the reason.",
-        "- **grid**: a 2-D image-patch grid (ViT and relatives), not resized yet.",
+        "- **grid**: a 2-D image-patch grid (ViT and relatives) without a written grid spec: refused.",
+        "- **grid-spec**: a 2-D image-patch grid resized with `--image-size` by a written spec, checked by "
+        "`tests/test_vision.py` (the same outputs as transformers' run-time `interpolate_pos_encoding`).",
         "",
         "| model type | outcome | covered by | class | tables (group: reserved rows, length field) | reason |",
         "|---|---|---|---|---|---|",
