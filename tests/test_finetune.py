@@ -173,7 +173,7 @@ def test_contrastive_is_the_default_for_sentence_transformers_and_new_rows_keep_
     table = tuned[0].auto_model.embeddings.position_embeddings.weight
     assert table.shape == (640, 384)
     assert torch.equal(table[:512], original[0].auto_model.embeddings.position_embeddings.weight)
-    short = ["Emma Woodhouse, handsome, clever, and rich.", "A short sentence."]
+    short = ["A quiet village by the sea, with a small harbour.", "A short sentence."]
     assert torch.equal(tuned.encode(short, convert_to_tensor=True), original.encode(short, convert_to_tensor=True))
     assert "Held-out retrieval accuracy@1 after" in (tmp_path / "out" / "README.md").read_text()
     # attention dropout is off while training (fused attention kernels), never in the written model

@@ -67,7 +67,7 @@ def test_sentence_transformers_reads_all_2048_tokens(minilm, minilm_2k, corpus):
     for n in (256, 512):
         head = resized.encode([resized.tokenizer.decode(ids[: n - 2])], convert_to_tensor=True)
         assert float(torch.nn.functional.cosine_similarity(full, head)) < 0.999  # the rest of the text counts
-    short = ["A short sentence.", "Emma Woodhouse, handsome, clever, and rich, with a comfortable home."]
+    short = ["A short sentence.", "A quiet village by the sea, with a comfortable home and a small harbour."]
     assert torch.equal(original.encode(short, convert_to_tensor=True), resized.encode(short, convert_to_tensor=True))
 
 
