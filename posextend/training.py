@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 
@@ -39,7 +39,7 @@ from .objectives import Objective, default_objective, get_objective
 
 log = logging.getLogger(__name__)
 TrainMode = Literal["new-rows", "positions", "all"]
-TRAIN_MODES = ("new-rows", "positions", "all")
+TRAIN_MODES = get_args(TrainMode)
 
 
 @dataclass
