@@ -191,12 +191,9 @@ def _image_size(text: str | None) -> int | tuple[int, int] | None:
     if text is None:
         return None
     parts = text.lower().replace("×", "x").split("x")
-    try:
-        numbers = [int(p) for p in parts]
-    except ValueError:
-        raise InvalidLengthError(f"--image-size takes pixels, 448 or HEIGHTxWIDTH (448x336), not {text!r}.") from None
-    if len(numbers) not in (1, 2):
+    if len(parts) not in (1, 2) or not all(p.strip().isdigit() for p in parts):
         raise InvalidLengthError(f"--image-size takes pixels, 448 or HEIGHTxWIDTH (448x336), not {text!r}.")
+    numbers = [int(p) for p in parts]
     return numbers[0] if len(numbers) == 1 else (numbers[0], numbers[1])
 
 

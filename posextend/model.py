@@ -48,9 +48,9 @@ def extend_model(
     plans = plan_resize(config, shapes, new_length=new_length, image_size=image_size, strategy=strategy,
                         params=params, table=table, allow_shrink=allow_shrink, cls=type(model))
     # every new table is computed and checked before any is swapped in: a refusal changes nothing
-    new_tables = {name: (plan, plan.resize(_tensor(model, name), seed=seed, context=config))
+    new_tables = {name: plan.resize(_tensor(model, name), seed=seed, context=config)
                   for plan in plans for name in plan.layout.tables}
-    for name, (plan, new) in new_tables.items():
+    for name, new in new_tables.items():
         _swap(model, name, new)
     for plan in plans:
         for name in plan.layout.buffers:

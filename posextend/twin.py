@@ -426,6 +426,7 @@ def run_pixels(model: nn.Module, tables: list[str], image_size: tuple[int, int],
         module = model.get_submodule(path) if path else model
         if not _accepts(module, "pixel_values"):
             continue
+        Resampling.calls = 0  # only what the module that runs does counts
         try:
             with Resampling(), torch.no_grad(), _quiet():
                 out = module(pixel_values=pixels)

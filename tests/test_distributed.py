@@ -72,6 +72,7 @@ def _update_difference(src: Path, a: Path, b: Path) -> float:
     same = [k for k in x if k in s and s[k].shape == x[k].shape == y[k].shape]
     num = sum(float(((x[k].double() - y[k].double()) ** 2).sum()) for k in same)
     den = sum(float(((x[k].double() - s[k].double()) ** 2).sum()) for k in same)
+    assert den > 0, f"{a} did not train: its weights equal the source's"
     return (num / den) ** 0.5
 
 
@@ -113,7 +114,6 @@ def test_contrastive_two_processes_equal_one(tmp_path, corpus, minilm):
     two = _launch("torchrun", 2, ["finetune", str(src), str(tmp_path / "two"), "--data", str(corpus),
                                   "--batch-size", "1", *args])
     assert "contrastive" in one.stdout and "on 2 processes" in two.stdout
-    assert _update_difference(src, tmp_path / "one", src) == 1.0  # it did train
     assert _update_difference(src, tmp_path / "one", tmp_path / "two") < 1e-2
 
 
