@@ -12,7 +12,7 @@ from typing import Any
 
 from .errors import NotLearnedPositionsError, UnsupportedArchitectureError
 from .twin import get_path
-from .specs import GRID_SPECS, SPECS, VISION_TOWERS, ArchitectureSpec, positions_kind_problem
+from .specs import GRID_SPECS, RUN_TIME_GRIDS, SPECS, VISION_TOWERS, ArchitectureSpec, positions_kind_problem
 
 
 def all_specs(config: Mapping[str, Any], *, cls: type | None = None) -> tuple[ArchitectureSpec, ...]:
@@ -40,7 +40,12 @@ def all_specs(config: Mapping[str, Any], *, cls: type | None = None) -> tuple[Ar
     from .probe import observe
 
     tower = (VISION_TOWERS[model_type],) if model_type in VISION_TOWERS else ()
-    return observe(config, cls) + tower
+    try:
+        return observe(config, cls) + tower
+    except UnsupportedArchitectureError as e:
+        if model_type in RUN_TIME_GRIDS:  # the table it has is not one to resize on disk: say why
+            raise UnsupportedArchitectureError(f"Model type {model_type!r}: {RUN_TIME_GRIDS[model_type]}.") from e
+        raise
 
 
 def spec_for(
@@ -61,6 +66,9 @@ def spec_for(
     specs = tuple(s for s in every if s.rank == wanted or (rank is None and table is not None))
     if not specs:
         what = "an image grid" if wanted == 2 else "a length of positions"
+        if wanted == 2 and config.get("model_type") in RUN_TIME_GRIDS:
+            raise UnsupportedArchitectureError(f"Model type {config.get('model_type')!r}: "
+                                               f"{RUN_TIME_GRIDS[config.get('model_type')]}.")
         raise UnsupportedArchitectureError(
             f"Model type {config.get('model_type')!r} has no learned table of {what} posextend resizes; "
             f"its tables: {', '.join(s.group for s in every)}."

@@ -4,7 +4,7 @@ A model may have a length of positions (``--length``: GPT-2, BERT, CLIP's text t
 image grid (``--image-size``: ViT, CLIP's vision tower). :func:`plan_resize` picks the
 group(s) to resize, checks the new sizes, and gives each its strategy: the one named when it
 handles the group's grid rank, else the rank's default (``tile`` for positions, ``bicubic``
-for image grids).
+for image grids, or the family's own run-time resampling where its spec names one).
 """
 
 from __future__ import annotations
@@ -116,7 +116,8 @@ def plan_resize(
             target = image_size_pair(image_size)
             new_grid = spec.grid.grid(config, target)
             _check_grid(new_grid, layout.grid, target, allow_shrink=allow_shrink)
-        name = strategy if strategy is not None and rank in get_strategy(strategy).ranks else DEFAULTS[rank]
+        default = spec.grid.strategy if rank == 2 and spec.grid.strategy else DEFAULTS[rank]
+        name = strategy if strategy is not None and rank in get_strategy(strategy).ranks else default
         own = dict(params or {}) if name == strategy or strategy is None else {}
         if rank == 2 and spec.grid.antialias and "antialias" in get_strategy(name).params:
             own.setdefault("antialias", True)  # what the family's own run-time interpolation does

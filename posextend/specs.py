@@ -113,12 +113,15 @@ class GridSpec:
     - ``square``: the family's code only handles square images (CLIP, SigLIP, DINOv2).
     - ``antialias``: the family's run-time ``interpolate_pos_encoding`` antialiases (DINOv2 with
       registers); resampling strategies then do too unless told otherwise, to reproduce it.
+    - ``strategy``: the family's own run-time resampling when it is not bicubic (DPT: bilinear);
+      the default strategy for this family, so that a resized file computes what it computes.
     """
 
     image_key: str = "image_size"
     patch_key: str = "patch_size"
     square: bool = False
     antialias: bool = False
+    strategy: str | None = None
 
     def sizes(self, config: Mapping[str, Any]) -> tuple[tuple[int, int], tuple[int, int]]:
         """``((height, width), (patch_h, patch_w))`` from ``config``."""
@@ -193,6 +196,8 @@ class ArchitectureSpec:
       (``text``, ``encoder``, ``decoder``, ``vision``; ``model`` when it has one).
     - ``grid``: for an image-patch grid, how it maps to the config (:class:`GridSpec`); the
       ``reserved`` rows are then its prefix tokens and ``length_keys`` its image-size field.
+    - ``optional``: tables of the same length that only some heads hold (ViT-MAE's pre-training
+      decoder); resized when present.
     """
 
     model_type: str
@@ -207,6 +212,7 @@ class ArchitectureSpec:
     note: str = ""
     group: str = "model"
     grid: GridSpec | None = None
+    optional: tuple[str, ...] = ()
 
     @property
     def rank(self) -> int:
@@ -227,9 +233,11 @@ class ArchitectureSpec:
         Raises ``CorruptCheckpointError`` when a table is missing.
         """
         found = []
-        for table in self.tables:
+        for table in (*self.tables, *self.optional):
             options = (table, f"{self.prefix}.{table}") if self.prefix else (table,)
             candidates = [n for n in options if n in names]
+            if not candidates and table in self.optional:
+                continue
             if not candidates:
                 raise CorruptCheckpointError(
                     f"No position table {table!r} (or {self.prefix}.{table!r}) in this "
@@ -334,11 +342,13 @@ def _seq2seq(model_type: str, offset: int) -> ArchitectureSpec:
 
 
 def _vision(model_type: str, prefix: str, table: str, reserved: int, *, square: bool = False, group: str = "model",
-            config: str = "", buffers: tuple[BufferRule, ...] = (), antialias: bool = False) -> ArchitectureSpec:
+            config: str = "", buffers: tuple[BufferRule, ...] = (), antialias: bool = False,
+            strategy: str | None = None, optional: tuple[str, ...] = ()) -> ArchitectureSpec:
     """An image-patch grid after ``reserved`` prefix tokens, sized by ``<config>image_size / patch_size``."""
-    grid = GridSpec(f"{config}image_size", f"{config}patch_size", square=square, antialias=antialias)
+    grid = GridSpec(f"{config}image_size", f"{config}patch_size", square=square, antialias=antialias,
+                    strategy=strategy)
     return ArchitectureSpec(model_type, prefix, (table,), length_keys=(grid.image_key,), reserved=reserved,
-                            buffers=buffers, objective="other", group=group, grid=grid)
+                            buffers=buffers, objective="other", group=group, grid=grid, optional=optional)
 
 
 def _vision_tower(model_type: str, reserved: int, *, group: str = "model", config: str = "") -> ArchitectureSpec:
@@ -363,9 +373,24 @@ GRID_SPECS: dict[str, ArchitectureSpec] = {
         # ... and with registers, its run-time interpolation antialiases (plain DINOv2's does not)
         _vision("dinov2_with_registers", "dinov2_with_registers", "embeddings.position_embeddings", 1, square=True,
                 antialias=True),
+        # MAE: a fixed 2-D sin-cos table, resampled as MAE's own fine-tuning code and transformers do;
+        # the pre-training head's decoder holds a second grid of the same patches
+        _vision("vit_mae", "vit", "embeddings.position_embeddings", 1, optional=("decoder.decoder_pos_embed",)),
+        # DPT resamples its table to every input (bilinear, from a square grid): square only, bilinear
+        _vision("dpt", "dpt", "embeddings.position_embeddings", 1, square=True, strategy="bilinear"),
         _vision_tower("clip_vision_model", 1),
         _vision_tower("siglip_vision_model", 0),
     ]
+}
+
+# Grids a family resamples to every image's own size on each forward: nothing on disk to resize.
+_NAFLEX = ("SigLIP2 (NaFlex) resamples its position grid to each image's patch grid on every forward; "
+           "raise the image processor's max_num_patches for larger images instead")
+RUN_TIME_GRIDS = {
+    "siglip2": _NAFLEX,
+    "siglip2_vision_model": _NAFLEX,
+    "yolos": "YOLOS resamples its position grids (keeping its detection-token rows) to each image's size on "
+             "every forward; feed larger images (the image processor's size) instead",
 }
 
 # Image towers of composite models, a length group beside the text tables the probe observes.

@@ -406,7 +406,8 @@ def run_pixels(model: nn.Module, tables: list[str], image_size: tuple[int, int],
     of ``image_size`` (height, width); return its main output.
 
     Raises ``RuntimeError`` when no module on the way runs, or when the one that runs resamples
-    anything (``F.interpolate``): at its own image size a model must use its table as it is.
+    anything to another size (``F.interpolate``; DPT's call on every forward keeps the size): at
+    its own image size a model must use its table as it is.
     """
     import torch
     import torch.nn.functional as F
@@ -416,9 +417,10 @@ def run_pixels(model: nn.Module, tables: list[str], image_size: tuple[int, int],
         calls = 0
 
         def __torch_function__(self, func, types, args=(), kwargs=None):
-            if func is F.interpolate:
+            out = func(*args, **(kwargs or {}))
+            if func is F.interpolate and out.shape[-2:] != args[0].shape[-2:]:
                 Resampling.calls += 1
-            return func(*args, **(kwargs or {}))
+            return out
 
     pixels = torch.randn(1, channels, *image_size, generator=torch.Generator().manual_seed(0))
     failures = []

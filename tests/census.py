@@ -11,6 +11,8 @@ Outcomes:
 - ``refused``: a PosExtendError with a reason, and the twin holds no learned 1-D table;
 - ``refused-table``: refused although the twin holds a 1-D position-named table;
 - ``grid``: refused; the twin holds a 2-D image-patch grid that no written grid spec covers;
+- ``run-time-grid``: refused with the reason: the family resamples its grid to each image on
+  every forward (YOLOS, SigLIP2), so there is nothing on disk to resize;
 - ``grid-spec``: a 2-D image-patch grid with a written spec (``--image-size``), checked by
   tests/test_vision.py against transformers' run-time interpolation, not walked here;
 - ``silently-wrong``: written, then a check failed (must never happen);
@@ -45,6 +47,7 @@ import posextend  # noqa: E402
 from posextend import twin  # noqa: E402
 from posextend.lookup import all_specs  # noqa: E402
 from posextend.probe import length_fields  # noqa: E402
+from posextend.specs import RUN_TIME_GRIDS  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 warnings.filterwarnings("ignore")
@@ -224,6 +227,8 @@ def census_one(model_type: str, workdir: Path) -> Result:
         except posextend.PosExtendError as exc:
             kind = holds_table(small, cls)
             result.outcome = {"table": "refused-table", "grid": "grid"}.get(kind, "refused")
+            if model_type in RUN_TIME_GRIDS:
+                result.outcome = "run-time-grid"
             result.reason = str(exc)
             return result
         # image grids (ViT, CLIP's vision tower) are checked by tests/test_vision.py, not walked here yet
@@ -294,6 +299,8 @@ def markdown(results: list[Result]) -> str:
         "- **spec**: a written spec in `posextend/specs.py`; **probed**: observed on a twin of the model's own config.",
         "- **refused**: no learned absolute 1-D table (rotary, relative, sinusoidal, none), with the reason.",
         "- **grid**: a 2-D image-patch grid (ViT and relatives) without a written grid spec: refused.",
+        "- **run-time-grid**: a 2-D grid the family resamples to each image on every forward: refused, with "
+        "what to do instead.",
         "- **grid-spec**: a 2-D image-patch grid resized with `--image-size` by a written spec, checked by "
         "`tests/test_vision.py` (the same outputs as transformers' run-time `interpolate_pos_encoding`).",
         "",

@@ -32,6 +32,8 @@ VISION = {
     "deit": (transformers.DeiTModel, {}, True, True, 2),
     "dinov2": (transformers.Dinov2Model, {}, False, False, 1),
     "dinov2_with_registers": (transformers.Dinov2WithRegistersModel, {"num_register_tokens": 2}, False, False, 1),
+    "vit_mae": (transformers.ViTMAEModel, {"mask_ratio": 0.0}, True, True, 1),  # patches shuffled, none dropped
+    "dpt": (transformers.DPTModel, {}, False, False, 1),  # resamples (bilinear) on every forward
     "clip_vision_model": (transformers.CLIPVisionModel, {}, True, False, 1),
     "siglip_vision_model": (transformers.SiglipVisionModel, {}, True, False, 0),
 }
@@ -66,6 +68,7 @@ def _table(path: Path, name: str) -> torch.Tensor:
 
 def _outputs(model, pixels, interpolate: bool) -> torch.Tensor:
     kwargs = {"interpolate_pos_encoding": True} if interpolate else {}
+    torch.manual_seed(0)  # ViT-MAE draws the order of its patches
     with torch.no_grad():
         return model(pixel_values=pixels, **kwargs).last_hidden_state
 
@@ -89,7 +92,8 @@ def test_resized_file_equals_run_time_interpolation(vision, tmp_path, model_type
     # default when shrinking (antialias) is timm-like
     params = {"antialias": GRID_SPECS[model_type].grid.antialias} if size == "down" else {}
     report = posextend.resize_checkpoint(src, tmp_path / "out", image_size=(h, w), allow_shrink=size == "down", **params)
-    assert report.verified and report.strategy == "bicubic" and report.new_grid == [h // PATCH, w // PATCH]
+    assert report.verified and report.strategy == (GRID_SPECS[model_type].grid.strategy or "bicubic")
+    assert report.new_grid == [h // PATCH, w // PATCH]
     assert tree_digest(src) == before
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["image_size"] == (h if h == w else [h, w])
@@ -108,6 +112,43 @@ def test_resized_file_equals_run_time_interpolation(vision, tmp_path, model_type
     got = _outputs(resized, pixels, False)
     assert got.shape == expected.shape
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+
+
+def test_mae_pretraining_resizes_its_decoder_grid_too(tmp_path):
+    """ViTMAEForPreTraining holds two grids of the same patches (encoder, decoder), of different
+    widths: both follow the image size, each resampled as a 2-D grid, in the file and in memory."""
+    torch.manual_seed(0)
+    model = transformers.ViTMAEForPreTraining(transformers.ViTMAEConfig(**_TOWER, mask_ratio=0.5))
+    model.save_pretrained(tmp_path / "src")
+    report = posextend.resize_checkpoint(tmp_path / "src", tmp_path / "out", image_size=64)
+    assert report.tables == ["vit.embeddings.position_embeddings", "decoder.decoder_pos_embed"] and report.verified
+    for name in report.tables:
+        old, new = _table(tmp_path / "src", name), _table(tmp_path / "out", name)
+        assert new.shape == (1, 1 + 8 * 8, old.shape[-1]) and torch.equal(new[:, :1], old[:, :1])
+        expected = torch.nn.functional.interpolate(old[0, 1:].reshape(1, 5, 5, -1).permute(0, 3, 1, 2), size=(8, 8),
+                                                   mode="bicubic", align_corners=False)
+        torch.testing.assert_close(new[0, 1:], expected.permute(0, 2, 3, 1).reshape(64, -1), rtol=0, atol=1e-6)
+    resized = load_clean(tmp_path / "out", transformers.ViTMAEForPreTraining)
+    in_memory = posextend.extend_model(model, image_size=64)
+    pixels = torch.randn(1, 3, 64, 64)
+    outputs = []
+    for m in (resized, in_memory):
+        torch.manual_seed(0)
+        with torch.no_grad():
+            out = m(pixel_values=pixels)
+        assert out.logits.shape == (1, 64, PATCH * PATCH * 3) and torch.isfinite(out.loss)
+        outputs.append(out.logits)
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("model_type", ["yolos", "siglip2_vision_model"])
+def test_grids_resampled_on_every_forward_are_refused_with_the_reason(tmp_path, model_type):
+    overrides = {"num_detection_tokens": 3, "image_size": [IMAGE, IMAGE]} if model_type == "yolos" else {"num_patches": 16}
+    config = transformers.AutoConfig.for_model(model_type, **{**_TOWER, **overrides})
+    transformers.AutoModel.from_config(config).save_pretrained(tmp_path / "src")
+    with pytest.raises(posextend.PosExtendError, match="on every forward; .* instead"):
+        posextend.resize_checkpoint(tmp_path / "src", tmp_path / "out", image_size=56)
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("model_type", ["vit", "deit", "dinov2", "clip_vision_model", "siglip_vision_model"])
