@@ -329,6 +329,24 @@ def _eval_table(title: str, reports: dict[str, Any]) -> None:
     console.print(table)
 
 
+def _far_range_advice(report, strategy: str | None) -> None:
+    """One line when the far range is still more than 10% above the original range, with what to try."""
+    from .evaluation import far_range_gap
+
+    gap = report.before and report.after and far_range_gap(report.before, report.after)
+    if not gap or gap[0] <= 1.10 * gap[1]:
+        return
+    far, original, start = gap
+    if report.train != "all":
+        step = "train every weight (--train all)"
+    elif strategy is not None and strategy not in ("interpolate", "kps"):
+        step = "start from --strategy interpolate"
+    else:
+        step = f"train longer (--steps {2 * report.steps})"
+    console.print(f"[yellow]The far range (positions {start}–{report.after.length - 1}) is at perplexity {far:.1f}, "
+                  f"{far / original - 1:.0%} above the original range's {original:.1f}:[/] {step}.", highlight=False)
+
+
 @app.command("finetune")
 @handle_errors
 def finetune_cmd(
@@ -386,6 +404,7 @@ def finetune_cmd(
         f"({report.tokens_per_second:,.0f} tok/s{processes}), written to {report.dst}",
         highlight=False,
     )
+    _far_range_advice(report, strategy if length else None)
     if plot:
         from .evaluation import plot_reports
 

@@ -46,6 +46,29 @@ class EvalReport:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def range_perplexity(self, start: int, end: int) -> float:
+        """Perplexity over the buckets that lie within positions ``start..end-1`` (token-weighted)."""
+        inside = [b for b in self.buckets if b.start >= start and b.end <= end and b.tokens]
+        if not inside:
+            raise PosExtendError(f"No evaluation bucket lies within positions {start}-{end - 1}.")
+        loss = sum(b.loss * b.tokens for b in inside) / sum(b.tokens for b in inside)
+        return math.exp(min(loss, 50))
+
+
+def far_range_gap(before: EvalReport, after: EvalReport) -> tuple[float, float, int] | None:
+    """``(far, original, start)``: ``after``'s perplexity on the far range (the last half of the new
+    length, from ``start``) and ``before``'s on the original range (the source model's own
+    positions), for a language model extended at least 2x; else None."""
+    old = after.old_length
+    if after.accuracy is not None or not old or after.length < 2 * old:
+        return None
+    start = after.length // 2
+    edges = [b.start for b in after.buckets]
+    start = min((e for e in edges if e >= start), default=None)
+    if start is None:
+        return None
+    return after.range_perplexity(start, after.length), before.range_perplexity(0, old), start
+
 
 def bucket_edges(length: int, buckets: int, *, old_length: int | None = None) -> list[int]:
     """Edges of contiguous buckets covering ``0..length-1`` exactly once.

@@ -150,6 +150,13 @@ def without_dropout(model: torch.nn.Module, *, attention_only: bool = False) -> 
     return zeroed
 
 
+def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model`` in eval mode that never trains: the source an anchor term compares with."""
+    import copy
+
+    return copy.deepcopy(model).eval().requires_grad_(False)
+
+
 # ------------------------------------------------------------------------------ language models
 
 
@@ -169,11 +176,31 @@ class _LanguageModel(Objective):
 
 @register_objective("causal", description="Next-token prediction (GPT-style models).")
 class CausalLM(_LanguageModel):
+    """Next-token loss on every position, plus ``anchor`` × the KL divergence from the frozen
+    source model's predictions on the old range (the first ``old_length`` positions, which the
+    source reads exactly as it was trained to), so that training the new range keeps the old one."""
+
     head = "causal"
+    anchor: ClassVar[float] = 0.0  # weight of the term that keeps the old range's predictions
+
+    def load(self, directory: Path, *, init_head: bool) -> Loaded:
+        result = super().load(directory, init_head=init_head)
+        if self.anchor:  # the source model, frozen, before its table is extended
+            result.extras["source"] = frozen_copy(result.model)
+        return result
 
     def loss(self, run: _Run, positions: range, batch: torch.Tensor) -> tuple[torch.Tensor, int]:
         batch = batch.to(run.accelerator.device)
-        return run.model(input_ids=batch, labels=batch).loss, batch.shape[0] * (batch.shape[1] - 1)
+        out = run.model(input_ids=batch, labels=batch)
+        loss, source, old = out.loss, run.cache.get("source"), run.old_length
+        if source is not None and not run.short_inputs_fixed and old < run.length:
+            source.to(run.accelerator.device)  # where the model trains (nothing moves once there)
+            with torch.no_grad():
+                target = source(input_ids=batch[:, :old]).logits.float().log_softmax(-1)
+            predicted = out.logits[:, :old].float().log_softmax(-1)
+            kl = torch.nn.functional.kl_div(predicted, target, log_target=True, reduction="none").sum(-1).mean()
+            loss = loss + self.anchor * kl
+        return loss, batch.shape[0] * (batch.shape[1] - 1)
 
 
 @register_objective("masked", description="BERT masking: 15% of tokens (80% [MASK], 10% random, 10% kept).")
@@ -212,8 +239,6 @@ class Contrastive(Objective):
     anchor: ClassVar[float] = 1.0  # weight of the term that keeps short inputs where the source model put them
 
     def load(self, directory: Path, *, init_head: bool) -> Loaded:
-        import copy
-
         from sentence_transformers import SentenceTransformer
 
         if not is_sentence_transformer(directory):
@@ -225,7 +250,7 @@ class Contrastive(Objective):
         without_dropout(model[0].auto_model, attention_only=True)
         result = loaded(model, model[0].auto_model, model.tokenizer, self.name, directory)
         if self.anchor:  # the source model, frozen, before its table is extended
-            result.extras["source"] = copy.deepcopy(model).eval().requires_grad_(False)
+            result.extras["source"] = frozen_copy(model)
         return result
 
     def samples(self, tokenizer, documents: Sequence[str], length: int) -> torch.Tensor:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -109,6 +111,36 @@ def test_eval_buckets_cover_every_position_once(gpt, corpus):
     model = transformers.AutoModelForCausalLM.from_pretrained(gpt)
     report = evaluate_model(model, seqs, "causal", buckets=4)
     assert sum(b.tokens for b in report.buckets) == report.tokens == len(seqs) * 31
+
+
+def _report(old: int, length: int, losses: list[float]):
+    from posextend.evaluation import Bucket, EvalReport
+
+    edges = bucket_edges(length, len(losses), old_length=old)
+    buckets = [Bucket(a, b, loss, math.exp(loss), 10 * (b - a)) for a, b, loss in zip(edges, edges[1:], losses)]
+    return EvalReport("causal", length, 4, 0.0, 1.0, sum(b.tokens for b in buckets), buckets, old)
+
+
+def test_far_range_gap_and_the_advice_line(monkeypatch):
+    """128 -> 512: the far range is the last half (positions 256-511), weighted by tokens."""
+    from posextend import cli
+    from posextend.evaluation import far_range_gap
+
+    before = _report(128, 512, [3.0, 6.0, 6.0, 6.0, 6.0])
+    after = _report(128, 512, [3.1, 3.2, 3.2, 3.3, 3.5])  # buckets 0-127, 128-223, 224-319, 320-415, 416-511
+    far, original, start = far_range_gap(before, after)
+    assert start == 320 and original == pytest.approx(math.exp(3.0))
+    assert far == pytest.approx(math.exp((3.3 * 960 + 3.5 * 960) / 1920))
+    assert far_range_gap(before, _report(128, 192, [3.0, 3.0, 3.0])) is None  # extended less than 2x
+    with cli.console.capture() as out:
+        cli._far_range_advice(SimpleNamespace(before=before, after=after, train="new-rows", steps=150), "tile")
+        cli._far_range_advice(SimpleNamespace(before=before, after=after, train="all", steps=150), "interpolate")
+        cli._far_range_advice(SimpleNamespace(before=before, after=before, train="all", steps=150), None)
+    lines = out.get().splitlines()
+    assert lines[0].startswith("The far range (positions 320–511) is at perplexity 30.0, 49% above the original "
+                               "range's 20.1") and lines[0].endswith("train every weight (--train all).")
+    assert lines[1].endswith("train longer (--steps 300).") and len(lines) == 3  # nothing to say when it is close
+    assert "(positions 320–511) is at perplexity 403.4" in lines[2]
 
 
 def test_eval_cli_json_and_plot(gpt, corpus, tmp_path):
