@@ -226,17 +226,22 @@ PASSAGE_TOKENS = 32
     description="Embedding models: a passage drawn anywhere in a long document retrieves it (in-batch negatives).",
 )
 class Contrastive(Objective):
-    """Self-supervised from raw text: sample ``p`` is a window of ``length`` tokens (the document)
-    and a :data:`PASSAGE_TOKENS`-token passage of it starting at a uniformly drawn position (the
-    query), so every position is trained. The loss is sentence-transformers'
-    ``MultipleNegativesRankingLoss`` (the other documents of the global batch are negatives),
-    plus an ``anchor`` that keeps short inputs near the frozen source model's embeddings
-    (``EmbedDistillLoss``); pooling and normalisation are the checkpoint's own modules."""
+    """Self-supervised from raw text: sample ``p`` is a window of ``length`` tokens (the document).
+    Its queries are ``passages`` passages of :data:`PASSAGE_TOKENS` tokens starting at uniformly
+    drawn positions (so every position is trained), plus, with ``inserted``, a passage of another
+    window written into the document at a random depth: a sentence that stands out from its
+    surroundings, which the document's embedding must keep. Each set of queries is scored against
+    the batch's documents with sentence-transformers' ``MultipleNegativesRankingLoss`` (the other
+    documents of the global batch are negatives), so one costly pass over the long documents
+    serves every query. An ``anchor`` keeps short inputs near the frozen source model's
+    embeddings (``EmbedDistillLoss``); pooling and normalisation are the checkpoint's own modules."""
 
     unused_parameters = True  # the transformer's own pooler, when the checkpoint pools otherwise
-    steps = 80  # measured (README): 80 steps of 4 x 2048 tokens, 10-16 minutes on 2 CPU cores
+    steps = 40  # measured (README): 40 steps of 4 x 2048 tokens, about 8 minutes on 2 CPU cores
     lr = {"new-rows": 1e-3, "positions": 1e-3, "all": 5e-5}
     anchor: ClassVar[float] = 1.0  # weight of the term that keeps short inputs where the source model put them
+    passages: ClassVar[int] = 8  # passages drawn from each document per step
+    inserted: ClassVar[bool] = True  # plus one passage of another window, inserted into the document
 
     def load(self, directory: Path, *, init_head: bool) -> Loaded:
         from sentence_transformers import SentenceTransformer
@@ -282,32 +287,49 @@ class Contrastive(Objective):
             mask[i, : len(r) + 2] = 1
         return {"input_ids": ids.to(device), "attention_mask": mask.to(device)}
 
-    def _pairs(self, run: _Run, batch: torch.Tensor, starts: list[int]) -> tuple[dict, dict]:
-        device = run.accelerator.device
-        queries = [row[s : s + PASSAGE_TOKENS] for row, s in zip(batch, starts)]
-        return self._features(queries, run.tokenizer, device), self._features(list(batch), run.tokenizer, device)
+    def _queries(self, run: _Run, batch: torch.Tensor, generators: list[torch.Generator]
+                 ) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
+        """The documents (with their inserted passages) and the sets of queries, one query per
+        document in each set; every draw comes from the document's own generator."""
+        span = batch.shape[1] - PASSAGE_TOKENS
+        documents, sets = batch.clone(), []
+        if self.inserted:
+            pool, inserted = run.train_seqs, []
+            for document, g in zip(documents, generators):
+                other = pool[int(torch.randint(len(pool), (1,), generator=g))]
+                start = int(torch.randint(other.shape[0] - PASSAGE_TOKENS + 1, (1,), generator=g))
+                at = int(torch.randint(span + 1, (1,), generator=g))
+                document[at : at + PASSAGE_TOKENS] = other[start : start + PASSAGE_TOKENS]
+                inserted.append(other[start : start + PASSAGE_TOKENS])
+            sets.append(inserted)
+        for _ in range(self.passages):
+            starts = [int(torch.randint(span + 1, (1,), generator=g)) for g in generators]
+            sets.append([document[s : s + PASSAGE_TOKENS] for document, s in zip(documents, starts)])
+        return documents, sets
 
     def loss(self, run: _Run, positions: range, batch: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """Ranking loss of passages against documents, plus ``anchor`` × the cosine distance between
-        the model's and the source model's embeddings of short inputs: the passages, and each
-        document's head, cut at a width drawn log-uniformly between a passage and the old length."""
-        span = batch.shape[1] - PASSAGE_TOKENS
+        """The ranking loss of each set of queries against the documents (averaged over the sets),
+        plus ``anchor`` × the cosine distance between the model's and the source model's embeddings
+        of short inputs: the first set's queries, and each document's head, cut at a width drawn
+        log-uniformly between a passage and the old length."""
         generators = [sample_generator(run.seed, p) for p in positions]
-        starts = [int(torch.randint(span + 1, (1,), generator=g)) for g in generators]
-        queries, documents = self._pairs(run, batch, starts)
-        q = run.model(queries)["sentence_embedding"]
-        loss = self._loss_fn(run).compute_loss_from_embeddings([q, run.model(documents)["sentence_embedding"]], None)
+        device = run.accelerator.device
+        documents, sets = self._queries(run, batch, generators)
+        d = run.model(self._features(list(documents), run.tokenizer, device))["sentence_embedding"]
+        queries = [self._features(rows, run.tokenizer, device) for rows in sets]
+        embedded = [run.model(q)["sentence_embedding"] for q in queries]
+        loss = sum(self._loss_fn(run).compute_loss_from_embeddings([q, d], None) for q in embedded) / len(embedded)
         source = run.cache.get("source")
         if source is not None and not run.short_inputs_fixed:
             widest = min(run.old_length, run.length) - 2
             widths = [round(math.exp(math.log(PASSAGE_TOKENS) + float(torch.rand((), generator=g))
                                      * math.log(widest / PASSAGE_TOKENS))) for g in generators]
-            heads = self._features([row[:w] for row, w in zip(batch, widths)], run.tokenizer, run.accelerator.device)
-            source.to(run.accelerator.device)  # where the model trains (nothing moves once there)
+            heads = self._features([row[:w] for row, w in zip(batch, widths)], run.tokenizer, device)
+            source.to(device)  # where the model trains (nothing moves once there)
             with torch.no_grad():
-                targets = [source(heads)["sentence_embedding"], source(queries)["sentence_embedding"]]
+                targets = [source(heads)["sentence_embedding"], source(queries[0])["sentence_embedding"]]
             distance = self._distill_fn(run).compute_loss_from_embeddings(
-                [run.model(heads)["sentence_embedding"], q], targets)
+                [run.model(heads)["sentence_embedding"], embedded[0]], targets)
             loss = loss + self.anchor * distance
         return loss, batch.shape[0]
 

@@ -49,6 +49,25 @@ def test_quality_quick(tmp_path):
     assert "| model | steps |" in out and (tmp_path / "q" / "quality.png").exists()
 
 
+@pytest.mark.skipif(not AUSTEN.is_dir(), reason="needs ../shared/data/austen")
+def test_quality_grid_quick(tmp_path):
+    out = _run(ROOT / "benchmarks" / "quality_grid.py", "--data", AUSTEN, "--quick", "--out", tmp_path / "g",
+               "--cache", tmp_path / "cache", cwd=tmp_path)
+    data = json.loads((tmp_path / "g" / "quality_grid.json").read_text())
+    recipes = data["meta"]["recipes"]
+    assert len(data["rows"]) == len(recipes) * 2 * 2  # one size x two factors x two held-out texts
+    assert {r["heldout"] for r in data["rows"]} == {"emma.txt", "northangerabbey.txt"}
+    assert not {"emma.txt", "northangerabbey.txt"} & set(data["meta"]["train"])
+    for r in data["rows"]:
+        assert all(math.isfinite(r[k]) and r[k] > 1 for k in ("far", "original", "source_in_range")), r
+        assert r["far_ratio"] == pytest.approx(r["far"] / r["source_in_range"])
+        if r["recipe"] == "tile + new-rows":  # new-rows and tile leave a causal model's original range as it was
+            assert r["original"] == pytest.approx(r["source_original"], rel=1e-4)
+    for recipe in recipes:
+        assert f"| {recipe} |" in out
+    assert "worst far / in-range" in out and (tmp_path / "g" / "quality_grid.png").exists()
+
+
 def test_resize_speed_tiny(tmp_path):
     out = _run(ROOT / "benchmarks" / "resize_speed.py", "--sizes", "tiny", "vit-tiny", "--reps", "1", "--workdir",
                tmp_path, cwd=ROOT)

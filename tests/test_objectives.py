@@ -62,3 +62,28 @@ def test_a_plugin_objective_trains_through_the_shared_loop(gpt, corpus, tmp_path
     assert seen == [[0, 1], [2, 3], [4, 5]]  # the samples' global numbers, in order
     assert torch.isfinite(torch.tensor(report.losses)).all()
     assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
+def _contains(row: torch.Tensor, part: torch.Tensor) -> bool:
+    return any(torch.equal(row[i : i + len(part)], part) for i in range(len(row) - len(part) + 1))
+
+
+def test_contrastive_queries_are_passages_of_the_documents_and_one_inserted_passage():
+    from types import SimpleNamespace
+
+    from posextend.objectives import PASSAGE_TOKENS, Contrastive, sample_generator
+
+    pool = torch.arange(50 * 200).reshape(50, 200)  # every token distinct: a passage is found where it came from
+    batch = pool[:3] + 100_000
+    run = SimpleNamespace(train_seqs=pool)
+    objective = get_objective("contrastive")
+    assert isinstance(objective, Contrastive) and objective.inserted and objective.passages == 8
+    documents, sets = objective._queries(run, batch, [sample_generator(0, p) for p in range(3)])
+    assert len(sets) == 1 + objective.passages and all(len(s) == 3 for s in sets)
+    for i, (document, original, inserted) in enumerate(zip(documents, batch, sets[0])):
+        changed = (document != original).nonzero().flatten()
+        assert len(changed) == PASSAGE_TOKENS and changed[-1] - changed[0] == PASSAGE_TOKENS - 1  # one window
+        assert torch.equal(document[changed], inserted) and any(_contains(row, inserted) for row in pool)
+        assert all(len(q[i]) == PASSAGE_TOKENS and _contains(document, q[i]) for q in sets[1:])
+    again, sets_again = objective._queries(run, batch, [sample_generator(0, p) for p in range(3)])
+    assert torch.equal(again, documents) and all(torch.equal(a, b) for x, y in zip(sets, sets_again) for a, b in zip(x, y))

@@ -1,0 +1,202 @@
+"""Does the recommended recipe hold beyond one benchmark? A grid of settings, one table.
+
+    python benchmarks/quality_grid.py --data ../shared/data/austen            # ~1 h on 2 CPU cores (references cached after)
+    python benchmarks/quality_grid.py --data ../shared/data/austen --quick    # a few minutes (used by the tests)
+
+Cells: two reference sizes (one with ``--quick``) (small GPT-2s pretrained here from random init, as in
+``quality.py``, on the texts of ``--data`` that are not held out) × two extension factors (2x,
+4x) × two held-out texts (never trained on). Every recipe (strategy + train mode + objective) is
+fine-tuned once per size and factor, with posextend's defaults (steps, lr, batch 4), and
+scored on both held-out texts. Per cell:
+
+- ``far / in-range``: perplexity on the far range (the last half of the new length: the 3rd and
+  4th quarters at 4x, the new rows at 2x), divided by the source model's perplexity within its
+  own length on the same text (cut at that length). Target: <= 1.00.
+- ``original Δ``: the change of perplexity on the original range (the first ``old`` positions of
+  each sequence) against the source on the same positions. Target: within 2%.
+- ``far gain``: how much the far range improved over the same recipe before training.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import time
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+import transformers
+from quality import SETTINGS, build_reference
+
+import posextend
+from posextend.data import pack, read_documents
+from posextend.evaluation import evaluate_model
+from posextend.objectives import CausalLM, register_objective
+from posextend.training import finetune
+
+HELDOUT = ("emma.txt", "northangerabbey.txt")
+SIZES = {  # name: changes to quality.py's settings
+    "full": {
+        "2x128": dict(n_layer=2, n_embd=128, pretrain_steps=1200),
+        "4x192": {},
+    },
+    "quick": {"2x48": dict(n_layer=2, n_embd=48, pretrain_steps=150)},
+}
+FACTORS = (2, 4)
+ANCHOR = 1.0
+
+
+@register_objective("causal+anchor", description="causal + KL to the source on the old range (quality grid)")
+class AnchoredCausal(CausalLM):
+    anchor: ClassVar[float] = ANCHOR
+
+
+# label: (strategy, train mode, objective, lr: None for the objective's default)
+RECIPES = {
+    "interpolate + all": ("interpolate", "all", "causal", None),
+    "interpolate + all + anchor": ("interpolate", "all", "causal+anchor", None),
+    "kps + all + anchor": ("kps", "all", "causal+anchor", None),
+    "tile + new-rows": ("tile", "new-rows", "causal", None),
+    "tile + new-rows, lr 3e-3": ("tile", "new-rows", "causal", 3e-3),
+    "interpolate + new-rows": ("interpolate", "new-rows", "causal", None),
+}
+
+
+def perplexities(path: Path, seqs: torch.Tensor, old: int) -> tuple[float, float]:
+    """(original range, far range) perplexity of the model at ``path`` on ``seqs``."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(path)
+    report = evaluate_model(model, seqs, "causal", buckets=4, batch_size=8)
+    new = seqs.shape[1]
+    return report.range_perplexity(0, old), report.range_perplexity(new // 2, new)
+
+
+def source_scores(ref: Path, seqs: torch.Tensor, old: int) -> dict[str, float]:
+    """The source model within its own length: on the held-out text cut at ``old`` (in-range),
+    and on the first ``old`` positions of each long sequence (the original range)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(ref)
+    in_range = evaluate_model(model, seqs.reshape(-1, old), "causal", buckets=1, batch_size=8).perplexity
+    original = evaluate_model(model, seqs[:, :old], "causal", buckets=1, batch_size=8).perplexity
+    return {"in_range": in_range, "original": original}
+
+
+def run_size(name: str, s: dict, args, train_files: list[Path], held: dict[str, str], work: Path) -> list[dict]:
+    ref, info = build_reference(args.cache, train_files, s, args.seed)
+    how = "cached" if info["reused"] else f"pretrained in {info['seconds'] / 60:.1f} min"
+    print(f"[{name}] reference: validation loss {info['validation_curve'][-1][1]:.3f}, {how}", flush=True)
+    tok = transformers.AutoTokenizer.from_pretrained(ref)
+    rows = []
+    for factor in FACTORS:
+        old, new = s["length"], s["length"] * factor
+        seqs = {h: pack(tok, text, new)[: s["eval_sequences"]] for h, text in held.items()}
+        source = {h: source_scores(ref, x, old) for h, x in seqs.items()}
+        for label, (strategy, mode, objective, lr) in RECIPES.items():
+            start, out = work / f"{name}-{factor}-{strategy}", work / f"{name}-{factor}-{len(rows)}"
+            if not start.exists():
+                posextend.resize_checkpoint(ref, start, new, strategy, seed=args.seed)
+            t0 = time.perf_counter()
+            finetune(start, out, train_files, train=mode, objective=objective, lr=lr, batch_size=4, eval_sequences=1,
+                     seed=args.seed, old_length=old, steps=s["ft_steps"])
+            seconds = time.perf_counter() - t0
+            for h, x in seqs.items():
+                (orig0, far0), (orig, far) = perplexities(start, x, old), perplexities(out, x, old)
+                row = {"size": name, "factor": factor, "heldout": h, "recipe": label, "seconds": seconds,
+                       "source_in_range": source[h]["in_range"], "source_original": source[h]["original"],
+                       "original": orig, "far": far, "far_untrained": far0, "original_untrained": orig0,
+                       "far_ratio": far / source[h]["in_range"], "original_change": orig / source[h]["original"] - 1,
+                       "far_gain": 1 - far / far0}
+                rows.append(row)
+                print(f"  {name} {factor}x {h} {label}: far/in-range {row['far_ratio']:.3f}, original "
+                      f"{100 * row['original_change']:+.1f}%, far gain {100 * row['far_gain']:.0f}%", flush=True)
+            shutil.rmtree(out)
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    cells = sorted({(r["size"], r["factor"], r["heldout"]) for r in rows}, key=lambda c: (c[0], c[1], c[2]))
+    head = " | ".join(f"{size} {factor}x {h.removesuffix('.txt')}" for size, factor, h in cells)
+    lines = ["far / in-range (target <= 1.00); original Δ (target within 2%); far gain over the untrained start",
+             "", f"| recipe | {head} | worst far / in-range | worst original Δ |",
+             "|---|" + "---|" * (len(cells) + 2)]
+    for recipe in dict.fromkeys(r["recipe"] for r in rows):
+        mine = {(r["size"], r["factor"], r["heldout"]): r for r in rows if r["recipe"] == recipe}
+        parts = [f"{mine[c]['far_ratio']:.2f}; {100 * mine[c]['original_change']:+.1f}%; {100 * mine[c]['far_gain']:.0f}%"
+                 for c in cells]
+        worst_ratio = max(r["far_ratio"] for r in mine.values())
+        worst_change = max(mine.values(), key=lambda r: abs(r["original_change"]))["original_change"]
+        lines.append(f"| {recipe} | " + " | ".join(parts) + f" | {worst_ratio:.2f} | {100 * worst_change:+.1f}% |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = sorted({(r["size"], r["factor"], r["heldout"]) for r in rows})
+    recipes = list(dict.fromkeys(r["recipe"] for r in rows))
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    width = 0.8 / len(recipes)
+    for i, recipe in enumerate(recipes):
+        mine = {(r["size"], r["factor"], r["heldout"]): r for r in rows if r["recipe"] == recipe}
+        xs = [j + i * width for j in range(len(cells))]
+        axes[0].bar(xs, [mine[c]["far_ratio"] for c in cells], width, label=recipe)
+        axes[1].bar(xs, [100 * mine[c]["original_change"] for c in cells], width, label=recipe)
+    for ax, target, title in ((axes[0], [1.0], "far range / source in-range perplexity"),
+                              (axes[1], [-2, 2], "original range: change vs source (%)")):
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cells))],
+                      [f"{s} {f}x\n{h.removesuffix('.txt')[:9]}" for s, f, h in cells], fontsize=7)
+        for t in target:
+            ax.axhline(t, color="k", linestyle=":", linewidth=1)
+        ax.set_title(title, fontsize=10)
+    axes[0].set_ylim(bottom=0.5)
+    axes[0].legend(fontsize=7, loc="lower left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", type=Path, required=True, help="directory of .txt files (two are held out)")
+    ap.add_argument("--heldout", nargs=2, default=HELDOUT, help="two files in --data used only for evaluation")
+    ap.add_argument("--quick", action="store_true", help="small settings that finish in a few minutes")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--cache", type=Path, default=Path(".cache/quality"), help="reference model cache")
+    ap.add_argument("--out", type=Path, default=Path("quality-results"), help="table, JSON and plot go here")
+    args = ap.parse_args()
+    t_start = time.perf_counter()
+    mode = "quick" if args.quick else "full"
+    files = sorted(args.data.glob("*.txt"))
+    missing = [h for h in args.heldout if args.data / h not in files]
+    if missing or len(files) <= len(args.heldout):
+        raise SystemExit(f"--heldout must name two of {', '.join(p.name for p in files)} and leave one to train on")
+    train_files = [p for p in files if p.name not in args.heldout]
+    held = {h: read_documents([args.data / h]) for h in args.heldout}
+    work = args.out / "grid-models"
+    shutil.rmtree(work, ignore_errors=True)
+    rows = []
+    for name, changes in SIZES[mode].items():
+        rows += run_size(name, {**SETTINGS[mode], **changes}, args, train_files, held, work)
+    shutil.rmtree(work, ignore_errors=True)
+    hardware = (torch.cuda.get_device_name() if torch.cuda.is_available()
+                else f"{platform.machine()} CPU, {os.cpu_count()} cores")
+    meta = {"mode": mode, "seed": args.seed, "sizes": SIZES[mode], "factors": FACTORS, "recipes": RECIPES,
+            "anchor": ANCHOR, "heldout": list(args.heldout), "train": [p.name for p in train_files],
+            "wall_seconds": time.perf_counter() - t_start, "hardware": hardware, "torch": torch.__version__,
+            "posextend": posextend.__version__}
+    text = table(rows)
+    print(f"\n{text}\n\n{meta['wall_seconds'] / 60:.1f} min on {hardware}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "quality_grid.md").write_text(text + "\n")
+    (args.out / "quality_grid.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    plot(rows, args.out / "quality_grid.png")
+    print(f"written: {args.out}/quality_grid.md, quality_grid.json, quality_grid.png")
+
+
+if __name__ == "__main__":
+    main()
