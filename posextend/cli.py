@@ -355,7 +355,7 @@ def finetune_cmd(
     data: Data,
     length: Annotated[int | None, typer.Option("--length", "-n", help="Extend to this many usable positions first.")] = None,
     strategy: Strategy = "tile",
-    steps: Annotated[int | None, typer.Option(help="Optimizer steps (default: 200 for language models, 80 for contrastive).")] = None,
+    steps: Annotated[int | None, typer.Option(help="Optimizer steps (default: 200 for language models, 40 for contrastive).")] = None,
     train: Annotated[str, typer.Option(help="all (every parameter; best in our benchmark), positions (the table), or new-rows (only rows beyond the old length).")] = "all",
     lr: Annotated[float | None, typer.Option(help="Learning rate (default 1e-3 for new-rows/positions; for all 1e-4, 5e-5 with contrastive).")] = None,
     schedule: Annotated[str, typer.Option(help="Learning rate after a 10% warm-up: constant, or cosine down to 10%.")] = "constant",

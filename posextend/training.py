@@ -382,7 +382,7 @@ def finetune(
     """Extend (optionally) and fine-tune ``src``, evaluate before and after, save to ``dst``.
 
     ``steps`` and ``lr`` default to the objective's (:mod:`posextend.objectives`: 200 steps for
-    language models, 80 for ``contrastive``; lr by ``train``). ``schedule``: linear warm-up over
+    language models, 40 for ``contrastive``; lr by ``train``). ``schedule``: linear warm-up over
     10% of the steps, then ``constant`` or ``cosine`` (down to 10% of ``lr``).
     ``train``: ``new-rows`` trains only the rows beyond the old length (everything else,
     the old rows included, stays bit-identical), ``positions`` the whole table, ``all``

@@ -265,3 +265,33 @@ def test_contrastive_anchor_keeps_short_inputs_near_the_source(minilm, corpus, t
 
     assert cosine(tmp_path / "free") < cosine(tmp_path / "anchored") < 1.0
 
+
+
+def test_causal_anchor_keeps_the_old_range_near_the_source(gpt, corpus, tmp_path):
+    """The KL term to the source's predictions on the old range keeps them closer than plain training."""
+    from posextend import objectives
+    from posextend.objectives import CausalLM, register_objective
+
+    register_objective("causal-anchored-test", description="causal + anchor (test)")(
+        type("Anchored", (CausalLM,), {"anchor": 1.0}))
+    try:
+        kwargs = dict(length=64, strategy="interpolate", steps=6, batch_size=2, train="all", lr=3e-3,
+                      eval_sequences=2, seed=0)
+        plain = finetune(gpt, tmp_path / "plain", [corpus], **kwargs)
+        anchored = finetune(gpt, tmp_path / "anchored", [corpus], objective="causal-anchored-test", **kwargs)
+    finally:
+        objectives._REGISTRY.pop("causal-anchored-test")
+    assert plain.objective == "causal" and anchored.objective == "causal-anchored-test"
+    tok = transformers.AutoTokenizer.from_pretrained(gpt)
+    ids = tok(corpus.read_text()[:3000], return_tensors="pt")["input_ids"][:, :32]  # within the old length
+
+    def log_probs(path):
+        with torch.no_grad():
+            return transformers.AutoModelForCausalLM.from_pretrained(path)(ids).logits.log_softmax(-1)
+
+    source = log_probs(gpt)
+
+    def kl(path):
+        return float(torch.nn.functional.kl_div(log_probs(path), source, log_target=True, reduction="batchmean"))
+
+    assert 0 < kl(tmp_path / "anchored") < kl(tmp_path / "plain")
