@@ -329,7 +329,7 @@ def _eval_table(title: str, reports: dict[str, Any]) -> None:
     console.print(table)
 
 
-def _far_range_advice(report, strategy: str | None) -> None:
+def _far_range_advice(report) -> None:
     """One line when the far range is still more than 10% above the original range, with what to try."""
     from .evaluation import far_range_gap
 
@@ -339,7 +339,7 @@ def _far_range_advice(report, strategy: str | None) -> None:
     far, original, start = gap
     if report.train != "all":
         step = "train every weight (--train all)"
-    elif strategy is not None and strategy not in ("interpolate", "kps"):
+    elif report.strategy is not None and report.strategy not in ("interpolate", "kps"):
         step = "start from --strategy interpolate"
     else:
         step = f"train longer (--steps {2 * report.steps})"
@@ -354,10 +354,11 @@ def finetune_cmd(
     dst: Annotated[Path, typer.Argument(help="Where the fine-tuned model is written (atomically).")],
     data: Data,
     length: Annotated[int | None, typer.Option("--length", "-n", help="Extend to this many usable positions first.")] = None,
-    strategy: Strategy = "tile",
+    strategy: Annotated[str | None, typer.Option("--strategy", "-s", help="How --length fills the new rows: see `posextend strategies` (default: interpolate for causal LMs with --train all, else tile; from the quality grid).")] = None,
     steps: Annotated[int | None, typer.Option(help="Optimizer steps (default: 200 for language models, 40 for contrastive).")] = None,
     train: Annotated[str, typer.Option(help="all (every parameter; best in our benchmark), positions (the table), or new-rows (only rows beyond the old length).")] = "all",
-    lr: Annotated[float | None, typer.Option(help="Learning rate (default 1e-3 for new-rows/positions; for all 1e-4, 5e-5 with contrastive).")] = None,
+    lr: Annotated[float | None, typer.Option(help="Learning rate (default: new-rows 3e-3, positions 1e-3, all 1e-4; contrastive: 1e-3, 1e-3, 5e-5).")] = None,
+    anchor: Annotated[float | None, typer.Option(help="Weight of the term keeping the source's outputs on inputs within the old length (causal and contrastive; default 1, 0 turns it off and saves a copy of the model in memory).")] = None,
     schedule: Annotated[str, typer.Option(help="Learning rate after a 10% warm-up: constant, or cosine down to 10%.")] = "constant",
     batch_size: Annotated[int, typer.Option(help="Sequences per micro-batch (per process).")] = 4,
     grad_accum: Annotated[int, typer.Option(help="Micro-batches per optimizer step.")] = 1,
@@ -391,7 +392,7 @@ def finetune_cmd(
             src, dst, data, length=length, strategy=strategy, steps=steps, train=train, lr=lr, schedule=schedule, batch_size=batch_size,
             grad_accum=grad_accum, mixed_precision=mixed_precision, gradient_checkpointing=gradient_checkpointing,
             eval_every=eval_every, save_every=save_every, resume=resume, seed=seed, old_length=old_length,
-            init_head=init_head, objective=objective, buckets=buckets, overwrite=overwrite,
+            init_head=init_head, objective=objective, anchor=anchor, buckets=buckets, overwrite=overwrite,
             progress=lambda step, total, loss, tps: progress.update(task, completed=step, total=total, loss=loss, tps=tps),
         )
     if not report.main_process:
@@ -404,7 +405,7 @@ def finetune_cmd(
         f"({report.tokens_per_second:,.0f} tok/s{processes}), written to {report.dst}",
         highlight=False,
     )
-    _far_range_advice(report, strategy if length else None)
+    _far_range_advice(report)
     if plot:
         from .evaluation import plot_reports
 

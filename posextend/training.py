@@ -62,6 +62,8 @@ class FinetuneReport:
     after: EvalReport | None = None
     processes: int = 1  # processes that trained together (tokens count all of them)
     main_process: bool = True  # False on the other processes of a distributed run (they print nothing)
+    strategy: str | None = None  # how the table was extended before training (None: it came extended)
+    anchor: float = 0.0  # the objective's anchor weight (0: none)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -138,6 +140,7 @@ class _Run:
     grad_accum: int
     buckets: int
     cache: dict[str, Any] = field(default_factory=dict)  # an objective's per-run objects (its loss module)
+    extended: bool = False  # the table was extended by this run (not by an earlier resize)
 
     @property
     def short_inputs_fixed(self) -> bool:
@@ -206,7 +209,8 @@ def _setup(
     loaded = chosen.load(directory, init_head=init_head)
     model, tokenizer = loaded.model, loaded.tokenizer
     current = loaded.usable
-    if length is not None and length != current:
+    extended = length is not None and length != current
+    if extended:
         extend_model(loaded.hf_model, length, strategy, seed=seed, allow_shrink=False)
         old_len = current
     else:
@@ -228,7 +232,8 @@ def _setup(
     # the run is a function of the global batch, so a resume may use another number of processes
     fingerprint = _fingerprint(src=str(directory), data=[str(d) for d in data], length=length, train=train, lr=lr,
                                schedule=schedule, global_batch=batch_size * accelerator.num_processes,
-                               grad_accum=grad_accum, seed=seed, strategy=strategy, objective=chosen.name)
+                               grad_accum=grad_accum, seed=seed, strategy=strategy, objective=chosen.name,
+                               anchor=chosen.anchor)
     tables = [dict(model.named_parameters())[n] for n in loaded.tables]
     keep_rows = old_len + loaded.reserved
     for p in model.parameters():
@@ -248,7 +253,7 @@ def _setup(
     run = _Run(accelerator, prepared, accelerator.unwrap_model(prepared), optimizer, scheduler, tokenizer,
                chosen, train_seqs, eval_seqs[:eval_sequences], length, old_len, tables, keep_rows,
                saved_rows, dst.with_name(dst.name + ".state"), fingerprint, seed, batch_size, grad_accum, buckets,
-               cache=dict(loaded.extras))
+               cache=dict(loaded.extras), extended=extended)
     return run, loaded
 
 
@@ -357,7 +362,7 @@ def finetune(
     data: Sequence[str | Path],
     *,
     length: int | None = None,
-    strategy: str = "tile",
+    strategy: str | None = None,
     steps: int | None = None,
     train: TrainMode = "all",
     lr: float | None = None,
@@ -373,6 +378,7 @@ def finetune(
     old_length: int | None = None,
     init_head: bool = False,
     objective: str | None = None,
+    anchor: float | None = None,
     eval_sequences: int = 16,
     buckets: int = 8,
     overwrite: bool = False,
@@ -381,8 +387,11 @@ def finetune(
 ) -> FinetuneReport:
     """Extend (optionally) and fine-tune ``src``, evaluate before and after, save to ``dst``.
 
-    ``steps`` and ``lr`` default to the objective's (:mod:`posextend.objectives`: 200 steps for
-    language models, 40 for ``contrastive``; lr by ``train``). ``schedule``: linear warm-up over
+    ``steps``, ``lr`` and ``strategy`` default to the objective's (:mod:`posextend.objectives`: 200
+    steps for language models, 40 for ``contrastive``; lr by ``train``; ``interpolate`` for causal
+    LMs trained with ``all``, ``tile`` otherwise). ``anchor``: the weight of the objective's term that keeps the source
+    model's outputs on inputs within the old length (causal and contrastive: 1; 0 turns it off and
+    saves the frozen copy of the source it needs). ``schedule``: linear warm-up over
     10% of the steps, then ``constant`` or ``cosine`` (down to 10% of ``lr``).
     ``train``: ``new-rows`` trains only the rows beyond the old length (everything else,
     the old rows included, stays bit-identical), ``positions`` the whole table, ``all``
@@ -399,6 +408,9 @@ def finetune(
     """
     directory = resolve_source(src)
     chosen = get_objective(objective or default_objective(directory))
+    if anchor is not None:
+        chosen = chosen.with_anchor(anchor)
+    strategy = strategy or chosen.strategy.get(train, "tile")
     steps = steps if steps is not None else chosen.steps
     _check_options(train, schedule, steps, batch_size, grad_accum)
     dst = Path(dst).expanduser()
@@ -422,7 +434,8 @@ def finetune(
         tokens_per_second=tokens / max(seconds, 1e-9), losses=losses,
         eval_losses=([(0, before.loss)] if before else []) + eval_losses + [(steps, after.loss)],
         before=before, after=after, processes=run.accelerator.num_processes,
-        main_process=run.accelerator.is_main_process,
+        main_process=run.accelerator.is_main_process, strategy=strategy if run.extended else None,
+        anchor=chosen.anchor or 0.0,
     )
     state_dict = run.accelerator.get_state_dict(run.model)  # every process takes part (sharded weights)
     if run.accelerator.is_main_process:
