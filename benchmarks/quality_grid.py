@@ -1,13 +1,13 @@
 """Does the recommended recipe hold beyond one benchmark? A grid of settings, one table.
 
-    python benchmarks/quality_grid.py --data ../shared/data/austen            # ~1 h on 2 CPU cores (references cached after)
-    python benchmarks/quality_grid.py --data ../shared/data/austen --quick    # a few minutes (used by the tests)
+    python benchmarks/quality_grid.py --data ../shared/data/austen            # ~25 min on 2 CPU cores (10 with the references cached)
+    python benchmarks/quality_grid.py --data ../shared/data/austen --quick    # ~1 min (used by the tests)
 
-Cells: two reference sizes (one with ``--quick``) (small GPT-2s pretrained here from random init, as in
-``quality.py``, on the texts of ``--data`` that are not held out) × two extension factors (2x,
-4x) × two held-out texts (never trained on). Every recipe (strategy + train mode + objective) is
-fine-tuned once per size and factor, with posextend's defaults (steps, lr, batch 4), and
-scored on both held-out texts. Per cell:
+Cells: two reference sizes (one with ``--quick``): small GPT-2s pretrained here from random init,
+as in ``quality.py``, on the texts of ``--data`` that are not held out; × two extension factors
+(2x, 4x) × two held-out texts (never trained on). Every recipe (strategy, train mode, anchor,
+lr; posextend's defaults where unnamed) is fine-tuned once per size and factor from the
+reference (150 steps, batch 4) and scored on both held-out texts. Per cell:
 
 - ``far / in-range``: perplexity on the far range (the last half of the new length: the 3rd and
   4th quarters at 4x, the new rows at 2x), divided by the source model's perplexity within its
