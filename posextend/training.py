@@ -389,10 +389,11 @@ def finetune(
 
     ``steps``, ``lr`` and ``strategy`` default to the objective's (:mod:`posextend.objectives`: 200
     steps for language models, 40 for ``contrastive``; lr by ``train``; ``interpolate`` for causal
-    LMs trained with ``all``, ``tile`` otherwise). ``anchor``: the weight of the objective's term that keeps the source
-    model's outputs on inputs within the old length (causal and contrastive: 1; 0 turns it off and
-    saves the frozen copy of the source it needs). ``schedule``: linear warm-up over
-    10% of the steps, then ``constant`` or ``cosine`` (down to 10% of ``lr``).
+    LMs trained with ``all``, ``tile`` otherwise). ``anchor``: the weight of the objective's term
+    that keeps the source model's outputs on inputs within the old length (causal and
+    contrastive: 1; 0 turns it off and saves the frozen copy of the source it needs).
+    ``schedule``: linear warm-up over 10% of the steps, then ``constant`` or ``cosine`` (down to
+    10% of ``lr``).
     ``train``: ``new-rows`` trains only the rows beyond the old length (everything else,
     the old rows included, stays bit-identical), ``positions`` the whole table, ``all``
     every parameter. ``progress(step, steps, loss, tokens_per_second)`` is called per step
@@ -410,9 +411,9 @@ def finetune(
     chosen = get_objective(objective or default_objective(directory))
     if anchor is not None:
         chosen = chosen.with_anchor(anchor)
-    strategy = strategy or chosen.strategy.get(train, "tile")
     steps = steps if steps is not None else chosen.steps
     _check_options(train, schedule, steps, batch_size, grad_accum)
+    strategy = strategy or chosen.strategy[train]
     dst = Path(dst).expanduser()
     check_destination(directory, dst, overwrite=overwrite)
     lr = lr if lr is not None else chosen.lr[train]

@@ -417,8 +417,9 @@ def run_pixels(model: nn.Module, tables: list[str], image_size: tuple[int, int],
         calls = 0
 
         def __torch_function__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if func is F.interpolate and out.shape[-2:] != args[0].shape[-2:]:
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            if func is F.interpolate and out.shape[-2:] != (args[0] if args else kwargs["input"]).shape[-2:]:
                 Resampling.calls += 1
             return out
 
