@@ -39,7 +39,7 @@ from posextend.evaluation import evaluate_model, plot_reports
 from posextend.training import finetune
 
 MODES = ("new-rows", "positions", "all")
-LR = {"new-rows": 1e-3, "positions": 1e-3, "all": 1e-4}  # the learning rates this table was measured with
+LR = {"new-rows": 1e-3, "positions": 1e-3, "all": 1e-4}  # the learning rates this table was measured with (constant)
 SETTINGS = {
     #          short ctx, layers, width, vocab, pretrain steps, pretrain lr, ft steps, batch, eval seqs
     "quick": dict(schedule="cosine", length=64, n_layer=2, n_embd=64, vocab=1024, pretrain_steps=300, pretrain_lr=3e-3,
@@ -171,7 +171,8 @@ def main() -> None:
             # each mode alone (no anchor: from a copy extended already, it would anchor to that copy;
             # benchmarks/quality_grid.py measures the defaults)
             ft = finetune(ext, out, ft_data, steps=s["ft_steps"], train=mode, batch_size=s["batch_size"] // 2,
-                          eval_sequences=1, seed=args.seed, old_length=old, anchor=0, lr=LR[mode])
+                          eval_sequences=1, seed=args.seed, old_length=old, anchor=0, lr=LR[mode],
+                          schedule="constant")
             r = evaluate(out, seq_new, 5, old)
             label = f"{strategy} + {mode}"
             rows[label] = {"buckets": [b.perplexity for b in r.buckets], "overall": r.perplexity,

@@ -355,11 +355,11 @@ def finetune_cmd(
     data: Data,
     length: Annotated[int | None, typer.Option("--length", "-n", help="Extend to this many usable positions first.")] = None,
     strategy: Annotated[str | None, typer.Option("--strategy", "-s", help="How --length fills the new rows: see `posextend strategies` (default: interpolate for causal LMs with --train all, else tile; from the quality grid).")] = None,
-    steps: Annotated[int | None, typer.Option(help="Optimizer steps (default: 200 for language models, 40 for contrastive).")] = None,
+    steps: Annotated[int | None, typer.Option(help="Optimizer steps (default: 200 for language models, 60 for contrastive).")] = None,
     train: Annotated[str, typer.Option(help="all (every parameter; best in our benchmark), positions (the table), or new-rows (only rows beyond the old length).")] = "all",
-    lr: Annotated[float | None, typer.Option(help="Learning rate (default: new-rows 3e-3, positions 1e-3, all 1e-4; contrastive: 1e-3, 1e-3, 5e-5).")] = None,
-    anchor: Annotated[float | None, typer.Option(help="Weight of the term keeping the source's outputs on inputs within the old length (causal and contrastive; default 1, 0 turns it off and saves a copy of the model in memory).")] = None,
-    schedule: Annotated[str, typer.Option(help="Learning rate after a 10% warm-up: constant, or cosine down to 10%.")] = "constant",
+    lr: Annotated[float | None, typer.Option(help="Learning rate (default: new-rows 3e-3, positions 1e-3; all: causal 1e-3 x min(1, 192/width), masked 1e-4, contrastive 5e-5).")] = None,
+    anchor: Annotated[float | None, typer.Option(help="Weight of the term keeping the source's outputs on inputs within the old length (causal: default 1; contrastive: default 2; 0 turns it off and saves a copy of the model in memory).")] = None,
+    schedule: Annotated[str | None, typer.Option(help="Learning rate after a 10% warm-up: constant, or cosine down to 10% (default: cosine for causal LMs and contrastive with --train all, else constant).")] = None,
     batch_size: Annotated[int, typer.Option(help="Sequences per micro-batch (per process).")] = 4,
     grad_accum: Annotated[int, typer.Option(help="Micro-batches per optimizer step.")] = 1,
     mixed_precision: Annotated[str, typer.Option(help="no, fp16 or bf16 (through accelerate).")] = "no",
@@ -400,8 +400,8 @@ def finetune_cmd(
     _eval_table("Held-out evaluation by position", {"before": report.before, "after": report.after})
     processes = f" on {report.processes} processes" if report.processes > 1 else ""
     console.print(
-        f"[green]Fine-tuned[/] ({report.objective}, {report.train}, {report.steps} steps, lr {report.lr:g}) {report.old_length} → "
-        f"{report.new_length} positions: {report.tokens:,} tokens in {report.seconds:.1f} s "
+        f"[green]Fine-tuned[/] ({report.objective}, {report.train}, {report.steps} steps, lr {report.lr:g} "
+        f"{report.schedule}) {report.old_length} → {report.new_length} positions: {report.tokens:,} tokens in {report.seconds:.1f} s "
         f"({report.tokens_per_second:,.0f} tok/s{processes}), written to {report.dst}",
         highlight=False,
     )

@@ -64,6 +64,7 @@ class FinetuneReport:
     main_process: bool = True  # False on the other processes of a distributed run (they print nothing)
     strategy: str | None = None  # how the table was extended before training (None: it came extended)
     anchor: float = 0.0  # the objective's anchor weight (0: none)
+    schedule: str = "constant"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -139,6 +140,7 @@ class _Run:
     batch_size: int
     grad_accum: int
     buckets: int
+    lr: float
     cache: dict[str, Any] = field(default_factory=dict)  # an objective's per-run objects (its loss module)
     extended: bool = False  # the table was extended by this run (not by an earlier resize)
 
@@ -195,11 +197,12 @@ def make_accelerator(mixed_precision: str, grad_accum: int, *, unused_parameters
 
 def _setup(
     directory: Path, dst: Path, data: Sequence[str | Path], *, length: int | None, strategy: str, steps: int,
-    train: str, lr: float, schedule: str, batch_size: int, grad_accum: int, mixed_precision: str,
+    train: str, lr: float | None, schedule: str, batch_size: int, grad_accum: int, mixed_precision: str,
     gradient_checkpointing: bool, seed: int, old_length: int | None, init_head: bool, eval_sequences: int,
     buckets: int, chosen: Objective,
 ) -> tuple[_Run, Loaded]:
-    """Load, extend, cut the data into samples, choose what trains, and prepare model, optimizer and schedule."""
+    """Load, extend, cut the data into samples, choose what trains, and prepare model, optimizer and
+    schedule. ``lr`` None: the objective's default for the train mode and the table's width."""
     from accelerate.utils import set_seed
 
     from .data import read_documents, split
@@ -229,12 +232,13 @@ def _setup(
             "Training only the new rows edits one table's gradients in place, which sharded training (FSDP, "
             "DeepSpeed) does not allow; train the positions or every parameter, or use data parallel training."
         )
+    tables = [dict(model.named_parameters())[n] for n in loaded.tables]
+    lr = lr if lr is not None else chosen.default_lr(train, tables[0].shape[-1])
     # the run is a function of the global batch, so a resume may use another number of processes
     fingerprint = _fingerprint(src=str(directory), data=[str(d) for d in data], length=length, train=train, lr=lr,
                                schedule=schedule, global_batch=batch_size * accelerator.num_processes,
                                grad_accum=grad_accum, seed=seed, strategy=strategy, objective=chosen.name,
                                anchor=chosen.anchor)
-    tables = [dict(model.named_parameters())[n] for n in loaded.tables]
     keep_rows = old_len + loaded.reserved
     for p in model.parameters():
         p.requires_grad_(train == "all")
@@ -252,7 +256,7 @@ def _setup(
     prepared, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     run = _Run(accelerator, prepared, accelerator.unwrap_model(prepared), optimizer, scheduler, tokenizer,
                chosen, train_seqs, eval_seqs[:eval_sequences], length, old_len, tables, keep_rows,
-               saved_rows, dst.with_name(dst.name + ".state"), fingerprint, seed, batch_size, grad_accum, buckets,
+               saved_rows, dst.with_name(dst.name + ".state"), fingerprint, seed, batch_size, grad_accum, buckets, lr,
                cache=dict(loaded.extras), extended=extended)
     return run, loaded
 
@@ -366,7 +370,7 @@ def finetune(
     steps: int | None = None,
     train: TrainMode = "all",
     lr: float | None = None,
-    schedule: Literal["constant", "cosine"] = "constant",
+    schedule: Literal["constant", "cosine"] | None = None,
     batch_size: int = 4,
     grad_accum: int = 1,
     mixed_precision: Literal["no", "fp16", "bf16"] = "no",
@@ -387,11 +391,13 @@ def finetune(
 ) -> FinetuneReport:
     """Extend (optionally) and fine-tune ``src``, evaluate before and after, save to ``dst``.
 
-    ``steps``, ``lr`` and ``strategy`` default to the objective's (:mod:`posextend.objectives`: 200
-    steps for language models, 40 for ``contrastive``; lr by ``train``; ``interpolate`` for causal
-    LMs trained with ``all``, ``tile`` otherwise). ``anchor``: the weight of the objective's term
-    that keeps the source model's outputs on inputs within the old length (causal and
-    contrastive: 1; 0 turns it off and saves the frozen copy of the source it needs).
+    ``steps``, ``lr``, ``schedule`` and ``strategy`` default to the objective's
+    (:mod:`posextend.objectives`: 200 steps for language models, 60 for ``contrastive``; lr and
+    schedule by ``train``: with ``all``, causal LMs 1e-3 × min(1, 192 / width) from
+    ``interpolate``, contrastive 5e-5, both with a cosine decay; ``tile`` and a constant lr
+    otherwise). ``anchor``: the weight of the objective's term that keeps the source model's
+    outputs on inputs within the old length (causal 1, contrastive 2; 0 turns it off and saves
+    the frozen copy of the source it needs).
     ``schedule``: linear warm-up over 10% of the steps, then ``constant`` or ``cosine`` (down to
     10% of ``lr``).
     ``train``: ``new-rows`` trains only the rows beyond the old length (everything else,
@@ -412,11 +418,11 @@ def finetune(
     if anchor is not None:
         chosen = chosen.with_anchor(anchor)
     steps = steps if steps is not None else chosen.steps
+    schedule = schedule or chosen.schedule.get(train, "constant")
     _check_options(train, schedule, steps, batch_size, grad_accum)
     strategy = strategy or chosen.strategy[train]
     dst = Path(dst).expanduser()
     check_destination(directory, dst, overwrite=overwrite)
-    lr = lr if lr is not None else chosen.lr[train]
     run, loaded = _setup(
         directory, dst, data, length=length, strategy=strategy, steps=steps, train=train, lr=lr, schedule=schedule,
         batch_size=batch_size, grad_accum=grad_accum, mixed_precision=mixed_precision,
@@ -430,13 +436,13 @@ def finetune(
     after = run.evaluate()
     run.accelerator.wait_for_everyone()
     report = FinetuneReport(
-        dst=str(dst.resolve()), train=train, objective=run.objective.name, steps=steps, old_length=run.old_length, new_length=run.length, lr=lr,
+        dst=str(dst.resolve()), train=train, objective=run.objective.name, steps=steps, old_length=run.old_length, new_length=run.length, lr=run.lr,
         batch_size=batch_size, grad_accum=grad_accum, tokens=tokens, seconds=seconds,
         tokens_per_second=tokens / max(seconds, 1e-9), losses=losses,
         eval_losses=([(0, before.loss)] if before else []) + eval_losses + [(steps, after.loss)],
         before=before, after=after, processes=run.accelerator.num_processes,
         main_process=run.accelerator.is_main_process, strategy=strategy if run.extended else None,
-        anchor=chosen.anchor or 0.0,
+        anchor=chosen.anchor or 0.0, schedule=schedule,
     )
     state_dict = run.accelerator.get_state_dict(run.model)  # every process takes part (sharded weights)
     if run.accelerator.is_main_process:

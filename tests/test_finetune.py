@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 import posextend
 from posextend.cli import app
 from posextend.evaluation import bucket_edges, evaluate_model
+from posextend.objectives import get_objective
 from posextend.training import finetune
 from tiny import FAMILIES, build  # noqa: F401
 
@@ -25,8 +26,8 @@ def _state(path: Path) -> dict[str, torch.Tensor]:
 
 
 def test_loss_goes_down_on_real_text(gpt, corpus, tmp_path):
-    report = finetune(gpt, tmp_path / "out", [corpus], steps=30, train="all", lr=3e-3, batch_size=4, seed=0,
-                      eval_every=10)
+    report = finetune(gpt, tmp_path / "out", [corpus], steps=30, train="all", lr=3e-3, schedule="constant",
+                      batch_size=4, seed=0, eval_every=10)
     first, last = sum(report.losses[:5]) / 5, sum(report.losses[-5:]) / 5
     assert last < first - 1.0, (first, last)
     assert report.after.loss < report.before.loss
@@ -259,6 +260,7 @@ def test_contrastive_anchor_keeps_short_inputs_near_the_source(minilm, corpus, t
     finally:
         objectives._REGISTRY.pop("contrastive-no-anchor")
     assert anchored.steps == free.steps == 4 and anchored.lr == 3e-4
+    assert (anchored.anchor, anchored.schedule, free.anchor) == (2.0, "cosine", 0.0)
     texts = [corpus.read_text()[i : i + n] for i, n in ((0, 80), (5000, 400), (20000, 1200))]
     source = SentenceTransformer(str(minilm), device="cpu").encode(texts, convert_to_tensor=True)
 
@@ -277,7 +279,11 @@ def test_causal_anchor_keeps_the_old_range_near_the_source(gpt, corpus, tmp_path
     plain = finetune(gpt, tmp_path / "plain", [corpus], anchor=0, **kwargs)
     assert (anchored.objective, anchored.strategy, anchored.anchor) == ("causal", "interpolate", 1.0)
     assert (plain.strategy, plain.anchor) == ("interpolate", 0.0)
-    assert finetune(tmp_path / "plain", tmp_path / "again", [corpus], steps=1, train="all").strategy is None  # came extended
+    again = finetune(tmp_path / "plain", tmp_path / "again", [corpus], steps=1, train="all")
+    assert again.strategy is None  # came extended
+    width = transformers.AutoConfig.from_pretrained(gpt).n_embd
+    assert (again.lr, again.schedule) == (get_objective("causal").default_lr("all", width), "cosine")
+    assert (anchored.lr, anchored.schedule) == (3e-3, "cosine")  # a given lr is kept
     tok = transformers.AutoTokenizer.from_pretrained(gpt)
     ids = tok(corpus.read_text()[:3000], return_tensors="pt")["input_ids"][:, :32]  # within the old length
 

@@ -30,6 +30,20 @@ def test_registration_refuses_duplicates_and_non_objectives():
         get_objective("nope")
 
 
+def test_default_lr_and_schedule_by_train_mode_and_width():
+    causal, masked = get_objective("causal"), get_objective("masked")
+    # every weight trains: the grid's 1e-3 up to 192 wide, then 192 / width of it (GPT-2 small, XL)
+    assert causal.default_lr("all", 64) == causal.default_lr("all", 192) == 1e-3
+    assert causal.default_lr("all", 768) == pytest.approx(2.5e-4)
+    assert causal.default_lr("all", 1600) == pytest.approx(1.2e-4)
+    # a table's lr does not depend on the width; objectives without a measured width keep theirs
+    assert causal.default_lr("new-rows", 1600) == 3e-3 and causal.default_lr("positions", 1600) == 1e-3
+    assert masked.default_lr("all", 1024) == masked.lr["all"]
+    assert causal.schedule == {"new-rows": "constant", "positions": "constant", "all": "cosine"}
+    assert set(masked.schedule.values()) == {"constant"}
+    assert get_objective("contrastive").schedule["all"] == "cosine"
+
+
 def test_default_objective_follows_the_checkpoint(tiny, minilm):
     assert default_objective(tiny["gpt2"]) == "causal"
     assert default_objective(tiny["bert"]) == "masked"
