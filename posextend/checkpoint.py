@@ -181,7 +181,7 @@ def check_destination(src: Path, dst: Path, *, overwrite: bool) -> None:
     if dst in src.parents:
         raise DestinationError(f"The destination {dst} contains the source {src}; choose another directory.")
     if (dst.exists() or dst.is_symlink()) and not overwrite:
-        raise DestinationError(f"{dst} already exists; pass --overwrite (overwrite=True) to replace it.")
+        raise DestinationError(f"{dst} already exists; pass overwrite=True to replace it.")
 
 
 def _json_int(path: Path, key: str) -> int | None:

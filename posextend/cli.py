@@ -6,6 +6,7 @@ import functools
 import json
 import logging
 import os
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -30,6 +31,24 @@ _state = {"debug": False, "fast_exit": False}
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+# The library's messages name its arguments (``length=N``, ``overwrite=True``); the CLI shows its own flags.
+_FLAGS = {"allow_shrink": "--shrink", "data": "--data", "init_head": "--init-head", "length": "--length", "lr": "--lr",
+          "mixed_precision": "--mixed-precision", "old_length": "--old-length", "overwrite": "--overwrite",
+          "resume": "--resume"}
+
+
+def cli_wording(message: str) -> str:
+    """``message`` with each argument it names (``name=value``) written as this CLI's flag."""
+
+    def flag(match: re.Match) -> str:
+        name, value = match.groups()
+        if name not in _FLAGS:
+            return match.group(0)
+        return _FLAGS[name] if value == "True" else f"{_FLAGS[name]} {value}"
+
+    return re.sub(r"\b([a-z_]+)=([^\s,;)]*[^\s,;).])", flag, message)
+
+
 def handle_errors(fn: F) -> F:
     """Turn PosExtendError into one red line on stderr and exit 1 (traceback with --debug)."""
 
@@ -40,7 +59,7 @@ def handle_errors(fn: F) -> F:
         except PosExtendError as exc:
             if _state["debug"]:
                 raise
-            err_console.print(f"[bold red]Error:[/] {exc}", highlight=False, markup=True, soft_wrap=True)
+            err_console.print(f"[bold red]Error:[/] {cli_wording(str(exc))}", highlight=False, markup=True, soft_wrap=True)
             raise typer.Exit(1) from None
         except KeyboardInterrupt:
             err_console.print("[bold red]Interrupted;[/] nothing was written at the destination.")

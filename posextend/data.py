@@ -35,7 +35,7 @@ def _files(paths: Iterable[str | Path]) -> list[Path]:
 def read_documents(paths: Sequence[str | Path], *, text_field: str = "text") -> list[str]:
     """Documents from plain-text files, directories of them, and JSON Lines (``text_field``)."""
     if not paths:
-        raise DataError("No data given: pass --data PATH (a text file, a directory, or JSON Lines).")
+        raise DataError("No data given: pass data=PATH (a text file, a directory, or JSON Lines).")
     docs: list[str] = []
     for path in _files(paths):
         try:
@@ -74,7 +74,7 @@ def pack(tokenizer, documents: Sequence[str], length: int) -> torch.Tensor:
     n = len(ids) // length
     if n == 0:
         raise DataError(
-            f"The data has {len(ids)} tokens, fewer than one sequence of {length}: give more text or a shorter --length."
+            f"The data has {len(ids)} tokens, fewer than one sequence of {length}: give more text or a shorter length=N."
         )
     return torch.tensor(ids[: n * length], dtype=torch.long).view(n, length)
 
@@ -84,7 +84,7 @@ def split(sequences: torch.Tensor, eval_fraction: float = 0.1) -> tuple[torch.Te
     if len(sequences) < 2:
         raise DataError(
             f"The data packs into {len(sequences)} sequence(s) of {sequences.shape[1]} tokens; at least 2 are needed "
-            "(one to train on, one held out): give more text or a shorter --length."
+            "(one to train on, one held out): give more text or a shorter length=N."
         )
     n_eval = max(1, int(round(len(sequences) * eval_fraction)))
     n_eval = min(n_eval, len(sequences) - 1)

@@ -77,7 +77,7 @@ def bucket_edges(length: int, buckets: int, *, old_length: int | None = None) ->
     split into ``buckets - 1`` parts; otherwise ``buckets`` equal parts.
     """
     if buckets < 1:
-        raise PosExtendError(f"--buckets must be at least 1, got {buckets}.")
+        raise PosExtendError(f"The number of buckets must be at least 1, got {buckets}.")
     if old_length and 0 < old_length < length and buckets > 1:
         rest = torch.linspace(old_length, length, buckets).round().long().tolist()
         edges = [0, *rest]
@@ -188,7 +188,7 @@ def evaluate(
     length = length or loaded.usable
     if length > loaded.usable:
         raise PosExtendError(
-            f"--length {length} exceeds the model's {loaded.usable} positions; extend it first (posextend resize-model)."
+            f"A length of {length} exceeds the model's {loaded.usable} positions; extend the model first."
         )
     sequences = pack(loaded.tokenizer, docs, length)
     if max_sequences:

@@ -88,7 +88,7 @@ def load_language_model(src: str | Path, objective: str, *, init_head: bool = Fa
         if not init_head:
             raise TrainingError(
                 f"{directory} has no {head} head ({len(missing)} missing weights, e.g. {missing[0]}); "
-                f"pass --init-head to train a freshly initialised one."
+                f"pass init_head=True to train a freshly initialised one."
             )
         log.warning("Initialising a fresh %s head (%d weights, e.g. %s)", head, len(missing), missing[0])
     return loaded(model, model, tokenizer, objective, directory)

@@ -31,7 +31,7 @@ def check_length(new_length: int, old_length: int, *, allow_shrink: bool) -> Non
     if new_length < old_length and not allow_shrink:
         raise InvalidLengthError(
             f"The new length {new_length} is below the current {old_length}: positions from "
-            f"{new_length} on would be cut. To shrink on purpose, pass --shrink (allow_shrink=True)."
+            f"{new_length} on would be cut. To shrink on purpose, pass allow_shrink=True."
         )
 
 

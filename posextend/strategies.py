@@ -173,7 +173,7 @@ def parse_param(text: str) -> tuple[str, Any]:
     """Parse a CLI ``key=value`` into a typed pair (int, float, bool, None or str)."""
     key, sep, raw = text.partition("=")
     if not sep or not key.strip():
-        raise StrategyError(f"Strategy parameter {text!r} is not key=value (e.g. --param std=matched).")
+        raise StrategyError(f"Strategy parameter {text!r} is not key=value (e.g. std=matched).")
     value: Any = raw.strip()
     lowered = value.lower()
     if lowered in ("true", "false"):

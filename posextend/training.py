@@ -160,9 +160,9 @@ class _Run:
 
 def _check_options(train: str, schedule: str, steps: int, batch_size: int, grad_accum: int) -> None:
     if train not in TRAIN_MODES:
-        raise TrainingError(f"--train must be one of {', '.join(TRAIN_MODES)}, got {train!r}.")
+        raise TrainingError(f"The train mode must be one of {', '.join(TRAIN_MODES)}, got {train!r}.")
     if schedule not in ("constant", "cosine"):
-        raise TrainingError(f"--schedule must be constant or cosine, got {schedule!r}.")
+        raise TrainingError(f"The schedule must be constant or cosine, got {schedule!r}.")
     for name, value in (("steps", steps), ("batch_size", batch_size), ("grad_accum", grad_accum)):
         if value < 1:
             raise TrainingError(f"{name} must be at least 1, got {value}.")
@@ -221,8 +221,8 @@ def _setup(
         old_len = old_length or loaded.old_length or current
     if train == "new-rows" and old_len >= length:
         raise TrainingError(
-            f"--train new-rows needs new rows, but the model has {length} positions and its old length is "
-            f"{old_len}: pass --length above {current}, or --old-length for a checkpoint extended elsewhere."
+            f"Training only new rows needs new rows, but the model has {length} positions and its old length is "
+            f"{old_len}: pass length=N above {current}, or old_length=N for a checkpoint extended elsewhere."
         )
     tokenizer.model_max_length = length
     train_seqs, eval_seqs = split(chosen.samples(tokenizer, docs, length))
@@ -316,7 +316,7 @@ def _loop(
                         run.save_state(step)
                         raise TrainingError(
                             f"The loss became {loss.item()} at step {step}; training stopped. The last good state "
-                            f"(step {step}) is in {run.state_dir}: lower --lr or use --mixed-precision bf16, then --resume."
+                            f"(step {step}) is in {run.state_dir}: lower the lr (lr={run.lr / 3:.2g}) or use mixed_precision=bf16, then resume=True."
                         )
                     acc.backward(loss)
                     run.optimizer.step()
@@ -340,7 +340,7 @@ def _loop(
             if stop_requested():
                 run.save_state(step + 1)
                 raise TrainingError(
-                    f"Interrupted after step {step + 1}; state saved in {run.state_dir}: rerun with --resume to continue."
+                    f"Interrupted after step {step + 1}; state saved in {run.state_dir}: rerun with resume=True to continue."
                 )
     return losses, eval_losses, tokens, time.perf_counter() - t0
 
@@ -348,11 +348,11 @@ def _loop(
 def _resume_step(run: _Run) -> int:
     meta = run.state_dir / "posextend.json"
     if not meta.is_file():
-        raise TrainingError(f"--resume: no saved state at {run.state_dir}; run without --resume to start.")
+        raise TrainingError(f"Nothing to resume: no saved state at {run.state_dir}; start without resume=True.")
     info = json.loads(meta.read_text())
     if info["fingerprint"] != run.fingerprint:
         raise TrainingError(
-            f"--resume: the state in {run.state_dir} was saved by a run with other settings "
+            f"Cannot resume: the state in {run.state_dir} was saved by a run with other settings "
             "(source, data, length, train mode, lr, global batch, seed); use the same ones or remove it."
         )
     run.accelerator.load_state(str(run.state_dir))

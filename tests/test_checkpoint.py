@@ -90,7 +90,7 @@ def test_bert_position_ids_buffer_follows_the_length(minilm, tmp_path):
 
 
 def test_shrink_is_explicit(tiny, tmp_path):
-    with pytest.raises(posextend.InvalidLengthError, match="pass --shrink"):
+    with pytest.raises(posextend.InvalidLengthError, match="pass allow_shrink=True"):
         posextend.resize_checkpoint(tiny["bert"], tmp_path / "out", 20)
     assert not (tmp_path / "out").exists()
     posextend.resize_checkpoint(tiny["bert"], tmp_path / "out", 20, allow_shrink=True)

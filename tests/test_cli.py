@@ -89,6 +89,7 @@ BAD = {
     "truncated": (lambda s, t: _corrupt(s, t, "truncated"), [], "is not a valid safetensors file"),
     "garbage header": (lambda s, t: _corrupt(s, t, "header"), [], "is not a valid safetensors file"),
     "shrink": (lambda s, t: s, ["--length", "10"], "is below the current 37"),
+    "shrink, the flag to pass": (lambda s, t: s, ["--length", "10"], "To shrink on purpose, pass --shrink."),
 }
 
 

@@ -174,9 +174,9 @@ def _no_tokenizer(src, tmp_path):
         ("empty corpus", lambda g, c, t: [g, "--data", (t / "e.txt", (t / "e.txt").write_text("  \n"))[0]], "holds no text"),
         ("too short", lambda g, c, t: [g, "--data", (t / "s.txt", (t / "s.txt").write_text("Too short."))[0]], "fewer than one sequence of 32"),
         ("no tokenizer", lambda g, c, t: [_no_tokenizer(g, t), "--data", c], "No usable tokenizer in"),
-        ("no new rows", lambda g, c, t: [g, "--data", c, "--train", "new-rows"], "needs new rows"),
-        ("bad mode", lambda g, c, t: [g, "--data", c, "--train", "some"], "--train must be one of"),
-        ("bad schedule", lambda g, c, t: [g, "--data", c, "--schedule", "linear"], "--schedule must be constant or cosine"),
+        ("no new rows", lambda g, c, t: [g, "--data", c, "--train", "new-rows"], "pass --length N above 32, or --old-length N for"),
+        ("bad mode", lambda g, c, t: [g, "--data", c, "--train", "some"], "The train mode must be one of"),
+        ("bad schedule", lambda g, c, t: [g, "--data", c, "--schedule", "linear"], "The schedule must be constant or cosine"),
     ],
 )
 def test_finetune_bad_input(gpt, corpus, tmp_path, case, args, message):
@@ -188,7 +188,7 @@ def test_finetune_bad_input(gpt, corpus, tmp_path, case, args, message):
 
 
 def test_model_without_head_needs_init_head(minilm, corpus, tmp_path):
-    with pytest.raises(posextend.TrainingError, match="has no masked-LM head .* pass --init-head"):
+    with pytest.raises(posextend.TrainingError, match="has no masked-LM head .* pass init_head=True"):
         finetune(minilm, tmp_path / "out", [corpus], length=600, steps=1, objective="masked")
 
 
