@@ -179,13 +179,16 @@ def make_accelerator(mixed_precision: str, grad_accum: int, *, unused_parameters
     import os
 
     from accelerate import Accelerator
-    from accelerate.utils import DistributedDataParallelKwargs
+    from accelerate.utils import DataLoaderConfiguration, DistributedDataParallelKwargs
 
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     cpu_group = launched > 1 and not torch.cuda.is_available()
     ddp = DistributedDataParallelKwargs(find_unused_parameters=unused_parameters)
+    # split_batches: posextend addresses each process's samples itself (no accelerate dataloader), and a
+    # prepared schedule must advance once per optimizer step; without it accelerate steps it once per
+    # process, so under N processes the warm-up and the cosine decay would run N times too fast
     accelerator = Accelerator(mixed_precision=mixed_precision, gradient_accumulation_steps=grad_accum, cpu=cpu_group,
-                              kwargs_handlers=[ddp])
+                              kwargs_handlers=[ddp], dataloader_config=DataLoaderConfiguration(split_batches=True))
     if accelerator.num_processes != launched:
         raise TrainingError(
             f"The launcher started {launched} processes (WORLD_SIZE) but accelerate formed a group of "
