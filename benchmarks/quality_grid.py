@@ -80,7 +80,8 @@ class PoSE(CausalLM):
         cuts, ids = [], []
         for p in positions:
             g = sample_generator(run.seed, p)
-            cut, skip = int(torch.randint(1, n, (1,), generator=g)), int(torch.randint(run.length - n + 1, (1,), generator=g))
+            cut = int(torch.randint(1, n, (1,), generator=g))
+            skip = int(torch.randint(run.length - n + 1, (1,), generator=g))
             cuts.append(cut)
             ids.append(torch.cat([torch.arange(cut), torch.arange(cut, n) + skip]))
         ids = torch.stack(ids)

@@ -224,7 +224,7 @@ def _setup(
         old_len = old_length or loaded.old_length or current
     if train == "new-rows" and old_len >= length:
         raise TrainingError(
-            f"Training only new rows needs new rows, but the model has {length} positions and its old length is "
+            f"Training only new rows needs rows beyond the old length, but the model has {length} positions and its old length is "
             f"{old_len}: pass length=N above {current}, or old_length=N for a checkpoint extended elsewhere."
         )
     tokenizer.model_max_length = length
