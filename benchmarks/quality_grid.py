@@ -86,15 +86,10 @@ class PoSE(CausalLM):
             ids.append(torch.cat([torch.arange(cut), torch.arange(cut, n) + skip]))
         ids = torch.stack(ids)
         out = run.model(input_ids=batch, position_ids=ids.to(device), labels=batch)
-        loss, source = out.loss, run.cache.get("source")
-        if source is not None:
-            source.to(device)
-            with torch.no_grad():
-                target = source(input_ids=batch).logits.float().log_softmax(-1)
-            kl = torch.nn.functional.kl_div(out.logits.float().log_softmax(-1), target, log_target=True,
-                                            reduction="none").sum(-1)
+        loss = out.loss
+        if "source" in run.cache:  # the anchor, on each window's first part (read at the source's positions)
             first = (torch.arange(n, device=device)[None] < torch.tensor(cuts, device=device)[:, None]).float()
-            loss = loss + self.anchor * (kl * first).sum() / first.sum()
+            loss = loss + self.anchor * self.source_kl(run, batch, out.logits, first)
         return loss, batch.shape[0] * (n - 1)
 
 

@@ -227,15 +227,21 @@ class CausalLM(_LanguageModel):
     def loss(self, run: _Run, positions: range, batch: torch.Tensor) -> tuple[torch.Tensor, int]:
         batch = batch.to(run.accelerator.device)
         out = run.model(input_ids=batch, labels=batch)
-        loss, source, old = out.loss, run.cache.get("source"), run.old_length
-        if source is not None and not run.short_inputs_fixed and old < run.length:
-            source.to(run.accelerator.device)  # where the model trains (nothing moves once there)
-            with torch.no_grad():
-                target = source(input_ids=batch[:, :old]).logits.float().log_softmax(-1)
-            predicted = out.logits[:, :old].float().log_softmax(-1)
-            kl = torch.nn.functional.kl_div(predicted, target, log_target=True, reduction="none").sum(-1).mean()
-            loss = loss + self.anchor * kl
+        loss, old = out.loss, run.old_length
+        if "source" in run.cache and not run.short_inputs_fixed and old < run.length:
+            loss = loss + self.anchor * self.source_kl(run, batch[:, :old], out.logits[:, :old])
         return loss, batch.shape[0] * (batch.shape[1] - 1)
+
+    @staticmethod
+    def source_kl(run: _Run, inputs: torch.Tensor, logits: torch.Tensor,
+                  keep: torch.Tensor | None = None) -> torch.Tensor:
+        """Mean KL divergence of ``logits`` from the frozen source's next-token predictions on
+        ``inputs`` (read at the source's own positions), over the positions ``keep`` marks (all)."""
+        source = run.cache["source"].to(run.accelerator.device)  # where the model trains (nothing moves once there)
+        with torch.no_grad():
+            target = source(input_ids=inputs).logits.float().log_softmax(-1)
+        kl = torch.nn.functional.kl_div(logits.float().log_softmax(-1), target, log_target=True, reduction="none").sum(-1)
+        return kl.mean() if keep is None else (kl * keep).sum() / keep.sum()
 
 
 @register_objective("masked", description="BERT masking: 15% of tokens (80% [MASK], 10% random, 10% kept).")
