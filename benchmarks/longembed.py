@@ -80,6 +80,14 @@ def main() -> None:
         cells = [" / ".join(f"{r['scores'][task][n]:.2f}" for n in lengths) for task in ("passkey", "needle")]
         cos = r["short_input_cosine"]
         print(f"| {name} | {cells[0]} | {cells[1]} | {'1 (itself)' if cos is None else f'{cos:.4f}'} |")
+    longest = lengths[-1]
+    print(f"\naccuracy@1 at {longest} tokens by where the key sits (quarters of the document's depth; "
+          f"about {args.documents // 4} documents each)\n")
+    print("| model | passkey 1/4 / 2/4 / 3/4 / 4/4 | needle 1/4 / 2/4 / 3/4 / 4/4 |")
+    print("|---|---|---|")
+    for name, r in results.items():
+        cells = [" / ".join("–" if a is None else f"{a:.2f}" for a in r["depth"][task][longest]) for task in ("passkey", "needle")]
+        print(f"| {name} | {cells[0]} | {cells[1]} |")
     if args.json:
         args.json.write_text(json.dumps({"settings": vars(args) | {"workdir": str(args.workdir), "json": str(args.json)},
                                          "results": results}, indent=2, default=str))

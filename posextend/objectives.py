@@ -235,11 +235,12 @@ class CausalLM(_LanguageModel):
     @staticmethod
     def source_kl(run: _Run, inputs: torch.Tensor, logits: torch.Tensor,
                   keep: torch.Tensor | None = None) -> torch.Tensor:
-        """Mean KL divergence of ``logits`` from the frozen source's next-token predictions on
-        ``inputs`` (read at the source's own positions), over the positions ``keep`` marks (all)."""
+        """Mean KL divergence of ``logits`` (the model's, for the last ``logits.shape[1]`` tokens of
+        ``inputs``) from the frozen source's next-token predictions reading ``inputs`` (at the
+        source's own positions), over the positions ``keep`` marks (all)."""
         source = run.cache["source"].to(run.accelerator.device)  # where the model trains (nothing moves once there)
         with torch.no_grad():
-            target = source(input_ids=inputs).logits.float().log_softmax(-1)
+            target = source(input_ids=inputs).logits[:, -logits.shape[1]:].float().log_softmax(-1)
         kl = torch.nn.functional.kl_div(logits.float().log_softmax(-1), target, log_target=True, reduction="none").sum(-1)
         return kl.mean() if keep is None else (kl * keep).sum() / keep.sum()
 

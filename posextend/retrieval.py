@@ -121,15 +121,23 @@ def _embed_ids(model, documents: list[list[int]], max_tokens: int, mode: Mode, b
     return torch.stack(out)
 
 
-def accuracy_at_1(model, task: Task, *, mode: Mode = "full", max_tokens: int | None = None) -> float:
-    """Fraction of queries whose most similar document (cosine) is their own."""
+def hits(model, task: Task, *, mode: Mode = "full", max_tokens: int | None = None) -> list[bool]:
+    """For each query, whether its most similar document (cosine) is its own."""
     import torch
 
     max_tokens = max_tokens or model.max_seq_length
     docs = _embed_ids(model, task.documents, max_tokens, mode)
     queries = torch.nn.functional.normalize(model.encode(task.queries, convert_to_tensor=True), dim=1)
     best = (queries @ docs.T).argmax(dim=1)
-    return float((best == torch.arange(len(task.queries))).float().mean())
+    return (best == torch.arange(len(task.queries))).tolist()
+
+
+def by_depth(task: Task, found: Sequence[bool], parts: int = 4) -> list[float | None]:
+    """Accuracy of the queries whose key sits in each ``1 / parts`` of the document's depth (None: no key there)."""
+    groups: list[list[bool]] = [[] for _ in range(parts)]
+    for depth, hit in zip(task.depths, found):
+        groups[min(int(depth * parts), parts - 1)].append(hit)
+    return [sum(g) / len(g) if g else None for g in groups]
 
 
 def short_input_cosine(model_a, model_b, texts: Sequence[str]) -> float:
@@ -147,6 +155,8 @@ class RetrievalReport:
     max_seq_length: int
     documents: int
     scores: dict[str, dict[int, float]] = field(default_factory=dict)  # task -> length -> accuracy@1
+    # task -> length -> accuracy@1 of the keys in each quarter of the document's depth (None: no key there)
+    depth: dict[str, dict[int, list[float | None]]] = field(default_factory=dict)
     short_input_cosine: float | None = None  # against the reference model, when given
 
     def to_dict(self) -> dict[str, Any]:
@@ -183,8 +193,9 @@ def evaluate_retrieval(
     reference: str | Path | None = None,
     seed: int = 0,
 ) -> RetrievalReport:
-    """Passkey / needle accuracy@1 per document length; with ``reference``, the short-input cosine
-    between ``reference`` (e.g. the original model) and this one on texts of 64–512 tokens.
+    """Passkey / needle accuracy@1 per document length (and per quarter of the key's depth); with
+    ``reference``, the short-input cosine between ``reference`` (e.g. the original model) and this
+    one on texts of 64–512 tokens.
 
     ``mode="full"`` reads each document up to ``max_tokens`` (default: the model's
     ``max_seq_length``); ``"chunk"`` embeds every ``max_tokens`` chunk and averages (the usual
@@ -196,10 +207,12 @@ def evaluate_retrieval(
     ids = corpus_tokens(model.tokenizer, data)
     report = RetrievalReport(str(model_path), mode, model.max_seq_length, n)
     for task in tasks:
-        report.scores[task] = {
-            length: accuracy_at_1(model, make_task(model.tokenizer, ids, task, length, n=n, seed=seed), mode=mode)
-            for length in lengths
-        }
+        report.scores[task], report.depth[task] = {}, {}
+        for length in lengths:
+            built = make_task(model.tokenizer, ids, task, length, n=n, seed=seed)
+            found = hits(model, built, mode=mode)
+            report.scores[task][length] = sum(found) / len(found)
+            report.depth[task][length] = by_depth(built, found)
     if reference is not None:
         other = load_embedding_model(reference)
         rng = random.Random(seed)

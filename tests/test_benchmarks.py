@@ -59,13 +59,33 @@ def test_quality_grid_quick(tmp_path):
     assert {r["heldout"] for r in data["rows"]} == {"emma.txt", "northangerabbey.txt"}
     assert not {"emma.txt", "northangerabbey.txt"} & set(data["meta"]["train"])
     for r in data["rows"]:
-        assert all(math.isfinite(r[k]) and r[k] > 1 for k in ("far", "original", "source_in_range")), r
+        assert all(math.isfinite(r[k]) and r[k] > 1 for k in ("far", "original", "source_in_range", "source_far_window")), r
         assert r["far_ratio"] == pytest.approx(r["far"] / r["source_in_range"])
         if r["recipe"].startswith("defaults, new-rows"):  # new-rows and tile leave a causal model's original range as it was
             assert r["original"] == pytest.approx(r["source_original"], rel=1e-4)
     for recipe in recipes:
         assert f"| {recipe} |" in out
     assert "worst far / in-range" in out and (tmp_path / "g" / "quality_grid.png").exists()
+    assert "| *the source itself on the far range's tokens" in out
+
+
+def test_quality_grid_byparts_strategy():
+    """``byparts`` (a plug-in of the grid, so checked in its own process): at the old length it
+    gives the table back; with no component stretched it continues the table mirrored; with all
+    stretched it is a smooth resampling that keeps the table's mean row."""
+    check = """
+import sys, torch
+sys.path.insert(0, "benchmarks")
+from quality_grid import byparts
+t = torch.randn(32, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+g = torch.Generator()
+assert torch.allclose(byparts(t, 32, generator=g), t, atol=1e-10)
+assert torch.allclose(byparts(t, 64, generator=g, low=0), torch.cat([t, t.flip(0)]), atol=1e-10)
+full = byparts(t, 128, generator=g, low=32)
+assert torch.allclose(full.mean(0), t.mean(0), atol=1e-10) and not torch.allclose(full[:32], t)
+print("ok")
+"""
+    assert _run("-c", check, cwd=ROOT).strip() == "ok"
 
 
 def test_resize_speed_tiny(tmp_path):
@@ -98,9 +118,11 @@ def test_longembed_tiny(tmp_path):
     out = _run(ROOT / "benchmarks" / "longembed.py", "--data", corpus, "--lengths", "64,200", "--documents", "3",
                "--length", "600", "--workdir", tmp_path / "w", "--json", tmp_path / "r.json", cwd=ROOT)
     rows = [line for line in out.splitlines() if line.startswith("| ") and not line.startswith("| model")]
-    assert [r.split("|")[1].strip() for r in rows] == [
-        "original, truncated at 512", "original, chunk-and-average (512)", "tile to 600, no training",
-        "interpolate to 600, no training"]
+    names = ["original, truncated at 512", "original, chunk-and-average (512)", "tile to 600, no training",
+             "interpolate to 600, no training"]
+    assert [r.split("|")[1].strip() for r in rows] == names * 2  # the scores, then the longest length by depth
+    assert "accuracy@1 at 200 tokens by where the key sits" in out
     results = json.loads((tmp_path / "r.json").read_text())["results"]
+    assert all(len(r["depth"]["passkey"]["200"]) == 4 for r in results.values())
     assert results["tile to 600, no training"]["short_input_cosine"] == pytest.approx(1.0, abs=1e-6)
     assert results["interpolate to 600, no training"]["short_input_cosine"] < 0.999

@@ -85,6 +85,13 @@ def test_retrieval_tasks_and_baselines_on_the_real_model(minilm, minilm_2k, corp
     report = evaluate_retrieval(minilm_2k, [corpus], lengths=(128, 600), n=6, reference=minilm)
     assert set(report.scores) == {"passkey", "needle"} and report.max_seq_length == 2048
     assert all(0.0 <= v <= 1.0 for scores in report.scores.values() for v in scores.values())
+    for task_name, lengths in report.depth.items():  # by depth: the quarters' keys together make the score
+        for length, quarters in lengths.items():
+            built = make_task(model.tokenizer, corpus_tokens(model.tokenizer, [corpus]), task_name, length, n=6)
+            counts = [sum(min(int(d * 4), 3) == q for d in built.depths) for q in range(4)]
+            assert [a is None for a in quarters] == [c == 0 for c in counts]
+            total = sum(a * c for a, c in zip(quarters, counts) if a is not None)
+            assert total / 6 == pytest.approx(report.scores[task_name][length])
     assert report.short_input_cosine == pytest.approx(1.0, abs=1e-6)  # tile: short inputs unchanged
     # the baselines: truncation reads the first window; chunk-and-average averages every window's embedding
     from posextend.retrieval import _embed_ids
@@ -95,3 +102,22 @@ def test_retrieval_tasks_and_baselines_on_the_real_model(minilm, minilm_2k, corp
     chunked = _embed_ids(model, [doc], 256, "chunk")[0]
     assert torch.allclose(chunked, torch.nn.functional.normalize(each.mean(0), dim=0), atol=1e-6)
     assert torch.allclose(_embed_ids(model, [doc], 256, "full")[0], each[0], atol=1e-6)
+
+
+def test_by_depth_groups_hits_by_where_the_key_sits():
+    from posextend.retrieval import Task, by_depth
+
+    task = Task("passkey", 100, [[0]] * 5, ["q"] * 5, [0.1, 0.3, 0.3, 0.99, 1.0])
+    assert by_depth(task, [True, False, True, True, False]) == [1.0, 0.5, None, 0.5]
+
+
+def test_eval_task_through_the_cli(minilm_2k, corpus, tmp_path):
+    import json
+
+    r = CliRunner().invoke(app, ["eval", str(minilm_2k), "--data", str(corpus), "--task", "passkey,needle",
+                                 "--lengths", "128,300", "--documents", "4", "--json", str(tmp_path / "r.json")])
+    assert r.exit_code == 0, r.output
+    assert "accuracy@1 over 4 documents" in r.output and "by where the key sits" in r.output
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert set(saved["scores"]) == set(saved["depth"]) == {"passkey", "needle"}
+    assert all(len(q) == 4 for lengths in saved["depth"].values() for q in lengths.values())
