@@ -484,9 +484,9 @@ def _retrieval(model: str, data: list[Path], tasks: str, lengths: str, documents
         table.add_row(name, *(f"{scores[n]:.2f}" for n in sizes))
     console.print(table)
     depth = Table("task", "tokens", *(f"{q}/4" for q in range(1, 5)), title="accuracy@1 by where the key sits (quarters of depth)")
-    for name, lengths_ in report.depth.items():
+    for name, per_length in report.depth.items():
         for n in sizes:
-            depth.add_row(name, str(n), *("–" if a is None else f"{a:.2f}" for a in lengths_[n]))
+            depth.add_row(name, str(n), *("–" if a is None else f"{a:.2f}" for a in per_length[n]))
     console.print(depth)
     if report.short_input_cosine is not None:
         console.print(f"  short inputs: mean cosine to {reference}: {report.short_input_cosine:.4f}", highlight=False)
