@@ -13,7 +13,7 @@ ids skip ahead to cover the new length, at the same token budget (batch 4 x fact
 window teacher (an objective): the anchor's KL to the source extended to the new range, where the
 source reads the last old-length tokens; and ``byparts`` (a strategy): the table's lowest DCT
 components stretched, the rest continued periodically (YaRN's "by parts" for a learned table).
-``--recipes`` and ``--factors`` run a part of the grid. Per cell:
+``--recipes``, ``--factors`` and ``--steps`` run a part of the grid. Per cell:
 
 - ``far / in-range``: perplexity on the far range (the last half of the new length: the 3rd and
   4th quarters at 4x, the new rows at 2x), divided by the source model's perplexity within its
@@ -223,14 +223,19 @@ def run_size(name: str, s: dict, args, train_files: list[Path], held: dict[str, 
     return rows
 
 
+def source_window_ratios(rows: list[dict], cells: list[tuple]) -> list[float]:
+    """Per cell, the source's own sliding-window perplexity on the far tokens over its in-range one."""
+    by_cell = {(r["size"], r["factor"], r["heldout"]): r for r in rows}
+    return [by_cell[c]["source_far_window"] / by_cell[c]["source_in_range"] for c in cells]
+
+
 def table(rows: list[dict]) -> str:
     cells = sorted({(r["size"], r["factor"], r["heldout"]) for r in rows}, key=lambda c: (c[0], c[1], c[2]))
     head = " | ".join(f"{size} {factor}x {h.removesuffix('.txt')}" for size, factor, h in cells)
     lines = ["far / in-range (target <= 1.00); original Δ (target within 2%); far gain over the untrained start",
              "", f"| recipe | {head} | worst far / in-range | original Δ, lowest…highest |",
              "|---|" + "---|" * (len(cells) + 2)]
-    first = {(r["size"], r["factor"], r["heldout"]): r for r in rows}
-    window = [first[c]["source_far_window"] / first[c]["source_in_range"] for c in cells]
+    window = source_window_ratios(rows, cells)
     lines.append("| *the source itself on the far range's tokens, through a sliding window of its length* | "
                  + " | ".join(f"{w:.2f}" for w in window) + f" | {max(window):.2f} | – |")
     for recipe in dict.fromkeys(r["recipe"] for r in rows):
@@ -260,8 +265,7 @@ def plot(rows: list[dict], path: Path) -> None:
         color = colors[(2 * i) % 20 + (2 * i) // 20]  # the darker shades first: distinct for up to 20 recipes
         axes[0].bar(xs, [mine[c]["far_ratio"] for c in cells], width, label=recipe, color=color)
         axes[1].bar(xs, [100 * mine[c]["original_change"] for c in cells], width, label=recipe, color=color)
-    first = {(r["size"], r["factor"], r["heldout"]): r for r in rows}
-    axes[0].hlines([first[c]["source_far_window"] / first[c]["source_in_range"] for c in cells],
+    axes[0].hlines(source_window_ratios(rows, cells),
                    [j - width / 2 for j in range(len(cells))], [j + 0.8 - width / 2 for j in range(len(cells))],
                    color="k", linewidth=1.5, label="the source itself on the far tokens (sliding window)")
     for ax, target, title in ((axes[0], [1.0], "far range / source in-range perplexity"),
