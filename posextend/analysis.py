@@ -212,7 +212,13 @@ def plot_grid(grids: dict[str, torch.Tensor], out_dir: str | Path) -> Path:
 
 
 def _save(fig, path: Path, plt) -> Path:
+    """Write ``fig`` to ``path`` whole or not at all (OS errors as a DestinationError naming it)."""
+    import io
+
+    from .io import write_file
+
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    buf = io.BytesIO()
+    fig.savefig(buf, format=Path(path).suffix.lstrip(".") or "png", dpi=110)
     plt.close(fig)
-    return path
+    return write_file(path, buf.getvalue())

@@ -198,7 +198,9 @@ def evaluate(
         old_length=loaded.old_length, batch_size=batch_size, seed=seed,
     )
     if json_path:
-        Path(json_path).write_text(json.dumps(report.to_dict(), indent=2))
+        from .io import write_file
+
+        write_file(json_path, json.dumps(report.to_dict(), indent=2))
     if plot_path:
         plot_reports({"model": report}, plot_path)
     return report
@@ -230,6 +232,4 @@ def plot_reports(
     ax.set_ylabel("perplexity" if next(iter(reports.values())).objective == "causal" else "masked-LM perplexity")
     ax.set_yscale("log")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small") if len(reports) > 3 else ax.legend()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return _save(fig, path, plt)
+    return _save(fig, Path(path), plt)

@@ -15,9 +15,14 @@ and copies bytes meanwhile; only code that makes a tensor imports it.
 from __future__ import annotations
 
 import contextlib
+import errno
+import glob
 import json
+import logging
 import math
 import os
+import re
+import secrets
 import shutil
 import struct
 import sys
@@ -30,10 +35,12 @@ from importlib import import_module
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .errors import CorruptCheckpointError, DestinationError, SourceError
+from .errors import CorruptCheckpointError, DestinationError, PosExtendError, SourceError
 
 if TYPE_CHECKING:
     import torch
+
+log = logging.getLogger(__name__)
 
 _ITEMSIZE = {
     "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
@@ -66,6 +73,97 @@ def prefetch_torch() -> None:
     """Start importing torch in a background thread (no-op once imported or started)."""
     if "torch" not in sys.modules:
         threading.Thread(target=import_module, args=("torch",), name="posextend-import-torch", daemon=True).start()
+
+
+# ------------------------------------------------------------------------- OS errors
+
+_WRITE_FAULTS = {  # errno: what happened, what to do (only writing meets these)
+    errno.ENOSPC: ("no space left on the device", "Free space there or choose another directory"),
+    errno.EDQUOT: ("disk quota exceeded", "Free space there (or raise the quota) or choose another directory"),
+    errno.EFBIG: ("a file is too large for that file system", "Choose a directory on another file system"),
+    errno.EROFS: ("the file system is read-only", "Choose another directory"),
+}
+_DENIED = (errno.EACCES, errno.EPERM)
+_VANISHED = (errno.ENOENT, errno.ESTALE, errno.ENOTDIR, errno.ENXIO, errno.ENODEV)
+
+
+def _errno_of(exc: BaseException) -> int | None:
+    """``exc``'s OS error number: an OSError's, or the one a Rust library (safetensors, tokenizers) wrote in its message."""
+    if isinstance(exc, OSError):
+        return exc.errno
+    match = re.search(r"\(os error (\d+)\)", str(exc))
+    return int(match.group(1)) if match else None
+
+
+def source_error(exc: BaseException, path: str | os.PathLike) -> SourceError:
+    """What to tell the user when the source file ``path`` could not be read."""
+    code = _errno_of(exc)
+    if code in _VANISHED:
+        return SourceError(f"{path} disappeared while it was being read: the source changed while reading. "
+                           "Re-run once nothing else is modifying it.")
+    if code in _DENIED:
+        return SourceError(f"Cannot read {path}: permission denied. Check its permissions.")
+    return SourceError(f"Cannot read {path}: {os.strerror(code) if code else exc}. Check the source, then re-run.")
+
+
+def destination_error(exc: BaseException, dst: str | os.PathLike) -> DestinationError:
+    """What to tell the user when writing the output ``dst`` failed."""
+    code = _errno_of(exc)
+    if code in _WRITE_FAULTS:
+        what, fix = _WRITE_FAULTS[code]
+        return DestinationError(f"Cannot write {dst}: {what}. {fix}.")
+    name = getattr(exc, "filename", None)
+    where = Path(os.fsdecode(name)).parent if isinstance(name, (str, bytes)) else Path(dst).parent
+    if code in _DENIED:
+        return DestinationError(f"Cannot write {dst}: permission denied in {where}. "
+                                "Check its permissions or choose another directory.")
+    return DestinationError(f"Cannot write {dst}: {os.strerror(code) if code else exc} (in {where}). "
+                            "Check that directory or choose another one.")
+
+
+def _is_output(path: str | os.PathLike, dst: Path) -> bool:
+    """Whether ``path`` is ``dst``, inside it or a temporary beside it, or a directory holding it."""
+    path, dst = Path(os.path.abspath(path)), Path(os.path.abspath(dst))
+    if path == dst or path in dst.parents:
+        return True
+    try:
+        first = path.relative_to(dst.parent).parts[0]
+    except (ValueError, IndexError):
+        return False
+    return first == dst.name or first.startswith(f".{dst.name}.posextend-")
+
+
+@contextlib.contextmanager
+def output_errors(dst: str | os.PathLike) -> Iterator[None]:
+    """Turn an OS error met while producing ``dst`` into a PosExtendError that names the path and what to do.
+
+    Every writer runs inside it (:func:`atomic_output`, :func:`write_file`). Errors only writing can
+    meet (no space, read-only, quota, file too large), and errors on ``dst``, its temporaries or its
+    parents, become a :class:`DestinationError`; an error on another file (a source that vanished
+    or cannot be read) a :class:`SourceError`. Readers that know their file say so with :func:`reading`.
+    """
+    try:
+        yield
+    except PosExtendError:
+        raise
+    except Exception as exc:
+        code = _errno_of(exc)
+        if code is None:
+            raise
+        name = getattr(exc, "filename", None)
+        if code not in _WRITE_FAULTS and isinstance(name, (str, bytes)) and not _is_output(os.fsdecode(name), Path(dst)):
+            raise source_error(exc, os.fsdecode(name)) from exc
+        raise destination_error(exc, dst) from exc
+
+
+@contextlib.contextmanager
+def reading(path: str | os.PathLike) -> Iterator[None]:
+    """OS errors while reading the source file ``path`` become a :class:`SourceError` naming it."""
+    try:
+        yield
+    except OSError as exc:
+        raise source_error(exc, path) from exc
+
 
 SAFE_SINGLE, SAFE_INDEX = "model.safetensors", "model.safetensors.index.json"
 BIN_SINGLE, BIN_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
@@ -114,7 +212,9 @@ def read_header(path: Path) -> tuple[list[Entry], dict[str, str]]:
             if not 0 <= lo <= hi or entry.end > size or hi - lo != entry.nbytes:
                 raise ValueError(f"tensor {name!r} has offsets {lo}..{hi} outside or inconsistent with the file")
             entries.append(entry)
-    except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+    except OSError as exc:
+        raise source_error(exc, path) from None
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
         raise CorruptCheckpointError(
             f"{path} is not a valid safetensors file ({exc}); it may be truncated or damaged: "
             "re-download or re-save it."
@@ -130,7 +230,7 @@ def read_tensor(entry: Entry) -> torch.Tensor:
     dtypes = torch_dtypes()
     if entry.dtype not in dtypes:
         raise CorruptCheckpointError(f"Tensor {entry.name!r} has dtype {entry.dtype}, which torch cannot hold.")
-    with open(entry.file, "rb") as f:
+    with reading(entry.file), open(entry.file, "rb") as f:
         f.seek(entry.start)
         data = bytearray(f.read(entry.nbytes))
     if len(data) != entry.nbytes:
@@ -253,8 +353,15 @@ class CheckpointReader:
 # ------------------------------------------------------------------------------ writing
 
 
-def _copy_range(src_fd: int, dst, start: int, count: int, progress: Progress | None) -> None:
-    """Copy ``count`` bytes from ``src_fd`` at ``start`` to the current end of ``dst``."""
+def _write_all(fd: int, data: bytes) -> None:
+    """``os.write`` until every byte is written (a write may write fewer, e.g. on a filling disk)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _copy_range(src_fd: int, dst, start: int, count: int, progress: Progress | None, source: Path) -> None:
+    """Copy ``count`` bytes from ``src_fd`` (the file ``source``) at ``start`` to the current end of ``dst``."""
     dst.flush()
     dst_fd = dst.fileno()
     offset = start
@@ -262,13 +369,19 @@ def _copy_range(src_fd: int, dst, start: int, count: int, progress: Progress | N
         step = min(count, CHUNK)
         try:
             done = os.copy_file_range(src_fd, dst_fd, step, offset)
-        except OSError:
+        except OSError as exc:
+            if exc.errno in _WRITE_FAULTS:
+                raise
             done = 0
-        if done <= 0:  # not supported here (or across filesystems): plain copy
-            done = len(chunk := os.pread(src_fd, step, offset))
+        if done <= 0:  # not supported here (or across filesystems, or failing): a plain copy tells which side failed
+            with reading(source):
+                done = len(chunk := os.pread(src_fd, step, offset))
             if done == 0:
-                raise CorruptCheckpointError("A weights file ended before its header said it would.")
-            os.write(dst_fd, chunk)
+                raise CorruptCheckpointError(
+                    f"{source} ended before its header said it would: it was truncated or changed while being read. "
+                    "Re-run; if it happens again, re-download or re-save it."
+                )
+            _write_all(dst_fd, chunk)
         offset += done
         count -= done
         if progress:
@@ -285,8 +398,13 @@ def copy_file(src: Path, dst: Path, *, link: bool = False, progress: Progress | 
             return
         except OSError:
             pass  # another filesystem: fall back to a copy
-    with open(src, "rb") as fin, open(dst, "wb") as fout:
-        _copy_range(fin.fileno(), fout, 0, os.fstat(fin.fileno()).st_size, progress)
+    with reading(src):
+        fd = os.open(src, os.O_RDONLY)
+    try:
+        with open(dst, "wb") as fout:
+            _copy_range(fd, fout, 0, os.fstat(fd).st_size, progress, src)
+    finally:
+        os.close(fd)
     shutil.copystat(src, dst)
 
 
@@ -326,8 +444,9 @@ def write_safetensors(
         if source is None or source[0] != path:
             if source is not None:
                 os.close(source[1])
-            source = (path, os.open(path, os.O_RDONLY))
-        _copy_range(source[1], out, start, end - start, progress)
+            with reading(path):
+                source = (path, os.open(path, os.O_RDONLY))
+        _copy_range(source[1], out, start, end - start, progress, path)
         run = None
 
     try:
@@ -363,6 +482,14 @@ def write_safetensors(
 
 # --------------------------------------------------------------------- atomic output
 
+_RENAME_NOREPLACE, _RENAME_EXCHANGE, _AT_FDCWD = 1, 2, -100  # linux/fs.h, fcntl.h
+
+
+def _temp_prefix(dst: Path, kind: str = "") -> str:
+    """Names beside ``dst``: ``.NAME.posextend-PID-XXXXXXXX`` (temporary output) or ``...-old-PID-...``
+    (the previous output, parked during an overwrite); PID is the writer's."""
+    return f".{dst.name}.posextend-{kind}{os.getpid()}-"
+
 
 def _pid_alive(pid: int) -> bool:
     try:
@@ -374,38 +501,199 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _remove_stale_temps(dst: Path) -> None:
-    """Remove temporary directories left beside ``dst`` by runs that died (kill -9, power loss)."""
-    for path in dst.parent.glob(f".{dst.name}.posextend-*"):
+def _remove(path: Path) -> None:
+    """Remove a directory tree, file or link, as far as possible."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
+def _fsync(path: str | os.PathLike, flags: int = os.O_RDONLY) -> None:
+    fd = os.open(path, flags)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: str | os.PathLike) -> None:
+    _fsync(path, os.O_RDONLY | os.O_DIRECTORY)
+
+
+def _sync_tree(root: Path) -> None:
+    """fsync every file under ``root``, then every directory (``root`` last), so that once ``root`` is
+    renamed into place a crash finds whole files, never empty or partial ones."""
+    for dirpath, _, filenames in os.walk(root, topdown=False):
+        for name in filenames:
+            path = os.path.join(dirpath, name)
+            if not os.path.islink(path):
+                _fsync(path)
+        _fsync_dir(dirpath)
+
+
+def _remove_stale_temps(dst: Path) -> bool:
+    """Clean up beside ``dst`` after runs that died (kill -9, power loss); True if ``dst`` was put back.
+
+    An old output parked by an overwrite that died between its two renames is renamed back to
+    ``dst`` when ``dst`` is missing, and never deleted while it is; temporary directories go.
+    """
+    restored = False
+    for path in dst.parent.glob(glob.escape(f".{dst.name}.posextend-") + "*"):
         try:
             pid = int(path.name.rsplit("-", 2)[-2])
         except (ValueError, IndexError):
             continue
-        if path.is_dir() and not _pid_alive(pid):
-            shutil.rmtree(path, ignore_errors=True)
+        if not path.is_dir() or path.is_symlink() or _pid_alive(pid):
+            continue
+        parked = path / "old"
+        if path.name.startswith(f".{dst.name}.posextend-old-") and os.path.lexists(parked):
+            if os.path.lexists(dst):
+                _remove(parked)
+            else:
+                os.rename(parked, dst)
+                _fsync_dir(dst.parent)
+                restored = True
+                log.warning("Put %s back: an overwrite of it was interrupted before the new output was in place.", dst)
+        shutil.rmtree(path, ignore_errors=True)
+    return restored
+
+
+@lru_cache(maxsize=1)
+def _libc_renameat2() -> Callable[..., int] | None:
+    """libc's ``renameat2`` (Linux, glibc 2.28+), or None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    try:
+        func = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return None
+    func.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint)
+    func.restype = ctypes.c_int
+    return func
+
+
+def _renameat2(src: Path, dst: Path, flags: int) -> bool:
+    """``renameat2(src, dst, flags)``; False where the system or file system cannot (the caller falls back)."""
+    func = _libc_renameat2()
+    if func is None:
+        return False
+    import ctypes
+
+    if func(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), flags) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, os.strerror(code), str(src), None, str(dst))
+
+
+def _swap_in(new: Path, dst: Path) -> Path:
+    """Put ``new`` at the existing ``dst``; returns where the old ``dst`` now is, for removal.
+
+    ``renameat2(RENAME_EXCHANGE)`` swaps both names at once: ``dst`` is never missing. Where the
+    file system cannot, the old ``dst`` is parked in a holder directory beside it first; if the
+    process dies before the second rename, the next run puts it back (:func:`_remove_stale_temps`).
+    """
+    if _renameat2(new, dst, _RENAME_EXCHANGE):
+        return new
+    holder = Path(tempfile.mkdtemp(prefix=_temp_prefix(dst, "old-"), dir=dst.parent))
+    os.rename(dst, holder / "old")
+    try:
+        os.rename(new, dst)
+    except BaseException:
+        os.rename(holder / "old", dst)
+        holder.rmdir()
+        raise
+    return holder
+
+
+def _put_in_place(tmp: Path, dst: Path, *, overwrite: bool) -> Path | None:
+    """Rename the finished ``tmp`` to ``dst``; returns the old output to remove (with ``overwrite``)."""
+    if os.path.lexists(dst):
+        if not overwrite:
+            raise DestinationError(f"{dst} appeared while writing; nothing was changed there.")
+        return _swap_in(tmp, dst)
+    if not _renameat2(tmp, dst, _RENAME_NOREPLACE):  # never onto something that appeared meanwhile
+        os.rename(tmp, dst)
+    return None
+
+
+def _missing_dirs(path: Path) -> list[Path]:
+    """``path`` and its ancestors that do not exist yet, deepest first."""
+    missing = []
+    while not os.path.lexists(path) and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    return missing
+
+
+def _remove_dirs(dirs: list[Path]) -> None:
+    """Remove the (empty) directories ``dirs``, deepest first, stopping at one that is not empty."""
+    for path in dirs:
+        try:
+            path.rmdir()
+        except OSError:
+            return
 
 
 @contextlib.contextmanager
 def atomic_output(dst: Path, *, overwrite: bool = False) -> Iterator[Path]:
-    """Yield a temporary directory beside ``dst``; rename it to ``dst`` only on success.
+    """Yield a temporary directory beside ``dst``; rename it to ``dst`` only on success, durably.
 
-    On any exception (Ctrl-C included) the temporary directory is removed and ``dst``
-    is left as it was.
+    On any exception (Ctrl-C included) the temporary directory, and any parent directory made for
+    it, is removed and ``dst`` is left as it was. Before the rename every file and directory
+    written is fsynced, and the parent after it: a crash or power cut leaves the old output or the
+    new one, never neither and never empty files. With ``overwrite=True`` an existing ``dst`` is
+    swapped out (see :func:`_swap_in`). OS errors become a :class:`DestinationError` (or a
+    :class:`SourceError` for a source file) that names the path and what to do (:func:`output_errors`).
     """
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_temps(dst)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.posextend-{os.getpid()}-", dir=dst.parent))
-    try:
-        yield tmp
-        if dst.exists() or dst.is_symlink():
-            if not overwrite:
-                raise DestinationError(f"{dst} appeared while writing; nothing was changed there.")
-            old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.posextend-{os.getpid()}-", dir=dst.parent))
-            os.rename(dst, old / "old")
-            os.rename(tmp, dst)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    dst = Path(dst)
+    made = _missing_dirs(dst.parent)
+    with output_errors(dst):
+        try:
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            if _remove_stale_temps(dst) and not overwrite:
+                raise DestinationError(f"{dst} was put back from an earlier overwrite that was interrupted; "
+                                       "pass overwrite=True to replace it.")
+            tmp = Path(tempfile.mkdtemp(prefix=_temp_prefix(dst), dir=dst.parent))
+        except BaseException:
+            _remove_dirs(made)
+            raise
+        try:
+            yield tmp
+            _sync_tree(tmp)
+            old = _put_in_place(tmp, dst, overwrite=overwrite)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            _remove_dirs(made)
+            raise
+        _fsync_dir(dst.parent)
+        if old is not None:
+            _remove(old)
+
+
+def write_file(path: str | os.PathLike, data: str | bytes) -> Path:
+    """Write one small output file (a JSON report, a plot) whole or not at all; returns its path.
+
+    The bytes go to a temporary file beside ``path``, fsynced and renamed over it; OS errors
+    become a :class:`DestinationError` naming ``path`` and what to do, with no partial file left.
+    """
+    path = Path(path)
+    with output_errors(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{_temp_prefix(path)}{secrets.token_hex(4)}")
+        try:
+            with open(tmp, "xb") as f:
+                f.write(data.encode() if isinstance(data, str) else data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise
+    return path

@@ -33,7 +33,7 @@ import torch
 from .checkpoint import check_destination, model_card, resolve_source
 from .errors import TrainingError
 from .evaluation import EvalReport
-from .io import atomic_output, read_header, write_safetensors
+from .io import atomic_output, output_errors, read_header, write_file, write_safetensors
 from .loading import Loaded
 from .objectives import Objective, default_objective, get_objective
 
@@ -153,9 +153,10 @@ class _Run:
         return self.objective.evaluate(self)
 
     def save_state(self, step: int) -> None:
-        self.accelerator.save_state(str(self.state_dir))
-        if self.accelerator.is_main_process:
-            (self.state_dir / "posextend.json").write_text(json.dumps({"step": step, "fingerprint": self.fingerprint}))
+        with output_errors(self.state_dir):
+            self.accelerator.save_state(str(self.state_dir))
+            if self.accelerator.is_main_process:
+                write_file(self.state_dir / "posextend.json", json.dumps({"step": step, "fingerprint": self.fingerprint}))
 
 
 def _check_options(train: str, schedule: str, steps: int, batch_size: int, grad_accum: int) -> None:

@@ -147,7 +147,7 @@ def test_failed_shard_copy_leaves_no_dst_and_no_temp(tmp_path, monkeypatch):
         return real_copy(source, target, **kwargs)
 
     monkeypatch.setattr(checkpoint, "copy_file", failing_copy)
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(posextend.DestinationError, match="no space left"):
         posextend.resize_checkpoint(src, tmp_path / "dst", NEW)
     assert len(calls) >= 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
