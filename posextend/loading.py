@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .checkpoint import TOKENIZER_FILES, read_config, resolve_source
+from .checkpoint import MODULES, TOKENIZER_FILES, read_config, resolve_source, transformer_dir
 from .errors import PosExtendError, SourceError, TrainingError
 from .io import SAFE_INDEX, read_header
 from .lookup import spec_for
@@ -40,6 +40,7 @@ class Loaded:
 def provenance(directory: Path) -> dict[str, str]:
     """posextend's provenance metadata of a checkpoint (empty when it has none)."""
     try:
+        directory = model_directory(directory)
         if (directory / SAFE_INDEX).is_file():
             return json.loads((directory / SAFE_INDEX).read_text()).get("metadata", {})
         files = sorted(directory.glob("*.safetensors"))
@@ -79,9 +80,10 @@ def load_language_model(src: str | Path, objective: str, *, init_head: bool = Fa
     import transformers
 
     directory = resolve_source(src)
-    tokenizer = load_tokenizer(directory)
+    model_dir = model_directory(directory)  # an older sentence-transformers folder: its 0_Transformer/
+    tokenizer = load_tokenizer(model_dir)
     cls = transformers.AutoModelForCausalLM if objective == "causal" else transformers.AutoModelForMaskedLM
-    model, info = cls.from_pretrained(directory, output_loading_info=True)
+    model, info = cls.from_pretrained(model_dir, output_loading_info=True)
     missing = sorted(info["missing_keys"])
     if missing:
         head = "causal-LM" if objective == "causal" else "masked-LM"
@@ -95,9 +97,17 @@ def load_language_model(src: str | Path, objective: str, *, init_head: bool = Fa
 
 
 def is_sentence_transformer(directory: Path) -> bool:
-    return (directory / "modules.json").is_file()
+    """A sentence-transformers folder: ``modules.json`` at its root (the Transformer module there or in a
+    folder of its own, see :func:`model_directory`); ``SentenceTransformer(str(directory))`` loads it."""
+    return (directory / MODULES).is_file()
+
+
+def model_directory(directory: Path) -> Path:
+    """The folder of ``directory``'s transformers model: ``directory`` itself, or the Transformer module's
+    folder of an older sentence-transformers folder (``0_Transformer/``), found as resizing finds it."""
+    return directory / transformer_dir(directory)
 
 
 def config_objective(directory: Path) -> str:
     """The objective a checkpoint's family trains with by default (its spec's)."""
-    return spec_for(read_config(directory)).objective
+    return spec_for(read_config(model_directory(directory))).objective
