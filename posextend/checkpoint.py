@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
 from . import __version__
@@ -33,15 +33,19 @@ from .lookup import all_specs, spec_for
 from .plan import GroupPlan, ImageSize, check_length, plan_resize
 from .specs import Layout, table_rows as rows_of
 from .strategies import get_strategy
-from .twin import get_path, set_path
+from .twin import get_path, layout_class, set_path
 
 if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger(__name__)
 
-# Weight files in other formats would still hold the old table: they are not copied.
+# Weight files in other formats would still hold the old table: the resized model's own are not copied
+# (another module's, a sentence-transformers Dense layer's say, are).
 _OTHER_WEIGHTS = (".bin", ".safetensors", ".h5", ".msgpack", ".onnx", ".gguf", ".pt", ".pth", ".ckpt", ".ot")
+# Exports of the model for other runtimes hold the old table too: left out wherever they sit, and a
+# folder of them (sentence-transformers' onnx/ and openvino/) whole.
+EXPORT_DIRS = {"onnx": "ONNX", "openvino": "OpenVINO"}
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "vocab.txt", "merges.txt", "spiece.model",
                     "sentencepiece.bpe.model", "tokenizer.model")
 
@@ -86,6 +90,9 @@ class CheckpointInfo:
     tokenizer_max_length: int | None
     st_max_seq_length: int | None = None  # sentence-transformers' max_seq_length, when present
     groups: list[GroupInfo] = field(default_factory=list)
+    transformer_dir: str = ""  # where the model sits in ``path``: "" at its root, "0_Transformer" in an older ST folder
+    layout: str = ""  # "headed" (names under the base model's prefix) or "bare" (the base model's own names)
+    layout_class: str = ""  # the transformers class whose names the weights hold (MPNetModel for a bare MPNet)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -120,6 +127,7 @@ class ResizeReport:
     old_grid: list[int] | None = None  # image grids: [H, W] patches
     new_grid: list[int] | None = None
     strategies: dict[str, str] = field(default_factory=dict)  # group -> strategy, when several groups
+    transformer_dir: str = ""  # where the resized model sits in src and dst ("0_Transformer" in an older ST folder)
 
     def provenance(self) -> dict[str, str]:
         """String metadata recorded in the safetensors header and index."""
@@ -147,7 +155,8 @@ def resolve_source(src: str | Path) -> Path:
     if path.is_dir():
         return path.resolve()
     if path.exists():
-        raise SourceError(f"{src} is a file; give the checkpoint's directory (the one holding config.json).")
+        raise SourceError(f"{src} is a file; give the checkpoint's directory (the one holding config.json, or "
+                          "a sentence-transformers folder's modules.json).")
     if str(src).count("/") == 1 and not str(src).startswith((".", "/", "~")):
         try:
             from huggingface_hub import snapshot_download
@@ -174,6 +183,70 @@ def read_config(directory: Path) -> dict[str, Any]:
     return config
 
 
+MODULES = "modules.json"  # sentence-transformers: its modules in order, each with its folder
+
+
+def transformer_dir(directory: Path) -> str:
+    """Where the transformers model of checkpoint folder ``directory`` sits, relative to it.
+
+    The one lookup every door uses (resize, inspect, fine-tune loading). ``""``: at the root (a
+    transformers checkpoint, or a sentence-transformers folder whose ``modules.json`` gives the
+    Transformer module the path ``""``). Older sentence-transformers folders keep the Transformer
+    module in the folder ``modules.json`` names (``"0_Transformer"``, ``"0_BERT"``), with its
+    config.json, weights, tokenizer and ``sentence_bert_config.json``; the root holds the other
+    modules. The Transformer module is the first whose type is a ``Transformer``, else the first
+    whose folder holds a transformers config.json (one with a ``model_type``; a Pooling or Dense
+    module's config.json has none).
+
+    Raises:
+        SourceError: ``modules.json`` is unreadable or names a folder outside ``directory``; the
+            Transformer module's folder has no config.json; no module is a transformers model; or a
+            model sits both at the root and in the Transformer module's folder.
+
+    Example::
+
+        >>> transformer_dir(Path("all-MiniLM-L6-v2")), transformer_dir(Path("old-st-model"))
+        ('', '0_Transformer')
+    """
+    path = directory / MODULES
+    if not path.is_file():
+        return ""
+    try:
+        modules = [(str(m.get("type") or ""), str(m.get("path") or "")) for m in json.loads(path.read_text())]
+    except (OSError, ValueError, TypeError, AttributeError) as exc:
+        raise SourceError(f"{path} is not a valid sentence-transformers module list ({exc}); restore it from the "
+                          "original model, or save the model again with SentenceTransformer.save().") from None
+    folders = []
+    for kind, where in modules:
+        rel = PurePosixPath(where.replace("\\", "/"))
+        if rel.is_absolute() or ".." in rel.parts:
+            raise SourceError(f"{path} places a module at {where!r}, outside {directory}; a module's path must "
+                              "name a folder inside the model folder. Restore modules.json from the original model.")
+        folders.append((kind, rel.as_posix() if rel.parts else ""))
+    found = next((f for kind, f in folders if kind.rsplit(".", 1)[-1] == "Transformer"), None)
+    if found is None:
+        found = next((f for _, f in folders if _is_transformers_config(directory / f / "config.json")), None)
+    at_root = (directory / "config.json").is_file()
+    if found is None and not at_root:
+        raise SourceError(
+            f"{directory} is a sentence-transformers folder, but none of its modules "
+            f"({', '.join(f or '(root)' for _, f in folders) or 'none listed'}) is a transformers model (a folder "
+            "with config.json): there is no learned position table to resize."
+        )
+    if not found:
+        return ""
+    if not (directory / found / "config.json").is_file():
+        raise SourceError(f"{path} places the Transformer module in {found}/, but {found}/config.json is missing: "
+                          "the folder is incomplete. Copy or download the whole model folder again.")
+    if at_root:
+        raise SourceError(
+            f"{directory} holds a model at its root (config.json) and, as {MODULES} says, the sentence-transformers "
+            f"Transformer module in {found}/: which one to resize is unclear. Remove the one you do not use, or give "
+            f"{directory / found} to resize that model on its own."
+        )
+    return found
+
+
 def check_destination(src: Path, dst: Path, *, overwrite: bool) -> None:
     src, dst = src.resolve(), dst.resolve()
     if dst == src or src in dst.parents:
@@ -184,8 +257,8 @@ def check_destination(src: Path, dst: Path, *, overwrite: bool) -> None:
         raise DestinationError(f"{dst} already exists; pass overwrite=True to replace it.")
 
 
-def _json_int(path: Path, key: str) -> int | None:
-    if path.is_file():
+def _json_int(path: Path | None, key: str) -> int | None:
+    if path is not None and path.is_file():
         try:
             value = json.loads(path.read_text()).get(key)
             return value if isinstance(value, int) else None
@@ -194,15 +267,36 @@ def _json_int(path: Path, key: str) -> int | None:
     return None
 
 
+def _is_transformers_config(path: Path) -> bool:
+    try:
+        return path.is_file() and "model_type" in json.loads(path.read_text())
+    except (OSError, ValueError, TypeError):
+        return False
+
+
 ST_CONFIG = "sentence_bert_config.json"  # sentence-transformers: encode() truncates to its max_seq_length
+# the names older sentence-transformers versions gave it; the first one present is the one read
+ST_CONFIGS = (ST_CONFIG, "sentence_roberta_config.json", "sentence_distilbert_config.json",
+              "sentence_camembert_config.json", "sentence_albert_config.json", "sentence_xlm-roberta_config.json",
+              "sentence_xlnet_config.json")
+
+
+def st_config(model_dir: Path) -> Path | None:
+    """The sentence-transformers config (``max_seq_length``) of the Transformer module in ``model_dir``."""
+    return next((model_dir / name for name in ST_CONFIGS if (model_dir / name).is_file()), None)
 
 
 @contextlib.contextmanager
 def _opened(src: str | Path) -> Iterator[tuple[Path, dict[str, Any], CheckpointReader, dict[str, tuple[int, ...]]]]:
-    """Resolve, read the config, open the weights lazily; yields the tensors' shapes by name too."""
+    """Resolve, read the config, open the weights lazily; yields the tensors' shapes by name too.
+
+    The directory yielded is the one given; the config and the weights are those of its model, in
+    :func:`transformer_dir` (``reader.dir``).
+    """
     directory = resolve_source(src)
-    config = read_config(directory)
-    reader = CheckpointReader(directory)
+    model_dir = directory / transformer_dir(directory)
+    config = read_config(model_dir)
+    reader = CheckpointReader(model_dir)
     try:
         yield directory, config, reader, {name: entry.shape for name, entry in reader.entries.items()}
     finally:
@@ -234,8 +328,10 @@ def inspect_checkpoint(src: str | Path) -> CheckpointInfo:
         (512, 'embeddings.position_embeddings.weight')
     """
     directory = resolve_source(src)
-    config = read_config(directory)
-    with CheckpointReader(directory) as reader:
+    where = transformer_dir(directory)
+    model_dir = directory / where
+    config = read_config(model_dir)
+    with CheckpointReader(model_dir) as reader:
         shapes = {name: entry.shape for name, entry in reader.entries.items()}
         groups = []
         for spec in all_specs(config):
@@ -254,15 +350,18 @@ def inspect_checkpoint(src: str | Path) -> CheckpointInfo:
             spec="probed" if spec.covered_by == "probed" else spec.model_type,
             covered_by=spec.covered_by,
             weights_format=reader.format + (" (sharded)" if reader.sharded else ""),
-            weight_files=[f.name for f in reader.files],
+            weight_files=[(PurePosixPath(where) / f.name).as_posix() for f in reader.files],
             tables=first.tables,
             usable=layout.usable,
             reserved=layout.reserved,
             config_lengths=first.config_lengths,
             buffers=list(layout.buffers),
-            tokenizer_max_length=_json_int(directory / "tokenizer_config.json", "model_max_length"),
-            st_max_seq_length=_json_int(directory / ST_CONFIG, "max_seq_length"),
+            tokenizer_max_length=_json_int(model_dir / "tokenizer_config.json", "model_max_length"),
+            st_max_seq_length=_json_int(st_config(model_dir), "max_seq_length"),
             groups=[g for _, _, g in groups],
+            transformer_dir=where,
+            layout=layout.kind,
+            layout_class=layout_class(config, frozenset(shapes))[0].__name__,
         )
 
 
@@ -335,11 +434,13 @@ def resize_checkpoint(
         changed = {name: made for plan in plans for name, made in _changed_tensors(reader, config, plan, seed).items()}
         report = _report(directory, dst, plans, config, seed)
         with atomic_output(dst, overwrite=overwrite) as tmp:
-            _write_weights(reader, tmp, changed, report, link, progress)
+            model_out = tmp / report.transformer_dir  # the model's folder: tmp itself, or an older ST folder's 0_Transformer/
+            model_out.mkdir(exist_ok=True)
+            _write_weights(reader, model_out, changed, report, link, progress)
             _copy_other_files(directory, tmp, reader, plans, config, report, st_max_seq_length)
             for plan in plans:
                 if verify or (verify is None and (plan.spec.covered_by == "probed" or plan.spec.grid)):
-                    _verify(tmp, plan, reader)
+                    _verify(model_out, plan, reader)
                     report.verified = True
             card = directory / "README.md"
             (tmp / "README.md").write_text(model_card(report, card.read_text(errors="replace") if card.is_file() else ""))
@@ -379,6 +480,7 @@ def _report(directory: Path, dst: Path, plans: list[GroupPlan], config: Mapping[
         reserved=main.layout.reserved, tables=[t for p in plans for t in p.layout.tables],
         buffers=[b for p in plans for b in p.layout.buffers], dropped=sorted({d for p in plans for d in p.layout.dropped}),
         covered_by=main.spec.covered_by, strategies={p.spec.group: p.strategy for p in plans},
+        transformer_dir=transformer_dir(directory),
     )
     for plan in plans:
         if plan.spec.grid:
@@ -409,12 +511,16 @@ def _verify(out_dir: Path, plan: GroupPlan, reader: CheckpointReader) -> None:
     from .probe import verify, verify_grid
 
     with CheckpointReader(out_dir) as written:
-        shapes = {n: e.shape for n, e in written.entries.items()}
-    source = {n: e.shape for n, e in reader.entries.items()}
+        names = frozenset(written.entries)
+        # the twin is of the class the written names belong to; bare names of a headed-only family get its prefix
+        cls, add = layout_class(read_config(out_dir), names)
+        shapes = {add + n: e.shape for n, e in written.entries.items()}
+    source = {add + n: e.shape for n, e in reader.entries.items()}
+    tables = [add + t for t in plan.layout.tables]
     if plan.spec.grid:
-        verify_grid(out_dir, plan.spec, list(plan.layout.tables), shapes, source, plan.target, plan.new_rows)
+        verify_grid(out_dir, plan.spec, tables, shapes, source, plan.target, plan.new_rows, cls)
     else:
-        verify(out_dir, plan.spec, list(plan.layout.tables), shapes, source, plan.new_usable, plan.layout.reserved)
+        verify(out_dir, plan.spec, tables, shapes, source, plan.new_usable, plan.layout.reserved, cls)
 
 
 COPY_THREADS = 4  # whole-file copies at once: the kernel's copy of a file runs on one core
@@ -557,40 +663,77 @@ def _copy_other_files(
     src: Path, out_dir: Path, reader: CheckpointReader, plans: list[GroupPlan],
     config: dict[str, Any], report: ResizeReport, st_max_seq_length: int | None = None,
 ) -> None:
-    """Copy config, tokenizer, image processor and every other non-weight file, editing lengths as JSON."""
+    """Copy config, tokenizer, image processor and every other non-weight file, editing lengths as JSON.
+
+    The model's own files sit in ``report.transformer_dir`` (the root, or an older sentence-transformers
+    folder's ``0_Transformer/``); every other file and folder is copied as it is, in the same layout.
+    Copies of the model in other formats (its weights in other formats, ONNX and OpenVINO exports) still
+    hold the old table: they are left out and listed in ``report.files_skipped``.
+    """
     updates = {k: v for plan in plans for k, v in plan.config_updates(config).items()}
     text = next((p for p in plans if not p.spec.grid), None)
     image = next((p for p in plans if p.spec.grid), None)
     weight_files = {f.resolve() for f in reader.files}
+    model = Path(report.transformer_dir)  # relative to src and out_dir; Path("") is the root
+    st_file = st_config(src / model)
     for path in sorted(src.rglob("*")):
         rel = path.relative_to(src)
-        if any(part.startswith(".") and part != ".gitattributes" for part in rel.parts) or path.is_dir():
+        if any(part.startswith(".") and part != ".gitattributes" for part in rel.parts):
             continue
-        if path.resolve() in weight_files or rel.name in (SAFE_INDEX, BIN_INDEX):
+        if path.resolve() in weight_files or (rel.parent == model and rel.name in (SAFE_INDEX, BIN_INDEX)):
+            continue  # written by _write_weights
+        left_out = _left_out(rel, model, path.is_dir())
+        if left_out:
+            entry, kind = left_out
+            if entry not in report.files_skipped:
+                report.files_skipped.append(entry)
+                log.warning("Not copying %s: %s of the source model, which still holds the old table; export it "
+                            "again from the output.", entry, f"an {kind} export" if kind != "weights" else
+                            "its weights in another format")
             continue
-        if rel.name.endswith(_OTHER_WEIGHTS) or rel.name.endswith(".index.json"):
-            report.files_skipped.append(str(rel))
-            log.warning("Not copying %s: it holds weights in another format with the old table.", rel)
+        if path.is_dir():
+            (out_dir / rel).mkdir(parents=True, exist_ok=True)  # empty module folders (2_Normalize/) too
             continue
         target = out_dir / rel
         target.parent.mkdir(parents=True, exist_ok=True)
-        if rel == Path("config.json"):
+        if rel == model / "config.json":
             _write_json(target, updated_config(config, updates))
-        elif rel == Path("tokenizer_config.json") and text:
+        elif rel == model / "tokenizer_config.json" and text:
             _write_json(target, {**json.loads(path.read_text()), "model_max_length": text.new_usable})
-        elif rel == Path(PROCESSOR_CONFIG) and image:
+        elif rel == model / PROCESSOR_CONFIG and image:
             old = image.spec.grid.sizes(config)[0]
             _write_json(target, processor_config(json.loads(path.read_text()), old, image.target))
-        elif rel.name == ST_CONFIG and text:
+        elif st_file is not None and path == st_file and text:
             report.st_max_seq_length = st_max_seq_length or report.new_length
             _write_json(target, {**json.loads(path.read_text()), "max_seq_length": report.st_max_seq_length})
         elif rel != Path("README.md"):
             shutil.copy2(path, target)
-    has_tokenizer = any((src / name).is_file() for name in TOKENIZER_FILES)
-    if text and has_tokenizer and not (src / "tokenizer_config.json").is_file():
-        _write_json(out_dir / "tokenizer_config.json", {"model_max_length": report.new_length})
+    has_tokenizer = any((src / model / name).is_file() for name in TOKENIZER_FILES)
+    if text and has_tokenizer and not (src / model / "tokenizer_config.json").is_file():
+        _write_json(out_dir / model / "tokenizer_config.json", {"model_max_length": report.new_length})
     if st_max_seq_length is not None and report.st_max_seq_length is None:
-        log.warning("A sentence-transformers max_seq_length was given, but %s has no %s: nothing to set.", src, ST_CONFIG)
+        log.warning("A sentence-transformers max_seq_length was given, but %s has no %s: nothing to set.",
+                    src / model, ST_CONFIG)
+
+
+def _left_out(rel: Path, model: Path, is_dir: bool) -> tuple[str, str] | None:
+    """``(entry, kind)`` when source path ``rel`` is not copied because it holds the model in another
+    format, so with the old table: a folder of exports (``entry`` ``"onnx/"``, whole), an export file,
+    or the model's own weights in another format (``model``: the model's folder). None: copy it."""
+    folders = rel.parts if is_dir else rel.parts[:-1]
+    for i, part in enumerate(folders):
+        if part.lower() in EXPORT_DIRS:
+            return PurePosixPath(*rel.parts[: i + 1]).as_posix() + "/", EXPORT_DIRS[part.lower()]
+    name = rel.name.lower()
+    if is_dir:
+        return None
+    if name.endswith((".onnx", ".onnx_data", ".onnx.data")):
+        return rel.as_posix(), "ONNX"
+    if name.startswith("openvino_model") and name.endswith((".xml", ".bin")):
+        return rel.as_posix(), "OpenVINO"
+    if rel.parent == model and name.endswith((*_OTHER_WEIGHTS, ".index.json")):
+        return rel.as_posix(), "weights"
+    return None
 
 
 def _write_json(path: Path, data: Mapping[str, Any]) -> None:
@@ -629,10 +772,16 @@ def model_card(report: ResizeReport, original: str = "", *, trained: bool = Fals
                      "length or image size")
     if report.st_max_seq_length is not None:
         lines.append(f"- sentence-transformers `max_seq_length`: {report.st_max_seq_length}")
+    if report.transformer_dir:
+        lines.append(f"- sentence-transformers Transformer module: `{report.transformer_dir}/`")
     if report.buffers:
         lines.append(f"- Length-dependent buffers rebuilt: {len(report.buffers)}")
     if report.dropped:
         lines.append(f"- Obsolete tensors left out: {len(report.dropped)} (e.g. `{report.dropped[0]}`)")
+    if report.files_skipped:
+        lines.append(f"- Left out: {', '.join(f'`{f}`' for f in report.files_skipped)}: the source model in other "
+                     f"formats (exports such as ONNX or OpenVINO, other weight files) still has the old "
+                     f"{report.old_length}-position table; export them again from this checkpoint")
     if grew:
         lines += [
             "",

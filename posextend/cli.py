@@ -50,22 +50,30 @@ def cli_wording(message: str) -> str:
 
 
 def handle_errors(fn: F) -> F:
-    """Turn PosExtendError into one red line on stderr and exit 1 (traceback with --debug)."""
+    """Turn PosExtendError (and any stray OSError) into one red line on stderr and exit 1 (traceback with --debug)."""
+    from rich.markup import escape
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
-        except PosExtendError as exc:
+        except (PosExtendError, OSError) as exc:
             if _state["debug"]:
                 raise
-            err_console.print(f"[bold red]Error:[/] {cli_wording(str(exc))}", highlight=False, markup=True, soft_wrap=True)
+            message = cli_wording(str(exc)) if isinstance(exc, PosExtendError) else _os_message(exc)
+            err_console.print(f"[bold red]Error:[/] {escape(message)}", highlight=False, markup=True, soft_wrap=True)
             raise typer.Exit(1) from None
         except KeyboardInterrupt:
             err_console.print("[bold red]Interrupted;[/] nothing was written at the destination.")
             raise typer.Exit(130) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+def _os_message(exc: OSError) -> str:
+    """An OS error the library did not explain, as one line: the path(s) and what the system said."""
+    paths = " -> ".join(os.fsdecode(p) for p in (exc.filename, exc.filename2) if isinstance(p, (str, bytes)))
+    return f"{paths}: {exc.strerror or exc}" if paths else str(exc.strerror or exc)
 
 
 def _exit_without_teardown() -> None:
@@ -199,6 +207,9 @@ def resize_model(
         f"{report.bytes_written / 2**20:.1f} MiB",
         highlight=False,
     )
+    if report.files_skipped:
+        console.print(f"  [yellow]left out[/] (the old table in other formats; export again from the output): "
+                      f"{', '.join(report.files_skipped)}", highlight=False)
     console.print(f"  written to {report.dst}", highlight=False)
     _exit_without_teardown()
 
@@ -240,9 +251,12 @@ def inspect_cmd(
         return
     covered = "written spec" if info.covered_by == "spec" else "observed on a twin (no written spec)"
     console.print(
-        f"[bold]{info.path}[/]\n  model type {info.model_type} ({covered}), "
+        f"[bold]{info.path}[/]\n"
+        + (f"  sentence-transformers Transformer module in {info.transformer_dir}/\n" if info.transformer_dir else "")
+        + f"  model type {info.model_type} ({covered}), "
         f"{', '.join(info.architectures) or 'no architectures listed'}\n"
-        f"  weights: {info.weights_format}, {len(info.weight_files)} file(s)\n"
+        f"  weights: {info.weights_format}, {len(info.weight_files)} file(s), {info.layout} "
+        f"({info.layout_class}'s names)\n"
         + "".join(_group_line(g, len(info.groups) > 1) for g in info.groups)
         + f"  tokenizer model_max_length: {info.tokenizer_max_length if info.tokenizer_max_length is not None else 'no tokenizer_config.json'}"
         + (f"\n  sentence-transformers max_seq_length: {info.st_max_seq_length}" if info.st_max_seq_length is not None else ""),
@@ -298,15 +312,16 @@ def _diagnostics(src: str, compare: str | None, out: Path | None, table: str | N
         tables[names[1]] = table_of(compare, table)
     analysis = {label: analyze(t).to_dict() for label, t in tables.items()}
     if out:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "analysis.json").write_text(json.dumps(analysis, indent=2))
-        lengths = [t.shape[0] for t in tables.values()]
-        plot(tables, out, mark=min(lengths) if len(set(lengths)) > 1 else None)
         from .checkpoint import read_position_table
+        from .io import output_errors, write_file
 
+        write_file(out / "analysis.json", json.dumps(analysis, indent=2))
+        lengths = [t.shape[0] for t in tables.values()]
         grids = {label: read_position_table(path, table, grid=True) for label, path in zip(names, [src, compare]) if path}
-        if all(g.dim() == 3 for g in grids.values()):  # image grids: similarity to reference patches on the grid
-            plot_grid({k: g.float() for k, g in grids.items()}, out)
+        with output_errors(out):
+            plot(tables, out, mark=min(lengths) if len(set(lengths)) > 1 else None)
+            if all(g.dim() == 3 for g in grids.values()):  # image grids: similarity to reference patches on the grid
+                plot_grid({k: g.float() for k, g in grids.items()}, out)
     return analysis
 
 
@@ -491,7 +506,9 @@ def _retrieval(model: str, data: list[Path], tasks: str, lengths: str, documents
     if report.short_input_cosine is not None:
         console.print(f"  short inputs: mean cosine to {reference}: {report.short_input_cosine:.4f}", highlight=False)
     if json_path:
-        json_path.write_text(json.dumps(report.to_dict(), indent=2))
+        from .io import write_file
+
+        write_file(json_path, json.dumps(report.to_dict(), indent=2))
 
 
 def run() -> None:

@@ -90,9 +90,9 @@ def _observe(config_json: str, cls_name: str | None) -> tuple[ArchitectureSpec, 
     config = json.loads(config_json)
     cls = twin._resolve(cls_name) or twin.model_class(config)
     model_type = config.get("model_type", "?")
-    base_saved = twin.meta_shapes(config, cls)
     base_all = twin.meta_shapes(config, cls, saved=False)
     params = _param_names(config, cls)
+    base = twin.base_prefix(config, cls)
     specs, reasons = [], []
     claimed: dict[str, str] = {}
     for path in length_fields(config):
@@ -107,7 +107,7 @@ def _observe(config_json: str, cls_name: str | None) -> tuple[ArchitectureSpec, 
         if not changed:
             continue
         try:
-            spec = _group(config, cls, path, value, changed, params, base_saved, model_type)
+            spec = _group(config, cls, path, value, changed, params, base)
         except UnsupportedArchitectureError as exc:
             reasons.append(str(exc))
             continue
@@ -129,6 +129,19 @@ def _observe(config_json: str, cls_name: str | None) -> tuple[ArchitectureSpec, 
     return tuple(specs)
 
 
+def _relative(name: str, base: str) -> str:
+    """``name`` relative to the base model (``mpnet.embeddings.x`` -> ``embeddings.x``), so that a
+    checkpoint saved bare or with any head of that base matches; names outside the base stay whole."""
+    return name.removeprefix(base + ".") if base else name
+
+
+def _name_pattern(name: str, base: str) -> str:
+    """A regex for ``name`` (relative to ``base``) as a headed or a bare checkpoint holds it."""
+    relative = _relative(name, base)
+    head = rf"(?:{re.escape(base)}\.)?" if base and relative != name else ""
+    return rf"^{head}{re.escape(relative)}$"
+
+
 def _param_names(config: Mapping[str, Any], cls: type) -> frozenset[str]:
     model = twin.build(config, device="meta", cls=cls)
     return frozenset(n for n, _ in model.named_parameters())
@@ -137,9 +150,12 @@ def _param_names(config: Mapping[str, Any], cls: type) -> frozenset[str]:
 def _group(
     config: dict[str, Any], cls: type, path: str, value: int,
     changed: dict[str, tuple[tuple[int, ...], tuple[int, ...] | None]],
-    params: frozenset[str], saved: Mapping[str, tuple[int, ...]], model_type: str,
+    params: frozenset[str], base: str,
 ) -> ArchitectureSpec | None:
-    """The spec of the tables and buffers that ``path`` drives, or None if it drives no lookup table."""
+    """The spec of the tables and buffers that ``path`` drives, or None if it drives no lookup table.
+
+    Names in the spec are relative to the base model ``base`` (see :func:`_relative`)."""
+    model_type = config.get("model_type", "?")
     tables, buffers, odd = [], [], []
     for name, (old, new) in changed.items():
         if new is None or len(new) != len(old):
@@ -170,10 +186,11 @@ def _group(
             f"{model_type}: {path}={value} but its table has {rows} rows with positions starting at row {first}; "
             "how the field counts positions is ambiguous."
         )
-    rules = _buffer_rules(small_config, cls, path, value, buffers, model_type)
+    rules = _buffer_rules(small_config, cls, path, value, buffers, base)
     _check_only_tables_follow(small_config, cls, path, value, tables + companions, first, model_type)
     return ArchitectureSpec(
-        model_type=model_type, prefix="", tables=tuple(tables + companions), length_keys=(path,), reserved=first,
+        model_type=model_type, prefix=base, tables=tuple(_relative(t, base) for t in tables + companions),
+        length_keys=(path,), reserved=first,
         config_counts_reserved=counts_reserved, buffers=rules, objective=_objective(config, cls),
         note="probed", group=group_name(path),
     )
@@ -251,11 +268,12 @@ def _check_only_tables_follow(
 
 
 def _buffer_rules(
-    small_config: dict[str, Any], cls: type, path: str, value: int, buffers: list[str], model_type: str,
+    small_config: dict[str, Any], cls: type, path: str, value: int, buffers: list[str], base: str,
 ) -> tuple[BufferRule, ...]:
     """How each buffer that follows the field is rebuilt: the one rule that reproduces a twin's."""
     if not buffers:
         return ()
+    model_type = small_config.get("model_type", "?")
     a = dict(twin.build(small_config, cls=cls).named_buffers())
     b = dict(twin.build(twin.set_path(small_config, path, value + DELTA), cls=cls).named_buffers())
     rules = []
@@ -271,7 +289,7 @@ def _buffer_rules(
                 f"{model_type}: buffer {name} {list(old.shape)} follows {path}, and "
                 + ("no rule (arange, zeros, causal mask) rebuilds it." if not found else f"several rules fit ({found}).")
             )
-        rules.append(BufferRule(rf"^{re.escape(name)}$", found[0], offset))
+        rules.append(BufferRule(_name_pattern(name, base), found[0], offset))
     return tuple(rules)
 
 

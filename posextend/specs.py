@@ -102,6 +102,13 @@ class Layout:
     reserved: int
     usable: int
     grid: tuple[int, ...] = ()
+    headed: bool = False  # the tables carry the base model's prefix (``mpnet.``); bare when False
+
+    @property
+    def kind(self) -> str:
+        """``headed`` (names under the base model's prefix, as a model with a head saves them) or
+        ``bare`` (the base model's own names, as sentence-transformers saves them)."""
+        return "headed" if self.headed else "bare"
 
 
 @dataclass(frozen=True)
@@ -156,6 +163,42 @@ class GridSpec:
         h, w = image_size
         old = get_path(config, self.image_key)
         return {self.image_key: h if h == w and isinstance(old, int) else [h, w]}
+
+
+def _missing_table(model_type: str, options: tuple[str, ...], names: frozenset[str] | set[str],
+                   config: Mapping[str, Any] | None) -> str:
+    """Why a table was not found: the names looked for, the nearest names the checkpoint holds, and
+    whether its weights are this family's at all (a twin of ``config`` knows its names)."""
+    import difflib
+
+    looked = " or ".join(repr(o) for o in options)
+    tail = ".".join(options[0].split(".")[-2:])  # position_embeddings.weight
+    near = sorted(n for n in names if n.endswith("." + tail))[:3] or difflib.get_close_matches(
+        options[0], sorted(names), n=3, cutoff=0.75)
+    if near:
+        return (f"This {model_type} checkpoint has no position table {looked}; its nearest names are "
+                f"{', '.join(repr(n) for n in near)}. Its weights were saved under other names than transformers' "
+                f"{model_type} classes use; re-save them with save_pretrained() or report this layout.")
+    if config is not None and _family_share(config, names) >= 0.5:
+        return (f"This {model_type} checkpoint holds a {model_type} model without its position table {looked} "
+                "(a base model saved without the module that holds the positions): there is no table to resize; "
+                "save the model with the module that holds it.")
+    return (f"This {model_type} checkpoint has no position table {looked}, and no name like it among its "
+            f"{len(names)} tensors: the weights do not look like a {model_type} model; check config.json's "
+            "model_type.")
+
+
+def _family_share(config: Mapping[str, Any], names: frozenset[str] | set[str]) -> float:
+    """The share of ``names`` that a twin of ``config`` saves, in the layout that matches best."""
+    from .errors import UnsupportedArchitectureError
+    from .twin import layout_class, meta_shapes
+
+    try:
+        cls, add = layout_class(config, names)
+        expected = meta_shapes(config, cls)
+    except UnsupportedArchitectureError:
+        return 0.0
+    return sum(add + n in expected for n in names) / max(1, len(names))
 
 
 def _pair(value: Any) -> tuple[int, int] | None:
@@ -227,7 +270,7 @@ class ArchitectureSpec:
         """How this family is known: ``spec`` (written here) or ``probed`` (observed on a twin)."""
         return "probed" if self.note == "probed" else "spec"
 
-    def table_names(self, names: set[str] | frozenset[str]) -> list[str]:
+    def table_names(self, names: set[str] | frozenset[str], config: Mapping[str, Any] | None = None) -> list[str]:
         """The full names of this spec's tables among ``names`` (bare or prefixed).
 
         Raises ``CorruptCheckpointError`` when a table is missing.
@@ -239,10 +282,7 @@ class ArchitectureSpec:
             if not candidates and table in self.optional:
                 continue
             if not candidates:
-                raise CorruptCheckpointError(
-                    f"No position table {table!r} (or {self.prefix}.{table!r}) in this "
-                    f"{self.model_type} checkpoint; is config.json's model_type right?"
-                )
+                raise CorruptCheckpointError(_missing_table(self.model_type, options, names, config))
             if len(candidates) > 1:
                 raise CorruptCheckpointError(
                     f"Both {candidates[0]!r} and {candidates[1]!r} are present; "
@@ -274,7 +314,7 @@ class ArchitectureSpec:
 
     def locate(self, shapes: Mapping[str, tuple[int, ...]], config: Mapping[str, Any]) -> Layout:
         """Find this spec's tables and buffers among named tensor ``shapes``; check rows against config."""
-        tables = self.table_names(frozenset(shapes))
+        tables = self.table_names(frozenset(shapes), config)
         reserved = self.reserved_rows(config)
         rows = self.usable_from_config(config) + reserved
         for name in tables:
@@ -288,8 +328,9 @@ class ArchitectureSpec:
                 )
         buffers = tuple(n for n in sorted(shapes) if any(rule.matches(n) for rule in self.buffers))
         dropped = tuple(n for n in sorted(shapes) if any(re.search(p, n) for p in self.dropped))
+        headed = bool(self.prefix) and tables[0].startswith(self.prefix + ".")
         return Layout(tuple(tables), buffers, dropped, reserved=reserved, usable=rows - reserved,
-                      grid=self.grid_shape(config))
+                      grid=self.grid_shape(config), headed=headed)
 
     def buffer_rule(self, name: str) -> BufferRule:
         return next(rule for rule in self.buffers if rule.matches(name))

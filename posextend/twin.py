@@ -163,6 +163,68 @@ def model_class(config: Mapping[str, Any]) -> type:
     )
 
 
+def base_class(config: Mapping[str, Any]) -> type | None:
+    """The type's bare base model class (``MPNetModel``: what sentence-transformers saves), if any."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+
+    names = MODEL_MAPPING_NAMES.get(config.get("model_type", ""))
+    found = [getattr(transformers, n, None) for n in ([names] if isinstance(names, str) else list(names or []))]
+    return next((c for c in found if isinstance(c, type)), None)
+
+
+def _head_classes(config: Mapping[str, Any]) -> list[type]:
+    """Every class transformers maps this model type to (each head of the same base)."""
+    import transformers
+    from transformers.models.auto import modeling_auto
+
+    model_type, out = config.get("model_type", ""), []
+    for key, mapping in sorted(vars(modeling_auto).items()):
+        if key.startswith("MODEL_") and key.endswith("_MAPPING_NAMES") and isinstance(mapping, Mapping):
+            names = mapping.get(model_type)
+            for name in [names] if isinstance(names, str) else list(names or []):
+                cls = getattr(transformers, name, None)
+                if isinstance(cls, type) and cls not in out:
+                    out.append(cls)
+    return out
+
+
+def base_prefix(config: Mapping[str, Any], cls: type | None = None) -> str:
+    """Where ``cls`` (default: :func:`model_class`) keeps its base model: its ``base_model_prefix``
+    when its tensors live under it (``mpnet`` for ``MPNetForMaskedLM``), else ``""``."""
+    cls = cls or model_class(config)
+    prefix = getattr(cls, "base_model_prefix", "") or ""
+    if prefix and any(n.startswith(prefix + ".") for n in meta_shapes(config, cls, saved=False)):
+        return prefix
+    return ""
+
+
+def layout_class(config: Mapping[str, Any], names: frozenset[str] | set[str]) -> tuple[type, str]:
+    """The class whose saved tensor names a checkpoint holds, and the prefix its names lack.
+
+    Candidates: the class ``architectures`` names (headed), the bare base class (sentence-transformers,
+    many hub uploads), other heads of the same base; the first that holds every name wins, else the
+    one holding most. Bare weights of a family with no bare class (TrOCR) are the named class's with
+    its base prefix (``"model."``) added, as ``from_pretrained`` adds it.
+    """
+    named = model_class(config)
+    prefix = base_prefix(config, named)
+    candidates = [(named, ""), *([(named, prefix + ".")] if prefix else []),
+                  *((c, "") for c in (base_class(config), *_head_classes(config)) if c and c is not named)]
+    best, best_count = candidates[0], -1
+    for cls, add in candidates:
+        try:
+            expected = meta_shapes(config, cls)
+        except UnsupportedArchitectureError:
+            continue
+        count = sum(add + n in expected for n in names)
+        if count == len(names):
+            return cls, add
+        if count > best_count:
+            best, best_count = (cls, add), count
+    return best
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0][:200]}" if text else type(exc).__name__

@@ -63,6 +63,7 @@ class Result:
     groups: list[dict] = field(default_factory=list)
     reason: str = ""
     seconds: float = 0.0
+    layouts: dict[str, dict] = field(default_factory=dict)  # layout -> {"outcome", "reason"}
 
 
 def model_types() -> list[str]:
@@ -139,32 +140,134 @@ def holds_table(config: dict, cls: type) -> str:
     return kind
 
 
+def _owned(model):
+    """``model`` in float32, eval mode, every tensor 64-byte aligned: weights left mapped from a file sit
+    at the file's offsets, and CPU kernels round differently at other alignments (1e-8 noise)."""
+    model = model.float().eval()
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if tensor.data_ptr() % 64:
+            tensor.data = tensor.data.clone()
+    return model
+
+
+def _tensors(out, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Every tensor of a forward's output (logits, encoder states, n-gram logits ...), by a stable name."""
+    if isinstance(out, torch.Tensor):
+        return {prefix or "output": out}
+    items = out.items() if hasattr(out, "items") else enumerate(out) if isinstance(out, (tuple, list)) else ()
+    found: dict[str, torch.Tensor] = {}
+    for key, value in items:
+        if value is not None:
+            found.update(_tensors(value, f"{prefix}.{key}" if prefix else str(key)))
+    return found
+
+
+def _stack_inputs(model, path: str, lengths: dict[str, int], config: dict) -> dict[str, torch.Tensor]:
+    """Token inputs of module ``path``: each stack (``input_ids``, ``decoder_input_ids`` ...) gets random
+    plain tokens of its length in ``lengths`` (else 5 + its index), the same for the same lengths."""
+    module = model.get_submodule(path) if path else model
+    inputs = twin.forward_inputs(model, module, torch.zeros((1, 5), dtype=torch.long))
+    for i, key in enumerate(_stacks(inputs)):
+        inputs[key] = twin.random_tokens(config, lengths.get(key, 5 + i), seed=i)
+    if "bbox" in inputs:  # layout models: one box per token of the first stack
+        inputs["bbox"] = torch.zeros((*inputs[_stacks(inputs)[0]].shape, 4), dtype=torch.long)
+    return inputs
+
+
+def _stacks(inputs: dict[str, torch.Tensor]) -> list[str]:
+    """The inputs that are token ids of a stack (encoder, decoder)."""
+    return [k for k, v in inputs.items() if k != "bbox" and v.dtype == torch.long and v.dim() == 2]
+
+
+def _run(model, path: str, inputs: dict[str, torch.Tensor], watch: dict[str, torch.Tensor] | None = None):
+    """``(outputs, lookups)``: every output tensor of module ``path`` on ``inputs``, and the rows of each
+    lookup into ``watch``'s tables."""
+    import contextlib
+
+    module = model.get_submodule(path) if path else model
+    watching = twin._Lookups(watch) if watch else contextlib.nullcontext()
+    with watching, torch.no_grad(), twin._quiet():
+        torch.manual_seed(0)
+        out = module(**inputs)
+    return _tensors(out), (watching.seen if watch else {})
+
+
+def _outermost(model, tables: list[str], config: dict) -> tuple[str, dict[str, torch.Tensor]]:
+    """The outermost module around ``tables`` that runs on token ids alone (the whole model where it can;
+    CLIPModel wants pixel values too: its text model), and its outputs on short inputs."""
+    failures = []
+    for path in twin._paths_around(tables):
+        module = model.get_submodule(path) if path else model
+        if twin.forward_inputs(model, module, torch.zeros((1, 5), dtype=torch.long)) is None:
+            continue
+        try:
+            return path, _run(model, path, _stack_inputs(model, path, {}, config))[0]
+        except Exception as exc:  # needs more than token ids: the next module inside
+            failures.append(f"{path or type(model).__name__}: {twin._first_line(exc)}")
+    raise AssertionError(f"no module around {tables[0]} runs on 5 tokens ({'; '.join(failures[-2:])})")
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], what: str) -> None:
+    """Bit-identical outputs, every tensor and its shape."""
+    assert a.keys() == b.keys(), f"{what}: the outputs differ ({sorted(a.keys() ^ b.keys())[:3]})"
+    for key in a:
+        x, y = a[key], b[key]
+        assert x.shape == y.shape, f"{what}: output {key} changed shape {list(x.shape)} -> {list(y.shape)}"
+        assert torch.equal(x, y), f"{what}: output {key} changed (max diff {float((x - y).abs().max()):.3g})"
+
+
 def check_written(src: Path, dst: Path, cls: type, spec, new: int) -> None:
-    """Independent checks of a written checkpoint; raises AssertionError naming the first that fails."""
+    """Independent checks of a written checkpoint; raises AssertionError naming the first that fails.
+
+    On the whole model (where it runs on token ids alone; else the outermost module around the tables
+    that does), with every stack it has (encoder and decoder inputs):
+    - loads cleanly;
+    - short inputs of every stack: every output tensor bit-identical to the source's, shapes included;
+    - each stack that looks the resized tables up runs at the full new length (the others short), its
+      lookups inside the tables and by position, its outputs finite;
+    - the same stack at the source's full length: outputs bit-identical to the source's;
+    - config and tokenizer state the new length.
+    """
     loaded, info = cls.from_pretrained(dst, output_loading_info=True)
     problems = {k: v for k, v in info.items() if v}
     assert not problems, f"from_pretrained is not clean: {problems}"
-    loaded = loaded.float().eval()
-    source = cls.from_pretrained(src).float().eval()
+    loaded, source = _owned(loaded), _owned(cls.from_pretrained(src))
     params = dict(loaded.named_parameters())
     tables = [t for t in spec.table_names(frozenset(params) | frozenset(dict(loaded.named_buffers())))
               if t in params]
-    token = twin.safe_token(json.loads((dst / "config.json").read_text()))
-    used, path = twin.run_lookups(loaded, tables, new, token=token)  # full new length
-    for name, rows in used.items():
-        assert int(rows.max()) < params[name].shape[0], f"{name} looked up past its end"
-        assert torch.equal(rows[:new], torch.arange(rows[0], rows[0] + new)), f"{name} not looked up by position"
-    short = torch.full((1, 5), token, dtype=torch.long)
-    torch.manual_seed(0)
-    a = twin.forward_output(source, path, short)
-    torch.manual_seed(0)
-    b = twin.forward_output(loaded, path, short)
-    if a.dim() > 1 and a.shape[0] == b.shape[0] and a.shape[2:] == b.shape[2:]:  # outputs as long as the table
-        n = min(a.shape[1], b.shape[1])  # (Perceiver's decoder queries): compare the positions both have
-        a, b = a[:, :n], b[:, :n]
-    assert torch.equal(a, b), f"tile changed outputs on a short input (max diff {float((a - b).abs().max()):.3g})"
-    cfg = json.loads((dst / "config.json").read_text())
-    assert spec.usable_from_config(cfg) == new, "config does not state the new length"
+    config = json.loads((dst / "config.json").read_text())
+    watch = {t: params[t] for t in tables}
+    path, before = _outermost(source, tables, config)
+    where = path or cls.__name__
+    # short inputs (stack i: 5 + i tokens): identical outputs; the lengths of the lookups tell which stacks use the tables
+    short = _stack_inputs(loaded, path, {}, config)
+    after, seen = _run(loaded, path, short, watch)
+    _same(before, after, f"{where} on short inputs")
+    stacks = {short[k].shape[1]: k for k in _stacks(short)}
+    users = {stacks.get(len(rows)) for looks in seen.values() for rows in looks}
+    resized = list(stacks.values()) if None in users or not users else [k for k in stacks.values() if k in users]
+    old = spec.usable_from_config(json.loads((src / "config.json").read_text()))
+    for stack in resized:
+        try:
+            out, seen = _run(loaded, path, _stack_inputs(loaded, path, {stack: new}, config), watch)
+        except Exception as exc:
+            raise AssertionError(f"{where} fails with {stack} at the full new length {new} ({twin._first_line(exc)})") from None
+        for name, looks in seen.items():
+            for rows in looks:
+                assert int(rows.max()) < params[name].shape[0], f"{name} looked up past its end"
+                if len(rows) == new:
+                    assert torch.equal(rows, torch.arange(rows[0], rows[0] + new)), f"{name} not looked up by position"
+        main = next(iter(out.values()))
+        assert not main.is_floating_point() or bool(main.isfinite().all()), \
+            f"{where}: non-finite outputs with {stack} at the full new length {new}"
+        try:  # the old full length: what the source computes
+            before = _run(source, path, _stack_inputs(source, path, {stack: old}, config))[0]
+        except Exception as exc:
+            raise AssertionError(f"the source's {where} fails with {stack} at its stated length {old} "
+                                 f"({twin._first_line(exc)})") from None
+        _same(before, _run(loaded, path, _stack_inputs(loaded, path, {stack: old}, config))[0],
+              f"{where} with {stack} at the old length {old}")
+    assert spec.usable_from_config(config) == new, "config does not state the new length"
     tok = json.loads((dst / "tokenizer_config.json").read_text())
     assert tok["model_max_length"] == new, "tokenizer model_max_length disagrees"
 
@@ -199,28 +302,27 @@ def _tiny_twin(config: dict, cls: type):
     return first or failure
 
 
-def census_one(model_type: str, workdir: Path) -> Result:
+# How users hold a checkpoint of a family with a head: (a) headed, as save_pretrained writes the headed class;
+# (b) bare base-model weights under the headed class's ``architectures`` (sentence-transformers, hub uploads);
+# (c) bare weights under the base class's own ``architectures``.
+LAYOUTS = ("headed", "bare", "bare-class")
+OUTCOMES = ("verified", "refused", "silently-wrong", "error")  # of a layout
+
+
+def census_one(model_type: str, workdir: Path, layouts: tuple[str, ...] = LAYOUTS) -> Result:
+    """Resize a tiny twin of ``model_type`` saved in each of ``layouts`` and check it independently.
+
+    ``outcome`` and ``reason`` are the headed layout's; ``layouts`` records every layout's outcome
+    (the bare ones for a family whose headed class keeps its base model under a prefix).
+    """
     start = time.perf_counter()
     result = Result(model_type, "")
     try:
-        try:
-            config = default_config(model_type)
-        except Exception as exc:  # transformers cannot make this type's default config
-            result.outcome, result.reason = "no-twin", twin._first_line(exc)
+        built = _build(model_type, result)
+        if built is None:
             return result
-        cls = _class_for(model_type, config)
-        if cls is None:
-            result.outcome, result.reason = "no-twin", "transformers has no model class for it"
-            return result
-        result.cls = cls.__name__
-        config["architectures"] = [cls.__name__]
-        config = capped(config)
-        built = _tiny_twin(config, cls)
-        if isinstance(built, str):
-            result.outcome, result.reason = "no-twin", built
-            return result
-        model, small = built
-        src = workdir / model_type / "src"
+        cls, model, small = built
+        src = workdir / model_type / "headed"
         model.save_pretrained(src)
         try:
             specs = all_specs(json.loads((src / "config.json").read_text()))
@@ -237,29 +339,16 @@ def census_one(model_type: str, workdir: Path) -> Result:
             result.outcome, result.reason = "grid-spec", f"image grid ({grids[0].model_type}): tests/test_vision.py"
             return result
         result.covered_by = specs[0].covered_by
-        for spec in specs:
-            info = posextend.inspect_checkpoint(src) if len(specs) == 1 else None
-            usable = spec.usable_from_config(json.loads((src / "config.json").read_text()))
-            (src / "tokenizer_config.json").write_text(json.dumps({"model_max_length": usable}))
-            new = 2 * usable
-            dst = workdir / model_type / f"dst-{spec.group}"
-            group = {"group": spec.group, "tables": list(spec.tables), "reserved": spec.reserved_rows(small),
-                     "length": spec.length_keys[0], "usable": usable}
-            result.groups.append(group)
-            try:
-                report = posextend.resize_checkpoint(src, dst, new, "tile", seed=0, verify=True,
-                                                     table=spec.group if len(specs) > 1 else None)
-            except posextend.PosExtendError as exc:
-                result.outcome, result.reason = "refused", f"{spec.group}: {exc}"
-                return result
-            group["tables"] = report.tables
-            try:
-                check_written(src, dst, cls, spec, new)
-            except Exception as exc:  # the worst outcome: written, then wrong
-                result.outcome, result.reason = "silently-wrong", f"{spec.group}: {twin._first_line(exc)}"
-                return result
-            del info
-        result.outcome = "verified"
+        result.outcome, result.reason = _resize_and_check(src, cls, specs, small, result.groups)
+        prefix = twin.base_prefix(small, cls)
+        if result.outcome != "verified" or not prefix:  # the class is its own base: one layout
+            return result
+        base = twin.base_class(small)
+        base = None if base is cls else base
+        result.layouts["headed"] = {"outcome": result.outcome, "reason": ""}
+        for layout in layouts:
+            if layout == "bare" or (layout == "bare-class" and base is not None):
+                result.layouts[layout] = _bare_layout(layout, src, cls, base, prefix, small, specs)
         return result
     except Exception as exc:  # a bug in the census or posextend itself
         result.outcome, result.reason = "error", "".join(traceback.format_exception_only(exc)).strip()[:300]
@@ -267,6 +356,78 @@ def census_one(model_type: str, workdir: Path) -> Result:
     finally:
         shutil.rmtree(workdir / model_type, ignore_errors=True)
         result.seconds = round(time.perf_counter() - start, 2)
+
+
+def _build(model_type: str, result: Result) -> tuple[type, object, dict] | None:
+    """(headed class, tiny twin, its config), or None with ``result`` saying why there is no twin."""
+    try:
+        config = default_config(model_type)
+    except Exception as exc:  # transformers cannot make this type's default config
+        result.outcome, result.reason = "no-twin", twin._first_line(exc)
+        return None
+    cls = _class_for(model_type, config)
+    if cls is None:
+        result.outcome, result.reason = "no-twin", "transformers has no model class for it"
+        return None
+    result.cls = cls.__name__
+    config["architectures"] = [cls.__name__]
+    built = _tiny_twin(capped(config), cls)
+    if isinstance(built, str):
+        result.outcome, result.reason = "no-twin", built
+        return None
+    return cls, *built
+
+
+def _bare_layout(layout: str, headed: Path, cls: type, base: type | None, prefix: str, small: dict,
+                 specs: list) -> dict:
+    """Save the base model alone (``bare``: under the headed ``architectures``), resize and check it.
+
+    A family without a bare class in transformers (TrOCR) gets the headed file's tensors under
+    ``prefix`` with the prefix cut, which its headed class loads (``from_pretrained`` adds it back).
+    """
+    src = headed.parent / layout
+    if base is not None:
+        twin.build(small, cls=base, seed=1).save_pretrained(src)
+    else:
+        from safetensors.torch import load_file, save_file
+
+        shutil.copytree(headed, src)
+        state = load_file(src / "model.safetensors")
+        save_file({n.removeprefix(prefix + "."): t for n, t in state.items() if n.startswith(prefix + ".")},
+                  src / "model.safetensors", metadata={"format": "pt"})
+    if layout == "bare":  # what sentence-transformers and many hub uploads leave
+        config = json.loads((src / "config.json").read_text())
+        (src / "config.json").write_text(json.dumps({**config, "architectures": [cls.__name__]}))
+    outcome, reason = _resize_and_check(src, base or cls, specs, small, [])
+    return {"outcome": outcome, "reason": reason}
+
+
+def _resize_and_check(src: Path, cls: type, specs: list, small: dict, groups: list[dict]) -> tuple[str, str]:
+    """Resize each length of the checkpoint at ``src`` 2x with ``tile``, check each with ``cls`` (the class
+    whose names the file holds); ``(outcome, reason)``."""
+    for spec in specs:
+        try:
+            posextend.inspect_checkpoint(src)  # inspect works on every layout, or refuses with a reason
+        except posextend.PosExtendError as exc:
+            return "refused", f"inspect: {exc}"
+        usable = spec.usable_from_config(json.loads((src / "config.json").read_text()))
+        (src / "tokenizer_config.json").write_text(json.dumps({"model_max_length": usable}))
+        new = 2 * usable
+        dst = src.parent / f"{src.name}-{spec.group}"
+        group = {"group": spec.group, "tables": list(spec.tables), "reserved": spec.reserved_rows(small),
+                 "length": spec.length_keys[0], "usable": usable}
+        groups.append(group)
+        try:
+            report = posextend.resize_checkpoint(src, dst, new, "tile", seed=0, verify=True,
+                                                 table=spec.group if len(specs) > 1 else None)
+        except posextend.PosExtendError as exc:
+            return "refused", f"{spec.group}: {exc}"
+        group["tables"] = report.tables
+        try:
+            check_written(src, dst, cls, spec, new)
+        except Exception as exc:  # the worst outcome: written, then wrong
+            return "silently-wrong", f"{spec.group}: {twin._first_line(exc)}"
+    return "verified", ""
 
 
 def run(types: list[str], *, progress: bool = False) -> list[Result]:
@@ -296,6 +457,16 @@ def markdown(results: list[Result]) -> str:
         "|---|---|",
         *(f"| {k} | {v} |" for k, v in sorted(counts.items())),
         "",
+        "Layouts, for every verified family whose headed class keeps its base model under a prefix: "
+        "**headed** (as `save_pretrained` writes the headed class), **bare** (the base model's weights alone under "
+        "the headed class's `architectures`, as sentence-transformers and many hub uploads leave them), "
+        "**bare-class** (the bare weights under the base class's own `architectures`, where transformers has one). "
+        "Each is resized, loaded by the class whose names the file holds, and checked the same way.",
+        "",
+        "| layout | " + " | ".join(OUTCOMES) + " |",
+        "|---|" + "---|" * len(OUTCOMES),
+        *(f"| {k} | " + " | ".join(str(v.get(o, 0)) for o in OUTCOMES) + " |" for k, v in layout_counts(results).items()),
+        "",
         "- **spec**: a written spec in `posextend/specs.py`; **probed**: observed on a twin of the model's own config.",
         "- **refused**: no learned absolute 1-D table (rotary, relative, sinusoidal, none), with the reason.",
         "- **grid**: a 2-D image-patch grid (ViT and relatives) without a written grid spec: refused.",
@@ -304,15 +475,30 @@ def markdown(results: list[Result]) -> str:
         "- **grid-spec**: a 2-D image-patch grid resized with `--image-size` by a written spec, checked by "
         "`tests/test_vision.py` (the same outputs as transformers' run-time `interpolate_pos_encoding`).",
         "",
-        "| model type | outcome | covered by | class | tables (group: reserved rows, length field) | reason |",
-        "|---|---|---|---|---|---|",
+        "| model type | outcome | covered by | class | layouts | tables (group: reserved rows, length field) | reason |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in results:
         tables = "<br>".join(f"{g['group']}: `{', '.join(g['tables'])}` ({g['reserved']}, `{g['length']}`)"
                              for g in r.groups)
-        reason = re.sub(r"\s+", " ", r.reason.replace("|", "\\|"))[:220]
-        lines.append(f"| `{r.model_type}` | {r.outcome} | {r.covered_by} | {r.cls} | {tables} | {reason} |")
+        reason = _cell(r.reason) + "".join(f"<br>{k}: {_cell(v['reason'])}" for k, v in r.layouts.items() if v["reason"])
+        layouts = ", ".join(f"{k} {v['outcome']}" for k, v in r.layouts.items())
+        lines.append(f"| `{r.model_type}` | {r.outcome} | {r.covered_by} | {r.cls} | {layouts} | {tables} | {reason} |")
     return "\n".join(lines) + "\n"
+
+
+def _cell(text: str) -> str:
+    return re.sub(r"\s+", " ", text.replace("|", "\\|"))[:220]
+
+
+def layout_counts(results: list[Result]) -> dict[str, dict[str, int]]:
+    """``{layout: {outcome: families}}`` over the families checked in more than one layout."""
+    counts: dict[str, dict[str, int]] = {}
+    for r in results:
+        for layout, v in r.layouts.items():
+            counts.setdefault(layout, {}).setdefault(v["outcome"], 0)
+            counts[layout][v["outcome"]] += 1
+    return counts
 
 
 def main() -> None:
@@ -330,6 +516,7 @@ def main() -> None:
     for r in results:
         counts[r.outcome] = counts.get(r.outcome, 0) + 1
     print(json.dumps(counts, sort_keys=True))
+    print(json.dumps({"layouts": layout_counts(results)}, sort_keys=True))
 
 
 if __name__ == "__main__":

@@ -38,10 +38,31 @@ def workdir(tmp_path_factory):
     return tmp_path_factory.mktemp("census")
 
 
+def _check_layouts(result) -> None:
+    """Every layout the record holds is checked again: never written and then wrong, no layout lost, and a
+    refusal only as recorded, with a sentence that says why."""
+    recorded = RECORDED[result.model_type].get("layouts", {})
+    assert set(result.layouts) == set(recorded), "rerun the census to record this family's layouts"
+    for layout, got in result.layouts.items():
+        assert got["outcome"] not in ("silently-wrong", "error"), f"{layout}: {got['reason']}"
+        assert got["outcome"] == recorded[layout]["outcome"], f"{layout}: {got['reason']}"
+        assert got["outcome"] == "verified" or len(got["reason"]) > 40, f"{layout}: {got['reason']}"
+
+
+def test_every_family_with_a_head_is_recorded_in_every_layout():
+    with_head = [r for r in RECORDED.values() if r["layouts"]]
+    assert len(with_head) >= 55
+    assert all({"headed", "bare"} <= set(r["layouts"]) for r in with_head)
+    refused = {t: sorted(k for k, v in r["layouts"].items() if v["outcome"] != "verified")
+               for t, r in RECORDED.items() if r["layouts"]}
+    assert {t: k for t, k in refused.items() if k} == {"perceiver": ["bare", "bare-class"]}
+
+
 @pytest.mark.parametrize("model_type", MUST_VERIFY)
 def test_named_families_are_verified(workdir, model_type):
     result = census.census_one(model_type, workdir)
     assert result.outcome == "verified", result.reason
+    _check_layouts(result)
 
 
 @pytest.mark.parametrize("model_type", [t for t in WITH_TABLE if t not in MUST_VERIFY])
@@ -49,6 +70,7 @@ def test_every_type_with_a_table_is_verified_or_refused_with_a_reason(workdir, m
     result = census.census_one(model_type, workdir)
     assert result.outcome not in ("silently-wrong", "error"), result.reason
     assert result.outcome == RECORDED[model_type]["outcome"], result.reason
+    _check_layouts(result)
     if result.outcome != "verified":
         assert len(result.reason) > 40  # a sentence that says why
 
