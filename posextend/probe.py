@@ -214,6 +214,15 @@ def _first_row(
         if not torch.equal(rows[:LOOKUP_TOKENS], torch.arange(start, start + LOOKUP_TOKENS)):
             log.debug("%s: %s is looked up at rows %s, not by position", model_type, name, rows.tolist()[:10])
             return None, small_config
+    for name, rows in used.items():
+        last = int(rows[0]) + LOOKUP_TOKENS - 1
+        if int(rows.max()) > last:  # a lookup past the positions' rows: fewer positions fit than the rows say
+            raise UnsupportedArchitectureError(
+                f"{model_type}: {LOOKUP_TOKENS} positions use rows {int(rows[0])}..{last} of {name}, but the model "
+                f"also looks up row {int(rows.max())} (e.g. a decoder stream that reads the next position's row), "
+                f"so {int(rows.max()) - last} row(s) past the last position are needed and {path} does not say "
+                "how many positions fit; a resized table would fail at its full length."
+            )
     starts = {int(rows[0]) for rows in used.values()}
     if len(starts) != 1:
         raise UnsupportedArchitectureError(f"{model_type}: the tables {path} drives start at different rows {starts}.")
@@ -255,13 +264,16 @@ def _check_only_tables_follow(
             f"{model_type}: a twin does not run on {n} tokens ({twin._first_line(exc)}), so it cannot be checked "
             f"that {path} changes nothing but the tables."
         ) from None
-    if x.dim() > 1 and x.shape[0] == y.shape[0] and x.shape[2:] == y.shape[2:]:  # outputs as long as the table
-        n = min(x.shape[1], y.shape[1])
-        x, y = x[:, :n], y[:, :n]
-    if x.shape != y.shape or not torch.equal(x, y):
-        diff = f" by up to {float((x - y).abs().max()):.2g}" if x.shape == y.shape else ""
+    if x.shape != y.shape:  # the output follows the table's length, not the input's
         raise UnsupportedArchitectureError(
-            f"{model_type}: changing {path} changes the model's outputs on short inputs{diff} even with its "
+            f"{model_type}: changing {path} changes the shape of the model's output on a {n}-token input "
+            f"({list(x.shape)} -> {list(y.shape)}): the model uses a table whole, one output per row (Perceiver's "
+            "decoder queries), so a resized table would change every output, not only what the new positions add."
+        )
+    if not torch.equal(x, y):
+        raise UnsupportedArchitectureError(
+            f"{model_type}: changing {path} changes the model's outputs on short inputs by up to "
+            f"{float((x - y).abs().max()):.2g} even with its "
             "tables' rows kept: the field also sets something no tensor shape shows (e.g. the scale of relative "
             "position buckets), so a longer table would change the model."
         )
@@ -319,7 +331,7 @@ def verify(
     config = json.loads((directory / "config.json").read_text())
     _check_shapes(config, spec, tables, shapes, source_shapes, cls)
     try:
-        used, _ = twin.tiny_lookups(config, cls, tables, usable)
+        used, _ = twin.tiny_lookups(config, cls, tables, usable, whole=True)
     except RuntimeError as exc:
         raise VerificationError(
             f"A twin of the written {spec.model_type} checkpoint fails at its full length {usable} ({exc}); "

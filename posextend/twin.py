@@ -313,9 +313,10 @@ def meta_shapes(config: Mapping[str, Any], cls: type | None = None, *, saved: bo
 
 
 def tiny_lookups(
-    config: Mapping[str, Any], cls: type | None, tables: list[str], length: int,
+    config: Mapping[str, Any], cls: type | None, tables: list[str], length: int, *, whole: bool = False,
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """:func:`run_lookups` on a tiny CPU twin: widths shrunk if such a twin runs, else layers only.
+    ``whole``: :func:`run_whole` instead (the module that runs on a few tokens, at ``length``).
 
     Returns the rows used and the shrunk config. Raises ``RuntimeError`` naming the failures.
     """
@@ -330,7 +331,7 @@ def tiny_lookups(
             failures.append(f"building: {_first_line(exc)}")
             continue
         try:
-            return run_lookups(model, tables, length, token=safe_token(small))[0], small
+            return (run_whole if whole else run_lookups)(model, tables, length, token=safe_token(small))[0], small
         except RuntimeError as exc:
             failures.append(str(exc))
     raise RuntimeError(failures[-1] if failures else "no twin")
@@ -428,8 +429,9 @@ def run_lookups(
     """Run the outermost module around ``tables`` that takes token ids on ``length`` tokens.
 
     Only tables that are parameters are watched (a companion buffer such as I-BERT's
-    ``weight_integer`` follows its table but is not looked up). Returns the rows each table's first lookup used (for the first sequence) and the name of
-    the module that ran. Every token is ``token`` (never the padding id).
+    ``weight_integer`` follows its table but is not looked up). Returns the rows each table's lookups
+    used (for the first sequence; every lookup of the forward, concatenated, the first one first) and
+    the name of the module that ran. Every token is ``token`` (never the padding id).
     Raises ``RuntimeError`` with the last failure when no module on the way runs.
     """
     import torch
@@ -453,9 +455,50 @@ def run_lookups(
                 failures.append(f"{path or type(model).__name__}: {_first_line(exc)}")
                 continue
         if any(seen.seen[n] for n in tables):  # a table may also be used whole (Perceiver's output queries)
-            return {n: seen.seen[n][0] for n in tables if seen.seen[n]}, path or type(model).__name__
+            # every lookup, the first one first: a second one (ProphetNet's predicting stream reads
+            # position + 1) can reach rows past the positions
+            return {n: torch.cat(seen.seen[n]) for n in tables if seen.seen[n]}, path or type(model).__name__
         failures.append(f"{path or type(model).__name__}: ran without looking up {', '.join(tables)}")
     raise RuntimeError("; ".join(failures[-3:]) or "no module around the table takes input_ids")
+
+
+def run_whole(
+    model: nn.Module, tables: list[str], length: int, *, token: int, short: int = 5,
+) -> tuple[dict[str, torch.Tensor], str]:
+    """:func:`run_lookups` at ``length`` on the module that runs on ``short`` tokens, no module inside
+    it standing in for it: each of its token inputs (encoder, decoder) that looks ``tables`` up gets
+    ``length`` tokens, the others ``short``. Raises ``RuntimeError`` when that module fails.
+    """
+    import torch
+
+    _, name = run_lookups(model, tables, short, token=token)
+    path = name if name in dict(model.named_modules()) else ""
+    module = model.get_submodule(path) if path else model
+    learned = dict(model.named_parameters())
+    watched = {n: learned[n] for n in tables if n in learned}
+    base = forward_inputs(model, module, torch.full((1, short), token, dtype=torch.long)) or {}
+    stacks = [k for k, v in base.items() if k != "bbox" and v.dtype == torch.long and v.dim() == 2]
+
+    def run(lengths: dict[str, int]) -> dict[str, list[torch.Tensor]]:
+        kwargs = {k: torch.full((1, lengths.get(k, short)), token, dtype=torch.long) if k in stacks else v
+                  for k, v in base.items()}
+        if "bbox" in kwargs:
+            kwargs["bbox"] = torch.zeros((*kwargs[stacks[0]].shape, 4), dtype=torch.long)
+        with _Lookups(watched) as seen, torch.no_grad(), _quiet():
+            module(**kwargs)
+        return seen.seen
+
+    users = stacks
+    if len(stacks) > 1:  # which inputs look the tables up: by the length of each lookup
+        by_length = {short + i: k for i, k in enumerate(stacks)}
+        seen = run({k: short + i for i, k in enumerate(stacks)})
+        found = {by_length.get(len(rows)) for rows_list in seen.values() for rows in rows_list}
+        users = stacks if None in found or not found else [k for k in stacks if k in found]
+    try:
+        seen = run({k: length for k in users})
+    except Exception as exc:
+        raise RuntimeError(f"{name} with {', '.join(users)} of {length} tokens: {_first_line(exc)}") from None
+    return {n: torch.cat(seen[n]) for n in watched if seen[n]}, name
 
 
 def num_channels(config: Mapping[str, Any]) -> int:
@@ -500,8 +543,10 @@ def run_pixels(model: nn.Module, tables: list[str], image_size: tuple[int, int],
             continue
         if Resampling.calls:
             raise RuntimeError(f"{path or type(model).__name__} resamples its positions at its own image size")
-        return out if isinstance(out, torch.Tensor) else next(
-            v for k in ("last_hidden_state", "logits") if isinstance(v := getattr(out, k, None), torch.Tensor))
+        if isinstance(out, torch.Tensor):
+            return out
+        named = [getattr(out, k, None) for k in ("last_hidden_state", "logits")]  # else the first tensor (FLAVA)
+        return next(v for v in [*named, *(out.values() if hasattr(out, "values") else out)] if isinstance(v, torch.Tensor))
     raise RuntimeError("; ".join(failures[-3:]) or "no module around the table takes pixel_values")
 
 
