@@ -11,7 +11,8 @@ then times whole processes (wall clock, peak RSS of the process tree's largest m
   naive       from_pretrained → swap the wpe table (ViT: interpolate the grid, bicubic) →
               save_pretrained (transformers only)
   For ViT, posextend is `resize-model SRC DST --image-size 2*image_size` (bicubic, in torch).
-  cp          `cp -r SRC DST`
+  cp          `cp -r SRC DST`; "cp + fsync" also fsyncs the copy (`sync DST DST/*`), as posextend
+              does before its output appears (durable after a crash or power cut)
   startup     `posextend --version`: the interpreter and the tool, with no work;
               "startup + torch" is `python -c "import posextend.cli, torch"`, with the framework
               that non-row strategies need (posextend imports it in the background while copying)
@@ -163,6 +164,8 @@ def main() -> None:
             "startup": [posextend_bin, "--version"],
             "startup + torch": [sys.executable, "-c", "import posextend.cli, torch"],
             "cp": ["cp", "-r", str(src), "DST"],
+            # what posextend does on top of a copy: every written file and the folder on disk before the rename
+            "cp + fsync": ["sh", "-c", 'cp -r "$0" "$1" && sync "$1" "$1"/*', str(src), "DST"],
         }
         if family == "gpt2":  # the table doubled (tile: row bytes copied), and interpolated
             n = 2 * config["n_positions"]
@@ -204,13 +207,15 @@ def main() -> None:
     print(f"\nfp32 checkpoints: GPT-2's table doubled, ViT's image size doubled; median of {args.reps} runs; "
           f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}\n")
     print("| size | checkpoint | files | method | wall s | peak RSS MiB | wall vs cp | wall vs cp + startup "
-          "| wall vs cp + startup + torch |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| wall vs cp + fsync + startup | wall vs cp + fsync + startup + torch |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for size, nbytes, nfiles, results in rows:
         cp, startup, with_torch = results["cp"][0], results["startup"][0], results["startup + torch"][0]
+        synced = results["cp + fsync"][0]
         for method, (wall, rss) in results.items():
             print(f"| {size} | {nbytes / 2**30:.2f} GiB | {nfiles} | {method} | {wall:.2f} | {rss:.0f} | "
-                  f"{wall / cp:.2f}× | {wall / (cp + startup):.2f}× | {wall / (cp + with_torch):.2f}× |")
+                  f"{wall / cp:.2f}× | {wall / (cp + startup):.2f}× | {wall / (synced + startup):.2f}× | "
+                  f"{wall / (synced + with_torch):.2f}× |")
     print("\n| size | naive / posextend (wall) | naive / posextend (peak RSS) | naive / posextend interpolate (wall) |")
     print("|---|---|---|---|")
     for size, _, _, results in rows:
