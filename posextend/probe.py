@@ -215,18 +215,28 @@ def _first_row(
             log.debug("%s: %s is looked up at rows %s, not by position", model_type, name, rows.tolist()[:10])
             return None, small_config
     for name, rows in used.items():
-        last = int(rows[0]) + LOOKUP_TOKENS - 1
-        if int(rows.max()) > last:  # a lookup past the positions' rows: fewer positions fit than the rows say
+        first = _counting_run(rows)  # the first lookup (LED's runs on, over the padding to its attention window)
+        last, later = int(rows[first - 1]), rows[first:]
+        if later.numel() and int(later.max()) > last:  # a later lookup past the positions' rows: fewer fit
             raise UnsupportedArchitectureError(
-                f"{model_type}: {LOOKUP_TOKENS} positions use rows {int(rows[0])}..{last} of {name}, but the model "
-                f"also looks up row {int(rows.max())} (e.g. a decoder stream that reads the next position's row), "
-                f"so {int(rows.max()) - last} row(s) past the last position are needed and {path} does not say "
-                "how many positions fit; a resized table would fail at its full length."
+                f"{model_type}: positions use rows {int(rows[0])}..{last} of {name}, but the model also looks up "
+                f"row {int(later.max())} (a decoder stream that reads the next position's row), so "
+                f"{int(later.max()) - last} row(s) past the last position are needed and {path} does not say how "
+                "many positions fit; a resized table would fail at its full length."
             )
     starts = {int(rows[0]) for rows in used.values()}
     if len(starts) != 1:
         raise UnsupportedArchitectureError(f"{model_type}: the tables {path} drives start at different rows {starts}.")
     return starts.pop(), small_config
+
+
+def _counting_run(rows: torch.Tensor) -> int:
+    """How many leading entries of ``rows`` count up by one from ``rows[0]`` (the first lookup, when
+    :func:`posextend.twin.run_lookups` gives every lookup of a forward one after another)."""
+    import torch
+
+    steps = torch.nonzero(rows[1:] - rows[:-1] != 1)
+    return int(steps[0]) + 1 if steps.numel() else rows.numel()
 
 
 def _check_only_tables_follow(

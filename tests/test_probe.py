@@ -662,8 +662,8 @@ def test_verification_catches_wrong_rows(tiny, tmp_path, monkeypatch):
     """The real verify, fed a twin that looks up the wrong rows, refuses the output."""
     real = twin.tiny_lookups
 
-    def shifted(config, cls, tables, length):
-        used, small = real(config, cls, tables, length)
+    def shifted(config, cls, tables, length, **kwargs):
+        used, small = real(config, cls, tables, length, **kwargs)
         return {n: rows + 1 for n, rows in used.items()}, small
 
     monkeypatch.setattr(twin, "tiny_lookups", shifted)
