@@ -8,6 +8,7 @@ Models whose positions are not a learned table are refused with what they use in
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from .errors import NotLearnedPositionsError, UnsupportedArchitectureError
@@ -39,13 +40,33 @@ def all_specs(config: Mapping[str, Any], *, cls: type | None = None) -> tuple[Ar
         return (GRID_SPECS[model_type],)
     from .probe import observe
 
-    tower = (VISION_TOWERS[model_type],) if model_type in VISION_TOWERS else ()
     try:
-        return observe(config, cls) + tower
+        specs, error = observe(config, cls), None
     except UnsupportedArchitectureError as e:
+        specs, error = (), e
+    grids, grid_error = _grids(config, cls)
+    if not specs and not grids:
         if model_type in RUN_TIME_GRIDS:  # the table it has is not one to resize on disk: say why
-            raise UnsupportedArchitectureError(f"Model type {model_type!r}: {RUN_TIME_GRIDS[model_type]}.") from e
-        raise
+            raise UnsupportedArchitectureError(f"Model type {model_type!r}: {RUN_TIME_GRIDS[model_type]}.") from error
+        raise grid_error or error
+    groups = {s.group for s in specs}  # a grid named like a length of positions (both at the top): "image"
+    return specs + tuple(replace(g, group="image") if g.group in groups else g for g in grids)
+
+
+def _grids(config: Mapping[str, Any], cls: type | None) -> tuple[tuple[ArchitectureSpec, ...], UnsupportedArchitectureError | None]:
+    """The image grids of a family without a written grid spec: a written tower (CLIP, SigLIP), else
+    observed on twins (:func:`posextend.grid_probe.observe_grids`); and why none, when it has an image size."""
+    model_type = config.get("model_type")
+    if model_type in VISION_TOWERS:
+        return (VISION_TOWERS[model_type],), None
+    if model_type in RUN_TIME_GRIDS:
+        return (), None
+    from .grid_probe import observe_grids
+
+    try:
+        return observe_grids(config, cls), None
+    except UnsupportedArchitectureError as e:
+        return (), e
 
 
 def spec_for(
@@ -69,6 +90,9 @@ def spec_for(
         if wanted == 2 and config.get("model_type") in RUN_TIME_GRIDS:
             raise UnsupportedArchitectureError(f"Model type {config.get('model_type')!r}: "
                                                f"{RUN_TIME_GRIDS[config.get('model_type')]}.")
+        grid_error = _grids(config, cls)[1] if wanted == 2 else None
+        if grid_error is not None:  # it has an image size, but its grid was refused: say why
+            raise grid_error
         raise UnsupportedArchitectureError(
             f"Model type {config.get('model_type')!r} has no learned table of {what} posextend resizes; "
             f"its tables: {', '.join(s.group for s in every)}."

@@ -62,6 +62,10 @@ def extend_model(
         if plan.spec.grid:
             _sync_image_attributes(model, plan, config)
         set_config(model, plan.config_updates(config))
+        if plan.spec.grid and plan.spec.covered_by == "probed":
+            from .grid_probe import sync_derived_buffers
+
+            sync_derived_buffers(model)  # buffers it computes from its config (OWL-ViT's box_bias)
         log.info("Extended %s in memory: %s -> %s (%s)", plan.spec.model_type, plan.layout.grid, plan.new_grid,
                  plan.strategy)
     return model

@@ -122,6 +122,11 @@ class GridSpec:
       registers); resampling strategies then do too unless told otherwise, to reproduce it.
     - ``strategy``: the family's own run-time resampling when it is not bicubic (DPT: bilinear);
       the default strategy for this family, so that a resized file computes what it computes.
+    - ``reference``: how a probed grid (:mod:`.grid_probe`) was verified: ``run-time`` (a table resized
+      with ``strategy``/``antialias`` computes what the family's own ``interpolate_pos_encoding`` does) or
+      ``load-and-run`` (no run-time path: the resized twin loads and runs at the new size); ``""`` when written.
+    - ``counts``: other config fields that count the image's patches, ``(field, extra)``: the field holds
+      ``patches + extra`` (LLaVA's ``image_seq_length``) and follows the new grid.
     """
 
     image_key: str = "image_size"
@@ -129,6 +134,8 @@ class GridSpec:
     square: bool = False
     antialias: bool = False
     strategy: str | None = None
+    reference: str = ""
+    counts: tuple[tuple[str, int], ...] = ()
 
     def sizes(self, config: Mapping[str, Any]) -> tuple[tuple[int, int], tuple[int, int]]:
         """``((height, width), (patch_h, patch_w))`` from ``config``."""
@@ -162,7 +169,9 @@ class GridSpec:
         """The image-size field for ``image_size``: an int when square and the field was an int."""
         h, w = image_size
         old = get_path(config, self.image_key)
-        return {self.image_key: h if h == w and isinstance(old, int) else [h, w]}
+        (ph, pw) = self.sizes(config)[1]
+        counts = {key: (h // ph) * (w // pw) + extra for key, extra in self.counts}
+        return {self.image_key: h if h == w and isinstance(old, int) else [h, w], **counts}
 
 
 def _missing_table(model_type: str, options: tuple[str, ...], names: frozenset[str] | set[str],

@@ -1,0 +1,487 @@
+"""Image-patch grids no spec states, observed on twins of the model (see :mod:`posextend.twin`).
+
+:func:`observe_grids` derives a family's grid specs from its own code, as :mod:`.probe` does for
+1-D tables: for every (sub-)config holding an ``image_size`` and a ``patch_size``, meta twins at
+the config's image size and two patches larger per side show which learned tables follow it (their
+rows move as ``prefix + (H/p)*(W/p)`` with the same prefix at both sizes) and which buffers do; a
+twin at ``[h, w + 2p]`` shows whether non-square images are handled. Then the family's method is
+observed, not assumed: where the module around the table takes ``interpolate_pos_encoding``, a tiny
+twin's run-time output at new sizes must equal (within :data:`TOLERANCE`) that of a twin whose table
+was resized by exactly one of :data:`CANDIDATES`; a family without a run-time path must load and run
+with a resized table. Anything inconclusive is refused with the reason.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import re
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from . import twin
+from .errors import UnsupportedArchitectureError
+from .specs import ArchitectureSpec, BufferRule, GridSpec, _pair, table_rows
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+log = logging.getLogger(__name__)
+
+STEP = 2  # patches added per side for the second twin
+TOLERANCE = 1e-5  # largest difference from the run-time interpolation a resized twin may show
+# (strategy, antialias): the resamplings a family's run-time interpolation is checked against
+CANDIDATES = (("bicubic", False), ("bicubic", True), ("bilinear", False), ("bilinear", True))
+
+
+def image_fields(config: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """``(image_key, patch_key)`` of the config and every sub-config holding an int or ``[h, w]``
+    ``image_size`` and ``patch_size`` (dotted: ``vision_config.image_size``)."""
+    return [(f"{prefix}image_size", f"{prefix}patch_size") for prefix, sub in twin.sub_configs(config)
+            if _pair(sub.get("image_size")) and _pair(sub.get("patch_size"))]
+
+
+def observe_grids(config: Mapping[str, Any], cls: type | None = None) -> tuple[ArchitectureSpec, ...]:
+    """The specs of the image-patch grids of a family without a written grid spec, observed on twins.
+
+    Returns ``()`` at once for a config without an image and a patch size. Raises
+    :class:`UnsupportedArchitectureError` naming what was inconclusive when it has one but no grid
+    can be resized safely.
+    """
+    if not image_fields(config):
+        return ()
+    name = f"{cls.__module__}.{cls.__qualname__}" if cls else None
+    found = _cached(json.dumps(dict(config), sort_keys=True, default=str), name)
+    if isinstance(found, str):
+        raise UnsupportedArchitectureError(found)
+    return found
+
+
+@functools.lru_cache(maxsize=64)
+def _cached(config_json: str, cls_name: str | None) -> tuple[ArchitectureSpec, ...] | str:
+    """The specs, or the refusal's message (refusals are remembered too: lookups ask again)."""
+    try:
+        return _observe_grids(config_json, cls_name)
+    except UnsupportedArchitectureError as exc:
+        return str(exc)
+
+
+def _observe_grids(config_json: str, cls_name: str | None) -> tuple[ArchitectureSpec, ...]:
+    config = json.loads(config_json)
+    cls = twin._resolve(cls_name) or twin.model_class(config)
+    model_type = config.get("model_type", "?")
+    base = twin.base_prefix(config, cls)
+    specs, reasons, claimed = [], [], {}
+    for image_key, patch_key in image_fields(config):
+        try:
+            spec = _observe_field(config, cls, image_key, patch_key, base)
+        except UnsupportedArchitectureError as exc:
+            reasons.append(str(exc))
+            continue
+        if spec is None:
+            continue
+        for t in spec.tables:
+            if t in claimed:
+                raise UnsupportedArchitectureError(
+                    f"{model_type}: the grid {t} follows both {claimed[t]} and {image_key}; which one sizes it is "
+                    "ambiguous."
+                )
+            claimed[t] = image_key
+        specs.append(spec)
+    if not specs:
+        why = "; ".join(reasons) if reasons else (
+            f"no image size ({', '.join(k for k, _ in image_fields(config))}) changes the rows of a learned table")
+        raise UnsupportedArchitectureError(
+            f"Model type {model_type!r} has no written grid spec, and its twin shows no image grid posextend can "
+            f"resize safely ({why})."
+        )
+    return tuple(specs)
+
+
+def _value(old: Any, size: tuple[int, int]) -> Any:
+    """The image-size field for ``size`` in the field's own form: an int when square and it was one."""
+    return size[0] if size[0] == size[1] and isinstance(old, int) else [size[0], size[1]]
+
+
+def _is_grid_table(old: tuple[int, ...], new: tuple[int, ...] | None, cells: int, new_cells: int) -> bool:
+    """``[1, rows, D]`` / ``[rows, D]`` whose rows are ``prefix + cells`` at both sizes, same prefix."""
+    if new is None or len(new) != len(old) or old[:-2] != new[:-2] or old[-1] != new[-1]:
+        return False
+    rows, new_rows = table_rows(old), table_rows(new)
+    return rows is not None and new_rows is not None and rows - cells == new_rows - new_cells >= 0
+
+
+def _observe_field(
+    config: dict[str, Any], cls: type, image_key: str, patch_key: str, base: str,
+) -> ArchitectureSpec | None:
+    """The spec of the grid ``image_key`` drives, or None when it drives no learned table."""
+    from .probe import _name_pattern, _param_names, _relative, group_name
+
+    model_type = config.get("model_type", "?")
+    old_value = twin.get_path(config, image_key)
+    (h, w), (ph, pw) = GridSpec(image_key, patch_key).sizes(config)
+    up = (h + STEP * ph, w + STEP * pw)
+    shapes = twin.meta_shapes(config, cls, saved=False)
+    saved = twin.meta_shapes(config, cls)
+    moved = _shapes_at(config, cls, image_key, _value(old_value, up))
+    changed = {n: (s, moved.get(n)) for n, s in shapes.items() if moved.get(n) != s}
+    added = [n for n in moved if n not in shapes]
+    if not changed and not added:
+        return None
+    params = _param_names(config, cls)
+    cells, up_cells = (h // ph) * (w // pw), (up[0] // ph) * (up[1] // pw)
+    tables, buffers, odd = [], [], []
+    for name, (old, new) in changed.items():
+        if name in params and _is_grid_table(old, new, cells, up_cells):
+            tables.append(name)
+        elif name not in params and new is not None:
+            buffers.append(name)
+        else:
+            odd.append(f"{name} {list(old)} -> {new and list(new)}")
+    odd += [f"{n} (only at the larger size) {list(moved[n])}" for n in added]
+    grid_text = f"prefix rows + {h // ph}x{w // pw} patches"
+    if not tables:
+        if odd:
+            raise UnsupportedArchitectureError(
+                f"{model_type}: {image_key} sizes {', '.join(odd[:3])}, but no learned table of {grid_text} "
+                f"(whose rows grow by {up_cells - cells} with two more patches a side); nothing posextend resizes "
+                "as a grid."
+            )
+        return None  # only buffers follow the image size (a grid resampled on every forward, or none)
+    if odd:
+        raise UnsupportedArchitectureError(
+            f"{model_type}: {image_key} sizes the grid {tables[0]} and also {', '.join(odd[:3])}, which is no grid "
+            f"of {grid_text} (e.g. relative position tables, or a table whose prefix changes with the size); "
+            "resizing the grid alone would leave it at the old size."
+        )
+    rows = {shapes[t][-2] for t in tables}
+    if len(rows) != 1:
+        raise UnsupportedArchitectureError(
+            f"{model_type}: the grids {image_key} sizes have different rows ({sorted(rows)}) for one patch grid: "
+            "which prefix each has is ambiguous.")
+    prefix = rows.pop() - cells
+    square = not _non_square_shapes(config, cls, image_key, (h, w), (ph, pw), tables, prefix)
+    small, source = _tiny_twin(config, cls, tables, (h, w), model_type)
+    rules, derived = _buffer_rules(small, cls, image_key, old_value, up, buffers, saved, cells + prefix,
+                                   up_cells + prefix, base, model_type)
+    probe = _Probe(small, cls, image_key, (h, w), (ph, pw), tables, prefix, rules, source, model_type)
+    strategy, antialias, reference, square = probe.method(square)
+    if derived:
+        log.debug("%s: buffers computed from the config follow %s: %s", model_type, image_key, derived)
+    grid = GridSpec(image_key, patch_key, square=square, antialias=antialias, strategy=strategy, reference=reference,
+                    counts=_counts(config, cells, prefix))
+    return ArchitectureSpec(
+        model_type=model_type, prefix=base, tables=tuple(_relative(t, base) for t in tables),
+        length_keys=(image_key,), reserved=prefix, buffers=tuple(BufferRule(_name_pattern(n, base), k, o)
+                                                                  for n, k, o in rules),
+        objective="other", note="probed", group=group_name(image_key), grid=grid,
+    )
+
+
+_COUNT_FIELD = re.compile(r"(image_tokens|image_seq_length|tokens_per_image|num_patches)$")
+
+
+def _counts(config: Mapping[str, Any], cells: int, prefix: int) -> tuple[tuple[str, int], ...]:
+    """Config fields named as a count of image tokens that hold the patch count (with or without the
+    prefix tokens): LLaVA's ``image_seq_length``, PaliGemma's ``num_image_tokens``; they follow the grid."""
+    found = []
+    for path, sub in twin.sub_configs(config):
+        for key, value in sub.items():
+            if (_COUNT_FIELD.search(key) and isinstance(value, int) and not isinstance(value, bool)
+                    and value in (cells, cells + prefix)):
+                found.append((path + key, value - cells))
+    return tuple(found)
+
+
+def _shapes_at(config: Mapping[str, Any], cls: type, image_key: str, value: Any) -> dict[str, tuple[int, ...]]:
+    return twin.meta_shapes(twin.set_path(config, image_key, value), cls, saved=False)
+
+
+def _non_square_shapes(config: dict[str, Any], cls: type, image_key: str, size: tuple[int, int],
+                       patch: tuple[int, int], tables: list[str], prefix: int) -> bool:
+    """Whether a meta twin at ``[h, w + 2p]`` builds, its grids at ``prefix + H * (W + 2)`` rows."""
+    (h, w), (ph, pw) = size, patch
+    try:
+        shapes = _shapes_at(config, cls, image_key, [h, w + STEP * pw])
+    except UnsupportedArchitectureError:
+        return False
+    want = prefix + (h // ph) * (w // pw + STEP)
+    return all(table_rows(shapes.get(t, ())) == want for t in tables)
+
+
+def _tiny_twin(config: dict[str, Any], cls: type, tables: list[str], size: tuple[int, int],
+               model_type: str) -> tuple[dict[str, Any], nn.Module]:
+    """A tiny CPU twin (widths shrunk if such a twin runs, else layers only; image and patch sizes kept)
+    that runs on an image of its own ``size`` without resampling its positions, and its config."""
+    failures = []
+    for widths in (True, False):
+        small = twin.shrink(config, widths=widths)
+        try:
+            model = twin.build(small, cls=cls)
+            twin.run_pixels(model, tables, size, twin.num_channels(small))
+        except UnsupportedArchitectureError:
+            raise
+        except Exception as exc:  # a foreign constructor or forward: try a milder shrink
+            if "resamples its positions" in str(exc):
+                raise UnsupportedArchitectureError(
+                    f"{model_type}: {exc}: it resamples its grid on every forward, so there is no table on disk that "
+                    "a new image size uses as it is."
+                ) from None
+            failures.append(twin._first_line(exc) if not isinstance(exc, RuntimeError) else str(exc)[:300])
+            continue
+        return small, model
+    raise UnsupportedArchitectureError(
+        f"{model_type}: a tiny twin does not run on an image of its own size {size[0]}x{size[1]} "
+        f"({failures[-1] if failures else 'no twin'}), so the grid {tables[0]} cannot be checked."
+    )
+
+
+def _buffer_rules(
+    small: dict[str, Any], cls: type, image_key: str, old_value: Any, up: tuple[int, int], buffers: list[str],
+    saved: Mapping[str, Any], rows: int, up_rows: int, base: str, model_type: str,
+) -> tuple[list[tuple[str, str, int]], list[str]]:
+    """``(name, kind, offset)`` for each buffer that follows the grid's rows (CLIP's ``position_ids``),
+    the one rule that reproduces a twin's; and the non-persistent buffers no rule rebuilds (computed from
+    the config at construction, as OWL-ViT's ``box_bias``: no file holds them)."""
+    from .probe import _reproduces
+
+    if not buffers:
+        return [], []
+    a = dict(twin.build(small, cls=cls).named_buffers())
+    b = dict(twin.build(twin.set_path(small, image_key, _value(old_value, up)), cls=cls).named_buffers())
+    rules, derived = [], []
+    for name in buffers:
+        old, new = a.get(name), b.get(name)
+        found = [] if old is None or new is None or not old.dim() else [
+            kind for kind in ("arange", "zeros") if _reproduces(BufferRule("", kind, old.shape[-1] - rows), old, new, up_rows)]
+        if len(found) == 1:
+            rules.append((name, found[0], old.shape[-1] - rows))
+        elif name not in saved:
+            derived.append(name)
+        else:
+            raise UnsupportedArchitectureError(
+                f"{model_type}: buffer {name} follows {image_key} and is saved with the weights, but "
+                + ("no rule (arange, zeros) rebuilds it." if not found else f"several rules fit ({found}).")
+            )
+    return rules, derived
+
+
+class _Probe:
+    """The family's own resampling, observed: a tiny twin with distinct random rows, its run-time
+    output at new sizes, and twins built at those sizes with the table resized by each candidate."""
+
+    def __init__(self, small: dict[str, Any], cls: type, image_key: str, size: tuple[int, int],
+                 patch: tuple[int, int], tables: list[str], prefix: int, rules: list[tuple[str, str, int]],
+                 source: nn.Module, model_type: str):
+        import torch
+
+        self.small, self.cls, self.image_key, self.size, self.patch = small, cls, image_key, size, patch
+        self.tables, self.prefix, self.rules, self.model_type = tables, prefix, rules, model_type
+        self.old_value = twin.get_path(small, image_key)
+        self.channels = twin.num_channels(small)
+        self.source = source
+        params = dict(source.named_parameters())
+        with torch.no_grad():  # some families start their table at zeros: make every row distinct
+            gen = torch.Generator().manual_seed(0)
+            for t in tables:
+                params[t].copy_(torch.randn(params[t].shape, generator=gen))
+        self.state = source.state_dict()
+        self.built: dict[tuple[int, int], nn.Module] = {}
+
+    def grid(self, size: tuple[int, int]) -> tuple[int, int]:
+        return size[0] // self.patch[0], size[1] // self.patch[1]
+
+    def sizes(self, square: bool) -> list[tuple[int, int]]:
+        """Larger, smaller (where the grid has room) and, unless square-only, a wider image."""
+        (h, w), (ph, pw) = self.size, self.patch
+        out = [(h + STEP * ph, w + STEP * pw)]
+        if h // ph > STEP + 1 and w // pw > STEP + 1:
+            out.append((h - STEP * ph, w - STEP * pw))
+        if not square:
+            out.append((h, w + STEP * pw))
+        return out
+
+    def resized(self, size: tuple[int, int], strategy: str, antialias: bool) -> nn.Module:
+        """A twin built at ``size`` holding the source's weights, its tables resized by the candidate."""
+        from .strategies import resize_grid
+
+        model = self.built.get(size)
+        if model is None:
+            model = self.built[size] = twin.build(twin.set_path(self.small, self.image_key, _value(self.old_value, size)),
+                                                  cls=self.cls)
+        new_rows = self.prefix + self.grid(size)[0] * self.grid(size)[1]
+        merged = {}
+        for name, tensor in model.state_dict().items():
+            old = self.state.get(name)
+            rule = next((r for r in self.rules if r[0] == name), None)
+            if name in self.tables:
+                merged[name] = resize_grid(old, self.grid(self.size), self.grid(size), strategy, reserved=self.prefix,
+                                           params={"antialias": antialias})
+            elif rule is not None:
+                merged[name] = BufferRule("", rule[1], rule[2]).rebuild(old, new_rows)
+            else:
+                merged[name] = old if old is not None and old.shape == tensor.shape else tensor
+        model.load_state_dict(merged)
+        return model
+
+    def method(self, square: bool) -> tuple[str, bool, str, bool]:
+        """``(strategy, antialias, reference, square)`` of the family, observed."""
+        sizes = self.sizes(square)
+        path = self._run_time_module(sizes[0])
+        if path is None:
+            return self._load_and_run(sizes, square)
+        wide = None if square else sizes[-1]
+        expected = {}
+        for size in sizes:
+            try:
+                expected[size] = self._output(self.source, path, size, interpolate=True)
+            except Exception as exc:  # its own run-time path fails at this size
+                if size == wide:
+                    square = True  # its run-time path handles square images only
+                    continue
+                raise UnsupportedArchitectureError(
+                    f"{self.model_type}: its run-time interpolate_pos_encoding fails at {size[0]}x{size[1]} "
+                    f"({twin._first_line(exc)}), so what a resized grid must compute is unknown."
+                ) from None
+        diffs: dict[tuple[str, bool], dict[tuple[int, int], float]] = {}
+        outputs: dict[tuple[str, bool], dict[tuple[int, int], torch.Tensor]] = {}
+        for candidate in CANDIDATES:
+            diffs[candidate], outputs[candidate] = {}, {}
+            for size, want in expected.items():
+                try:
+                    got = self._output(self.resized(size, *candidate), path, size, interpolate=False)
+                except Exception as exc:  # a twin at the new size that does not run
+                    raise UnsupportedArchitectureError(
+                        f"{self.model_type}: a twin with its grid resized to {size[0]}x{size[1]} does not run "
+                        f"({twin._first_line(exc)})."
+                    ) from None
+                outputs[candidate][size] = got
+                diffs[candidate][size] = float((got - want).abs().max()) if got.shape == want.shape else float("inf")
+        square_sizes = [s for s in expected if s != wide]
+        fits = [c for c in CANDIDATES if all(diffs[c][s] <= TOLERANCE for s in expected)]
+        if not fits and wide in expected:  # it resamples square images the same way, non-square ones otherwise
+            fits = [c for c in CANDIDATES if all(diffs[c][s] <= TOLERANCE for s in square_sizes)]
+            square = square or bool(fits)
+            expected.pop(wide)
+        if not fits:
+            best = min(CANDIDATES, key=lambda c: max(diffs[c].values()))
+            raise UnsupportedArchitectureError(
+                f"{self.model_type}: its run-time interpolation (interpolate_pos_encoding) is none of "
+                f"{', '.join(_label(c) for c in CANDIDATES)} (nearest: {_label(best)}, off by up to "
+                f"{max(diffs[best].values()):.2g} in the output); a resized table would not compute what it computes."
+            )
+        first = fits[0]
+        for other in fits[1:]:
+            if any(float((outputs[other][s] - outputs[first][s]).abs().max()) > TOLERANCE for s in expected):
+                raise UnsupportedArchitectureError(
+                    f"{self.model_type}: both {_label(first)} and {_label(other)} reproduce its run-time "
+                    "interpolation but differ from each other; which one it does is ambiguous."
+                )
+        return first[0], first[1], "run-time", square
+
+    def _load_and_run(self, sizes: list[tuple[int, int]], square: bool) -> tuple[str, bool, str, bool]:
+        """No run-time path: a twin with its grid resized (bicubic) must load and run at each new size."""
+        wide = None if square else sizes[-1]
+        for size in sizes:
+            try:
+                twin.run_pixels(self.resized(size, "bicubic", False), self.tables, size, self.channels)
+            except Exception as exc:
+                if size == wide:
+                    square = True
+                    continue
+                raise UnsupportedArchitectureError(
+                    f"{self.model_type}: a twin with its grid resized to {size[0]}x{size[1]} does not run "
+                    f"({twin._first_line(exc) if not isinstance(exc, RuntimeError) else str(exc)[:300]})."
+                ) from None
+        return "bicubic", False, "load-and-run", square
+
+    def _run_time_module(self, size: tuple[int, int]) -> str | None:
+        """The outermost module around the tables that takes ``pixel_values`` and ``interpolate_pos_encoding``
+        and runs on them alone at ``size``; None when none takes both."""
+        offered = False
+        for path in twin._paths_around(self.tables):
+            module = self.source.get_submodule(path) if path else self.source
+            if not (twin._accepts(module, "pixel_values") and twin._accepts(module, "interpolate_pos_encoding")):
+                continue
+            offered = True
+            try:
+                self._output(self.source, path, size, interpolate=True)
+            except Exception as exc:  # needs more than pixels (input_ids): the next module inside
+                log.debug("%s: %s: %s", self.model_type, path, twin._first_line(exc))
+                continue
+            return path
+        if offered:
+            log.debug("%s: interpolate_pos_encoding is offered but no module runs on pixels alone", self.model_type)
+        return None
+
+    def _output(self, model: nn.Module, path: str, size: tuple[int, int], *, interpolate: bool) -> torch.Tensor:
+        import torch
+
+        module = model.get_submodule(path) if path else model
+        pixels = torch.randn(1, self.channels, *size, generator=torch.Generator().manual_seed(1))
+        kwargs = {"interpolate_pos_encoding": True} if interpolate else {}
+        torch.manual_seed(0)  # families that draw (ViT-MAE's patch order) draw the same
+        with torch.no_grad(), twin._quiet():
+            out = module(pixel_values=pixels, **kwargs)
+        return _main(out)
+
+
+def _main(out: Any) -> torch.Tensor:
+    """The main tensor of a forward's output: itself, its last hidden state or logits, else the first."""
+    import torch
+
+    if isinstance(out, torch.Tensor):
+        return out
+    for key in ("last_hidden_state", "logits", "image_embeds"):
+        value = getattr(out, key, None)
+        if isinstance(value, torch.Tensor):
+            return value
+    values = out.values() if hasattr(out, "values") else out
+    return next(v for v in values if isinstance(v, torch.Tensor))
+
+
+def _label(candidate: tuple[str, bool]) -> str:
+    return f"{candidate[0]}{' with antialias' if candidate[1] else ''}"
+
+
+# ----------------------------------------------------------------------------- in memory
+
+
+def sync_derived_buffers(model: nn.Module) -> list[str]:
+    """After an in-memory grid resize (config already updated): set the non-persistent buffers a model
+    computes from its config at construction (OWL-ViT's ``box_bias``) and the patch counts its modules copy
+    (``num_patches_height``/``_width``), as a model built from the new config holds them. Returns the
+    buffers set. Raises :class:`UnsupportedArchitectureError` when such a buffer depends on the twin's
+    random init or width (it cannot be recomputed here).
+    """
+    import torch
+
+    config = model.config.to_dict()
+    cls = type(model)
+    expected = twin.meta_shapes(config, cls, saved=False)
+    stale = [name for name, buf in model.named_buffers()
+             if name in expected and tuple(buf.shape) != expected[name]
+             and name.rpartition(".")[2] in model.get_submodule(name.rpartition(".")[0])._non_persistent_buffers_set]
+    meta = twin.build(config, device="meta", cls=cls)
+    counts = {n: {k: getattr(m, k) for k in ("num_patches_height", "num_patches_width") if hasattr(m, k)}
+              for n, m in meta.named_modules()}
+    for name, module in model.named_modules():
+        for key, value in counts.get(name, {}).items():
+            setattr(module, key, value)
+    if not stale:
+        return []
+    small = twin.shrink(config)
+    a, b = (dict(twin.build(small, cls=cls, seed=s).named_buffers()) for s in (0, 1))
+    for name in stale:
+        new = a.get(name)
+        if new is None or tuple(new.shape) != expected[name] or not torch.equal(new, b[name]):
+            raise UnsupportedArchitectureError(
+                f"{config.get('model_type')}: buffer {name} follows the image size and is computed at construction "
+                "from more than the config; save the model and resize the file instead.")
+        owner_name, _, attr = name.rpartition(".")
+        owner = model.get_submodule(owner_name)
+        old = getattr(owner, attr)
+        owner.register_buffer(attr, new.to(dtype=old.dtype, device=old.device), persistent=False)
+    return stale
