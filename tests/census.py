@@ -10,7 +10,9 @@ Outcomes:
 - ``verified``: resized and every check passed;
 - ``refused``: a PosExtendError with a reason, and the twin holds no learned 1-D table;
 - ``refused-table``: refused although the twin holds a 1-D position-named table;
-- ``grid``: refused; the twin holds a 2-D image-patch grid that no written grid spec covers;
+- ``grid``: refused; the twin holds a 2-D image-patch grid that cannot be resized safely (the reason says why);
+- ``grid-probed``: a 2-D image-patch grid observed on twins, resized to twice the image size and checked
+  (against the family's run-time ``interpolate_pos_encoding`` where it has one);
 - ``run-time-grid``: refused with the reason: the family resamples its grid to each image on
   every forward (YOLOS, SigLIP2), so there is nothing on disk to resize;
 - ``grid-spec``: a 2-D image-patch grid with a written spec (``--image-size``), checked by
@@ -64,6 +66,7 @@ class Result:
     reason: str = ""
     seconds: float = 0.0
     layouts: dict[str, dict] = field(default_factory=dict)  # layout -> {"outcome", "reason"}
+    grids: list[dict] = field(default_factory=list)  # probed image grids: group, tables, prefix, reference, outcome
 
 
 def model_types() -> list[str]:
@@ -338,10 +341,11 @@ def census_one(model_type: str, workdir: Path, layouts: tuple[str, ...] = LAYOUT
                 result.outcome = "run-time-grid"
             result.reason = str(exc)
             return result
-        # image grids (ViT, CLIP's vision tower) are checked by tests/test_vision.py, not walked here yet
+        # written image grids (ViT, CLIP's vision tower) are checked by tests/test_vision.py; probed ones here
         grids, specs = [s for s in specs if s.rank == 2], [s for s in specs if s.rank == 1]
+        result.grids = [_grid_checked(src, cls, g) for g in grids if g.covered_by == "probed"]
         if not specs:
-            result.outcome, result.reason = "grid-spec", f"image grid ({grids[0].model_type}): tests/test_vision.py"
+            result.outcome, result.reason = _grid_outcome(result.grids, grids)
             return result
         result.covered_by = specs[0].covered_by
         result.outcome, result.reason = _resize_and_check(src, cls, specs, small, result.groups)
@@ -405,6 +409,78 @@ def _bare_layout(layout: str, headed: Path, cls: type, base: type | None, prefix
         (src / "config.json").write_text(json.dumps({**config, "architectures": [cls.__name__]}))
     outcome, reason = _resize_and_check(src, base or cls, specs, small, [])
     return {"outcome": outcome, "reason": reason}
+
+
+def _grid_outcome(checked: list[dict], grids: list) -> tuple[str, str]:
+    """A vision model's outcome: ``grid-spec`` (a written grid), else its probed grids' worst outcome."""
+    if not checked:
+        return "grid-spec", f"image grid ({grids[0].model_type}): tests/test_vision.py"
+    worst = next((g for g in checked if g["outcome"] != "grid-probed"), checked[0])
+    return {"refused": "grid"}.get(worst["outcome"], worst["outcome"]), worst["reason"]
+
+
+def _grid_checked(src: Path, cls: type, spec) -> dict:
+    """Resize a probed grid to twice its patch grid and check it independently (:func:`check_grid_written`)."""
+    config = json.loads((src / "config.json").read_text())
+    (h, w), (ph, pw) = spec.grid.sizes(config)
+    new = (2 * (h // ph) * ph, 2 * (w // pw) * pw)  # twice the patch grid (384 px of 14 px patches: 27 -> 54)
+    out = {"group": spec.group, "tables": list(spec.tables), "prefix": spec.reserved_rows(config),
+           "image": spec.grid.image_key, "reference": spec.grid.reference, "outcome": "grid-probed", "reason": ""}
+    dst = src.parent / f"{src.name}-grid-{spec.group}"
+    try:
+        posextend.resize_checkpoint(src, dst, image_size=new, seed=0, table=spec.group)
+    except posextend.PosExtendError as exc:
+        out.update(outcome="refused", reason=str(exc))
+        return out
+    try:
+        check_grid_written(src, dst, cls, spec, new)
+    except Exception as exc:  # the worst outcome: written, then wrong
+        out.update(outcome="silently-wrong", reason=twin._first_line(exc))
+    return out
+
+
+def check_grid_written(src: Path, dst: Path, cls: type, spec, size: tuple[int, int]) -> None:
+    """Independent checks of a written image grid at ``size``: loads as cleanly as the source; the outermost
+    module around the grid that takes pixels runs at ``size`` with finite outputs; where the grid was verified
+    against the family's run-time path, it computes what the source computes with
+    ``interpolate_pos_encoding=True`` at that size (within 1e-5); the config states the new grid."""
+    torch.manual_seed(0)
+    loaded, info = cls.from_pretrained(dst, output_loading_info=True)
+    torch.manual_seed(0)
+    source, expected = cls.from_pretrained(src, output_loading_info=True)
+    problems = {k: v for k, v in info.items() if v and v != expected[k]}
+    assert not problems, f"from_pretrained is not clean: {problems}"
+    loaded, source = _owned(loaded), _owned(source)
+    config = json.loads((dst / "config.json").read_text())
+    assert spec.grid.grid(config) == tuple(n // p for n, p in zip(size, spec.grid.sizes(config)[1])), \
+        "config does not state the new image size"
+    tables = [t for t in spec.table_names(frozenset(dict(loaded.named_parameters())))]
+    pixels = torch.randn(1, twin.num_channels(config), *size, generator=torch.Generator().manual_seed(0))
+    run_time = spec.grid.reference == "run-time"
+    for path in twin._paths_around(tables):
+        module = loaded.get_submodule(path) if path else loaded
+        if not twin._accepts(module, "pixel_values") or (run_time and not twin._accepts(module, "interpolate_pos_encoding")):
+            continue
+        try:
+            after = _tensors(_forward(module, pixels))
+        except Exception:  # needs more than pixels (a dual encoder's input_ids): the next module inside
+            continue
+        main = next(iter(after.values()))
+        assert bool(main.isfinite().all()), f"{path or cls.__name__}: non-finite outputs at {size}"
+        if run_time:
+            before = _tensors(_forward(source.get_submodule(path) if path else source, pixels, interpolate=True))
+            a, b = next(iter(before.values())), main
+            assert a.shape == b.shape, f"{path or cls.__name__}: output {list(b.shape)}, run-time {list(a.shape)}"
+            diff = float((a - b).abs().max())
+            assert diff <= 1e-5, f"{path or cls.__name__}: {diff:.2g} from the run-time interpolation at {size}"
+        return
+    raise AssertionError(f"no module around {tables[0]} runs on pixels at {size}")
+
+
+def _forward(module, pixels: torch.Tensor, *, interpolate: bool = False):
+    torch.manual_seed(0)  # families that draw (ViT-MAE's patch order) draw the same
+    with torch.no_grad():
+        return module(pixel_values=pixels, **({"interpolate_pos_encoding": True} if interpolate else {}))
 
 
 def _resize_and_check(src: Path, cls: type, specs: list, small: dict, groups: list[dict]) -> tuple[str, str]:
@@ -476,7 +552,12 @@ def markdown(results: list[Result]) -> str:
         "",
         "- **spec**: a written spec in `posextend/specs.py`; **probed**: observed on a twin of the model's own config.",
         "- **refused**: no learned absolute 1-D table (rotary, relative, sinusoidal, none), with the reason.",
-        "- **grid**: a 2-D image-patch grid (ViT and relatives) without a written grid spec: refused.",
+        "- **grid-probed**: a 2-D image-patch grid without a written spec, observed on twins (`posextend/grid_probe.py`) "
+        "and resized here to twice the image size: clean `from_pretrained`, a forward at the new size, and where the "
+        "family has a run-time `interpolate_pos_encoding` (**run-time**), the same outputs as the source's run-time "
+        "interpolation within 1e-5; else (**load-and-run**) finite outputs. Composites (OWL-ViT, BLIP …) list their "
+        "probed grid beside their text table.",
+        "- **grid**: a 2-D image-patch grid that cannot be resized on disk safely: refused, with the reason.",
         "- **run-time-grid**: a 2-D grid the family resamples to each image on every forward: refused, with "
         "what to do instead.",
         "- **grid-spec**: a 2-D image-patch grid resized with `--image-size` by a written spec, checked by "
@@ -486,8 +567,10 @@ def markdown(results: list[Result]) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for r in results:
-        tables = "<br>".join(f"{g['group']}: `{', '.join(g['tables'])}` ({g['reserved']}, `{g['length']}`)"
-                             for g in r.groups)
+        tables = "<br>".join([*(f"{g['group']}: `{', '.join(g['tables'])}` ({g['reserved']}, `{g['length']}`)"
+                                for g in r.groups),
+                              *(f"{g['group']} grid: `{', '.join(g['tables'])}` ({g['prefix']} prefix, `{g['image']}`; "
+                                f"{g['reference']}: {g['outcome']})" for g in r.grids)])
         reason = _cell(r.reason) + "".join(f"<br>{k}: {_cell(v['reason'])}" for k, v in r.layouts.items() if v["reason"])
         layouts = ", ".join(f"{k} {v['outcome']}" for k, v in r.layouts.items())
         lines.append(f"| `{r.model_type}` | {r.outcome} | {r.covered_by} | {r.cls} | {layouts} | {tables} | {reason} |")

@@ -17,7 +17,7 @@ import census
 
 RECORD = Path(__file__).parent.parent / "docs" / "families.json"
 RECORDED = {r["model_type"]: r for r in json.loads(RECORD.read_text())}
-WITH_TABLE = sorted(t for t, r in RECORDED.items() if r["outcome"] in ("verified", "refused-table"))
+WITH_TABLE = sorted(t for t, r in RECORDED.items() if r["outcome"] in ("verified", "refused-table", "grid-probed"))
 
 # The families the no-silent-breakage issue found broken or refused: each must now be verified.
 MUST_VERIFY = [
@@ -26,6 +26,17 @@ MUST_VERIFY = [
     "blip-2", "instructblip", "altclip_text_model", "clap_text_model", "rag", "bark", "whisper", "led", "decision_transformer", "esm", "deberta", "luke",
     "gpt2", "bert", "roberta", "opt", "bart",
 ]
+
+
+# Vision towers people raise the resolution of (the grid issue): each has a probed grid, checked on every run.
+MUST_PROBE_GRID = ["owlvit", "owlv2", "blip", "blip-2", "instructblip", "chinese_clip", "altclip", "xclip", "groupvit",
+                   "git", "flava", "aimv2", "metaclip_2", "clipseg", "ijepa", "llava", "paligemma"]
+
+
+def test_named_vision_towers_have_a_probed_grid():
+    missing = [t for t in MUST_PROBE_GRID if RECORDED[t]["outcome"] != "grid-probed"
+               and not any(g["outcome"] == "grid-probed" for g in RECORDED[t].get("grids", []))]
+    assert not missing
 
 
 def test_the_record_covers_every_registered_type():
@@ -80,6 +91,7 @@ def test_named_families_are_verified(workdir, model_type):
     result = census.census_one(model_type, workdir)
     assert result.outcome == "verified", result.reason
     _check_layouts(result)
+    _check_grids(result)
 
 
 @pytest.mark.parametrize("model_type", [t for t in WITH_TABLE if t not in MUST_VERIFY])
@@ -88,7 +100,15 @@ def test_every_type_with_a_table_is_verified_or_refused_with_a_reason(workdir, m
     assert result.outcome not in ("silently-wrong", "error"), result.reason
     assert result.outcome == RECORDED[model_type]["outcome"], result.reason
     _check_layouts(result)
-    if result.outcome != "verified":
+    _check_grids(result)
+
+
+def _check_grids(result) -> None:
+    """Every probed image grid the record holds is checked again, and none is written and then wrong."""
+    recorded = [(g["group"], g["outcome"]) for g in RECORDED[result.model_type].get("grids", [])]
+    assert [(g["group"], g["outcome"]) for g in result.grids] == recorded, result.grids
+    assert all(g["outcome"] == "grid-probed" for g in result.grids), result.grids
+    if result.outcome not in ("verified", "grid-probed"):
         assert len(result.reason) > 40  # a sentence that says why
 
 
