@@ -69,6 +69,8 @@ def _cached(config_json: str, cls_name: str | None) -> tuple[ArchitectureSpec, .
 
 
 def _observe_grids(config_json: str, cls_name: str | None) -> tuple[ArchitectureSpec, ...]:
+    from .probe import claim
+
     config = json.loads(config_json)
     cls = twin._resolve(cls_name) or twin.model_class(config)
     model_type = config.get("model_type", "?")
@@ -82,13 +84,7 @@ def _observe_grids(config_json: str, cls_name: str | None) -> tuple[Architecture
             continue
         if spec is None:
             continue
-        for t in spec.tables:
-            if t in claimed:
-                raise UnsupportedArchitectureError(
-                    f"{model_type}: the grid {t} follows both {claimed[t]} and {image_key}; which one sizes it is "
-                    "ambiguous."
-                )
-            claimed[t] = image_key
+        claim(claimed, spec, image_key)
         specs.append(spec)
     if not specs:
         why = "; ".join(reasons) if reasons else (

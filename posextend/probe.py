@@ -113,12 +113,7 @@ def _observe(config_json: str, cls_name: str | None) -> tuple[ArchitectureSpec, 
             continue
         if spec is None:
             continue
-        for t in spec.tables:
-            if t in claimed:
-                raise UnsupportedArchitectureError(
-                    f"{model_type}: table {t} follows both {claimed[t]} and {path}; which one sizes it is ambiguous."
-                )
-            claimed[t] = path
+        claim(claimed, spec, path)
         specs.append(spec)
     if not specs:
         why = "; ".join(reasons) if reasons else "no config field changes the size of a learned table"
@@ -127,6 +122,16 @@ def _observe(config_json: str, cls_name: str | None) -> tuple[ArchitectureSpec, 
             f"safely ({why})."
         )
     return tuple(specs)
+
+
+def claim(claimed: dict[str, str], spec: ArchitectureSpec, field: str) -> None:
+    """Record that ``field`` sizes ``spec``'s tables; refuse a table two fields claim (ambiguous)."""
+    for t in spec.tables:
+        if t in claimed:
+            raise UnsupportedArchitectureError(
+                f"{spec.model_type}: table {t} follows both {claimed[t]} and {field}; which one sizes it is ambiguous."
+            )
+        claimed[t] = field
 
 
 def _relative(name: str, base: str) -> str:

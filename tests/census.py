@@ -153,6 +153,18 @@ def _owned(model):
     return model
 
 
+def _load_both(src: Path, dst: Path, cls: type):
+    """``(written, source)`` loaded by ``cls``, after checking the written one loads as cleanly as the source
+    (bare weights loaded by a family's only, headed, class lack the head in both)."""
+    torch.manual_seed(0)  # weights the file lacks start the same in both
+    loaded, info = cls.from_pretrained(dst, output_loading_info=True)
+    torch.manual_seed(0)
+    source, expected = cls.from_pretrained(src, output_loading_info=True)
+    problems = {k: v for k, v in info.items() if v and v != expected[k]}
+    assert not problems, f"from_pretrained is not clean: {problems}"
+    return _owned(loaded), _owned(source)
+
+
 def _tensors(out, prefix: str = "") -> dict[str, torch.Tensor]:
     """Every tensor of a forward's output (logits, encoder states, n-gram logits ...), by a stable name."""
     if isinstance(out, torch.Tensor):
@@ -231,14 +243,7 @@ def check_written(src: Path, dst: Path, cls: type, spec, new: int) -> None:
     - the same stack at the source's full length: outputs bit-identical to the source's;
     - config and tokenizer state the new length.
     """
-    torch.manual_seed(0)  # weights the file lacks (a bare file's head) start the same in both
-    loaded, info = cls.from_pretrained(dst, output_loading_info=True)
-    torch.manual_seed(0)
-    source, expected = cls.from_pretrained(src, output_loading_info=True)
-    # as clean as the source: bare weights loaded by a family's only (headed) class lack the head in both
-    problems = {k: v for k, v in info.items() if v and v != expected[k]}
-    assert not problems, f"from_pretrained is not clean: {problems}"
-    loaded, source = _owned(loaded), _owned(source)
+    loaded, source = _load_both(src, dst, cls)
     params = dict(loaded.named_parameters())
     tables = [t for t in spec.table_names(frozenset(params) | frozenset(dict(loaded.named_buffers())))
               if t in params]
@@ -444,13 +449,7 @@ def check_grid_written(src: Path, dst: Path, cls: type, spec, size: tuple[int, i
     module around the grid that takes pixels runs at ``size`` with finite outputs; where the grid was verified
     against the family's run-time path, it computes what the source computes with
     ``interpolate_pos_encoding=True`` at that size (within 1e-5); the config states the new grid."""
-    torch.manual_seed(0)
-    loaded, info = cls.from_pretrained(dst, output_loading_info=True)
-    torch.manual_seed(0)
-    source, expected = cls.from_pretrained(src, output_loading_info=True)
-    problems = {k: v for k, v in info.items() if v and v != expected[k]}
-    assert not problems, f"from_pretrained is not clean: {problems}"
-    loaded, source = _owned(loaded), _owned(source)
+    loaded, source = _load_both(src, dst, cls)
     config = json.loads((dst / "config.json").read_text())
     assert spec.grid.grid(config) == tuple(n // p for n, p in zip(size, spec.grid.sizes(config)[1])), \
         "config does not state the new image size"
