@@ -30,8 +30,8 @@ from .io import (
     nonfinite_count, prefetch_torch, write_safetensors,
 )
 from .lookup import all_specs, spec_for
-from .plan import GroupPlan, ImageSize, check_length, plan_resize
-from .specs import Layout, table_rows as rows_of
+from .plan import GroupPlan, ImageSize, plan_resize
+from .specs import IMAGE_COUNT_FIELD, Layout, table_rows as rows_of
 from .strategies import get_strategy
 from .twin import get_path, layout_class, set_path
 
@@ -625,15 +625,17 @@ def _write_weights(
         (out_dir / SAFE_INDEX).write_text(json.dumps(index, indent=2) + "\n")
 
 
-def processor_config(data: Mapping[str, Any], old: ImageSize, new: ImageSize) -> dict[str, Any]:
+def processor_config(data: Mapping[str, Any], old: ImageSize, new: ImageSize,
+                     counts: Mapping[int, int] | None = None) -> dict[str, Any]:
     """An image processor's settings for images of ``new`` (height, width) pixels instead of ``old``.
 
     ``crop_size`` and a ``size`` given as height/width become the new size; a ``size`` given by
     its shortest edge (CLIP: resize to 224, crop 224; DINOv2: 256, crop 224) scales with the
     image, unless the new size is not square (then both become the new height/width). An int
-    (older processors) scales too.
+    (older processors) scales too. ``counts``: image-token counts that follow the patch grid, old ->
+    new (see :func:`with_counts`).
     """
-    out = dict(data)
+    out = with_counts(data, counts or {})
     for key in ("size", "crop_size"):
         value = out.get(key)
         if isinstance(value, int) and not isinstance(value, bool):
@@ -646,6 +648,19 @@ def processor_config(data: Mapping[str, Any], old: ImageSize, new: ImageSize) ->
                 out[key] = {k: round(v * new[0] / old[0]) if k.endswith("_edge") and isinstance(v, int) else v
                             for k, v in value.items()}
     return out
+
+
+def with_counts(data: Mapping[str, Any], counts: Mapping[int, int]) -> dict[str, Any]:
+    """``data`` with every image-token count field (:data:`IMAGE_COUNT_FIELD`: PaliGemma's processor
+    ``image_seq_length``) that holds an old count of ``counts`` (old -> new) set to the new one."""
+    return {k: counts[v] if IMAGE_COUNT_FIELD.search(k) and type(v) is int and v in counts else v
+            for k, v in data.items()}
+
+
+def _counts(plan: GroupPlan, config: Mapping[str, Any]) -> dict[int, int]:
+    """The image-token counts an image grid's plan changes in the config, old -> new."""
+    return {get_path(config, path): value for path, value in plan.config_updates(config).items()
+            if path != plan.spec.grid.image_key}
 
 
 def updated_config(config: Mapping[str, Any], updates: Mapping[str, int]) -> dict[str, Any]:
@@ -702,7 +717,9 @@ def _copy_other_files(
             _write_json(target, {**json.loads(path.read_text()), "model_max_length": text.new_usable})
         elif rel == model / PROCESSOR_CONFIG and image:
             old = image.spec.grid.sizes(config)[0]
-            _write_json(target, processor_config(json.loads(path.read_text()), old, image.target))
+            _write_json(target, processor_config(json.loads(path.read_text()), old, image.target, _counts(image, config)))
+        elif rel == model / "processor_config.json" and image:  # a multimodal processor's own image-token count
+            _write_json(target, with_counts(json.loads(path.read_text()), _counts(image, config)))
         elif st_file is not None and path == st_file and text:
             report.st_max_seq_length = st_max_seq_length or report.new_length
             _write_json(target, {**json.loads(path.read_text()), "max_seq_length": report.st_max_seq_length})

@@ -16,13 +16,12 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from . import twin
 from .errors import UnsupportedArchitectureError
-from .specs import ArchitectureSpec, BufferRule, GridSpec, _pair, table_rows
+from .specs import IMAGE_COUNT_FIELD, ArchitectureSpec, BufferRule, GridSpec, _pair, table_rows
 
 if TYPE_CHECKING:
     import torch
@@ -176,8 +175,6 @@ def _observe_field(
     )
 
 
-_COUNT_FIELD = re.compile(r"(image_tokens|image_seq_length|tokens_per_image|num_patches)$")
-
 
 def _counts(config: Mapping[str, Any], cells: int, prefix: int) -> tuple[tuple[str, int], ...]:
     """Config fields named as a count of image tokens that hold the patch count (with or without the
@@ -185,7 +182,7 @@ def _counts(config: Mapping[str, Any], cells: int, prefix: int) -> tuple[tuple[s
     found = []
     for path, sub in twin.sub_configs(config):
         for key, value in sub.items():
-            if (_COUNT_FIELD.search(key) and isinstance(value, int) and not isinstance(value, bool)
+            if (IMAGE_COUNT_FIELD.search(key) and isinstance(value, int) and not isinstance(value, bool)
                     and value in (cells, cells + prefix)):
                 found.append((path + key, value - cells))
     return tuple(found)

@@ -111,6 +111,10 @@ class Layout:
         return "headed" if self.headed else "bare"
 
 
+# Config and processor fields that count an image's tokens (LLaVA's image_seq_length, PaliGemma's num_image_tokens)
+IMAGE_COUNT_FIELD = re.compile(r"(image_tokens|image_seq_length|tokens_per_image|num_patches)$")
+
+
 @dataclass(frozen=True)
 class GridSpec:
     """How an image-patch grid maps to config fields: ``(image_size / patch_size)`` per side.
@@ -186,8 +190,9 @@ def _missing_table(model_type: str, options: tuple[str, ...], names: frozenset[s
         options[0], sorted(names), n=3, cutoff=0.75)
     if near:
         return (f"This {model_type} checkpoint has no position table {looked}; its nearest names are "
-                f"{', '.join(repr(n) for n in near)}. Its weights were saved under other names than transformers' "
-                f"{model_type} classes use; re-save them with save_pretrained() or report this layout.")
+                f"{', '.join(repr(n) for n in near)}. The file names its tensors otherwise than the model's modules "
+                "do (saved by other code, or renamed by transformers when saving), so which one is the table is not "
+                "known: nothing was written. Please report this layout.")
     if config is not None and _family_share(config, names) >= 0.5:
         return (f"This {model_type} checkpoint holds a {model_type} model without its position table {looked} "
                 "(a base model saved without the module that holds the positions): there is no table to resize; "

@@ -260,3 +260,27 @@ def test_extend_model_in_memory_equals_run_time(model_type, cls):
             return
     torch.testing.assert_close(_output(model, pixels), _output(source, pixels, interpolate_pos_encoding=True),
                                rtol=0, atol=1e-5)
+
+
+def test_paligemma_image_token_counts_follow_in_config_and_processor(tmp_path):
+    """PaliGemma reads its image-token count from the image processor (``image_seq_length``) and the
+    config (``text_config.num_image_tokens``): both follow the grid, or its processor would fail."""
+    cls = transformers.PaliGemmaForConditionalGeneration
+    config = tiny_config("paligemma", cls)
+    config["text_config"]["num_image_tokens"] = 25  # 5x5 patches, no class token
+    src = tmp_path / "src"
+    save_twin(src, config, cls)
+    processor = {**json.loads((src / "preprocessor_config.json").read_text()), "image_seq_length": 25}
+    (src / "preprocessor_config.json").write_text(json.dumps(processor))
+    (src / "processor_config.json").write_text(json.dumps({"image_seq_length": 25, "processor_class": "PaliGemmaProcessor"}))
+    posextend.resize_checkpoint(src, tmp_path / "out", image_size=56)
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (written["vision_config"]["image_size"], written["text_config"]["num_image_tokens"]) == (56, 49)
+    for name in ("preprocessor_config.json", "processor_config.json"):
+        assert json.loads((tmp_path / "out" / name).read_text())["image_seq_length"] == 49, name
+    assert json.loads((tmp_path / "out" / "preprocessor_config.json").read_text())["size"] == {"height": 56, "width": 56}
+    model = load_clean(tmp_path / "out", cls)
+    with torch.no_grad():
+        features = model.get_image_features(pixel_values=torch.randn(1, 3, 56, 56))
+    features = features if isinstance(features, torch.Tensor) else features.pooler_output
+    assert features.shape[1] == 49
