@@ -393,6 +393,7 @@ def finetune_cmd(
     train: Annotated[str, typer.Option(help="all (every parameter; best in our benchmark), positions (the table), or new-rows (only rows beyond the old length).")] = "all",
     lr: Annotated[float | None, typer.Option(help="Learning rate (default: new-rows 3e-3, positions 1e-3; all: causal 1e-3 x min(1, 192/width), masked 1e-4, contrastive 5e-5).")] = None,
     anchor: Annotated[float | None, typer.Option(help="Weight of the term keeping the source's outputs on inputs within the old length (causal: default 1; contrastive: default 2; 0 turns it off and saves a copy of the model in memory).")] = None,
+    source: Annotated[str | None, typer.Option("--source", help="The original model the anchor holds to, for a SRC resized earlier (default: the original SRC's provenance records, when it is still there).")] = None,
     schedule: Annotated[str | None, typer.Option(help="Learning rate after a 10% warm-up: constant, or cosine down to 10% (default: cosine for causal LMs and contrastive with --train all, else constant).")] = None,
     batch_size: Annotated[int, typer.Option(help="Sequences per micro-batch (per process).")] = 4,
     grad_accum: Annotated[int, typer.Option(help="Micro-batches per optimizer step.")] = 1,
@@ -426,7 +427,7 @@ def finetune_cmd(
             src, dst, data, length=length, strategy=strategy, steps=steps, train=train, lr=lr, schedule=schedule, batch_size=batch_size,
             grad_accum=grad_accum, mixed_precision=mixed_precision, gradient_checkpointing=gradient_checkpointing,
             eval_every=eval_every, save_every=save_every, resume=resume, seed=seed, old_length=old_length,
-            init_head=init_head, objective=objective, anchor=anchor, buckets=buckets, overwrite=overwrite,
+            init_head=init_head, objective=objective, anchor=anchor, source=source, buckets=buckets, overwrite=overwrite,
             progress=lambda step, total, loss, tps: progress.update(task, completed=step, total=total, loss=loss, tps=tps),
         )
     if not report.main_process:
@@ -439,6 +440,8 @@ def finetune_cmd(
         f"({report.tokens_per_second:,.0f} tok/s{processes}), written to {report.dst}",
         highlight=False,
     )
+    if report.anchor_source:
+        console.print(f"  anchor: held to the original model {report.anchor_source}", highlight=False)
     _far_range_advice(report)
     if plot:
         from .evaluation import plot_reports

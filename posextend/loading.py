@@ -111,3 +111,99 @@ def model_directory(directory: Path) -> Path:
 def config_objective(directory: Path) -> str:
     """The objective a checkpoint's family trains with by default (its spec's)."""
     return spec_for(read_config(model_directory(directory))).objective
+
+
+# ------------------------------------------------------------------------------ the anchor's reference
+
+
+@dataclass(frozen=True)
+class AnchorSource:
+    """The model a fine-tune's anchor term holds outputs within the old length to.
+
+    ``path``: the original model a checkpoint was extended from (loaded at its own length); None:
+    the checkpoint as loaded, before this run extends it (the behaviour without provenance).
+    ``note``: one line saying why the original is not used, when that matters; ``exact``: the
+    checkpoint's old rows are the original's (a row-keeping strategy, never trained since), so
+    holding to the checkpoint is holding to the original.
+    """
+
+    path: Path | None = None
+    note: str | None = None
+    exact: bool = False
+
+
+def unfit_original(directory: Path, original: Path, old_length: int, recorded: int | None = None) -> str | None:
+    """Why ``original`` cannot be the anchor's reference for checkpoint ``directory`` (None: it can).
+
+    It must hold a model of the same type whose table has ``recorded`` usable positions (the old
+    length the checkpoint's provenance records), and at least the ``old_length`` the anchor reads.
+    """
+    from .checkpoint import inspect_checkpoint
+
+    if original == directory:
+        return "is this checkpoint itself"
+    try:
+        mine = read_config(model_directory(directory)).get("model_type")
+        theirs = read_config(model_directory(original)).get("model_type")
+        usable = inspect_checkpoint(original).usable
+    except PosExtendError as exc:
+        return f"cannot be read ({str(exc).splitlines()[0]})"
+    if theirs != mine:
+        return f"holds a {theirs} model, not {mine}"
+    if recorded is not None and usable != recorded:
+        return f"has {usable} positions, not the {recorded} the checkpoint was extended from"
+    if usable < old_length:
+        return f"has {usable} positions, fewer than the {old_length} the anchor reads"
+    return None
+
+
+def _keeps_rows(meta: dict[str, str]) -> bool:
+    """The recorded strategy left the old rows bit-identical, and no fine-tune has touched them since."""
+    from .strategies import available_strategies
+
+    strategy = available_strategies().get(meta.get("posextend.strategy", ""))
+    return bool(strategy and strategy.keeps_rows) and "posextend.finetune" not in meta
+
+
+def anchor_source(directory: Path, given: str | Path | None, *, old_length: int, length: int,
+                  extended: bool) -> AnchorSource:
+    """The anchor's reference for a fine-tune of ``directory`` whose old range is ``old_length`` of
+    ``length`` positions: ``given`` (checked; an unfit one is refused), else the original that the
+    provenance records when it is there and fits, else the checkpoint as loaded, with a note
+    when its old rows may differ from the original's. A run that extends the checkpoint itself
+    (``extended``) holds to it as loaded: it is that extension's source."""
+    if given is not None:
+        path = resolve_source(given)
+        problem = unfit_original(directory, path, old_length)
+        if problem:
+            raise TrainingError(f"The anchor's source {path} {problem}: give the model {directory} was extended from, "
+                                "or leave the anchor's source unset.")
+        return AnchorSource(path)
+    if extended or old_length >= length:
+        return AnchorSource()
+    meta = provenance(directory)
+    if "posextend.source" not in meta:
+        return AnchorSource(note=(
+            f"Anchor: {directory} records no original model, so the anchor holds its first {old_length} positions "
+            "to this checkpoint as given, whose rows there may already have moved; give the original as the "
+            "anchor's source to hold to it."))
+    return _recorded_source(directory, meta, old_length)
+
+
+def _recorded_source(directory: Path, meta: dict[str, str], old_length: int) -> AnchorSource:
+    """The original ``meta`` (the checkpoint's provenance) records, or the checkpoint with a note."""
+    recorded, old = meta["posextend.source"], meta.get("posextend.old_length")
+    try:
+        path = resolve_source(recorded)
+        problem = unfit_original(directory, path, old_length, int(old) if old else None)
+    except SourceError:
+        path, problem = None, "is missing"
+    if problem is None:
+        return AnchorSource(path)
+    strategy = meta.get("posextend.strategy", "its strategy")
+    head = (f"Anchor: the original model {recorded} that {directory.name} was extended from {problem}, "
+            f"so the anchor holds to {directory.name} as given")
+    if _keeps_rows(meta):
+        return AnchorSource(note=f"{head}: exact, since {strategy} kept the original's first {old} rows.", exact=True)
+    return AnchorSource(note=f"{head}, whose first {old or old_length} rows {strategy} moved; give the original as "
+                             "the anchor's source to hold to it.")

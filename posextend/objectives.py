@@ -61,6 +61,20 @@ class Objective:
     def load(self, directory: Path, *, init_head: bool) -> Loaded:
         raise NotImplementedError
 
+    def copy_reference(self, loaded: Loaded) -> torch.nn.Module:
+        """The anchor's reference (``extras["source"]``) when it is the checkpoint being trained: a frozen
+        copy of its model as loaded, before its table is extended. ``load`` makes it when ``anchor`` is set."""
+        return frozen_copy(loaded.model)
+
+    def read_reference(self, directory: Path, *, init_head: bool) -> torch.nn.Module:
+        """The anchor's reference read from ``directory`` instead (the original model the checkpoint was
+        extended from), frozen: this objective's model there, at its own length."""
+        import copy
+
+        plain = copy.copy(self)
+        plain.anchor = 0.0  # no frozen copy of the reference itself
+        return plain.load(directory, init_head=init_head).model.eval().requires_grad_(False)
+
     def default_lr(self, train: str, width: int) -> float:
         """The lr for train mode ``train`` on a model ``width`` wide: ``lr[train]``; for ``all``, on
         models wider than ``lr_width``, scaled by ``lr_width / width`` (Adam's rule for hidden
@@ -221,7 +235,7 @@ class CausalLM(_LanguageModel):
     def load(self, directory: Path, *, init_head: bool) -> Loaded:
         result = super().load(directory, init_head=init_head)
         if self.anchor:  # the source model, frozen, before its table is extended
-            result.extras["source"] = frozen_copy(result.model)
+            result.extras["source"] = self.copy_reference(result)
         return result
 
     def loss(self, run: _Run, positions: range, batch: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -301,7 +315,7 @@ class Contrastive(Objective):
         without_dropout(model[0].auto_model, attention_only=True)
         result = loaded(model, model[0].auto_model, model.tokenizer, self.name, directory)
         if self.anchor:  # the source model, frozen, before its table is extended
-            result.extras["source"] = frozen_copy(model)
+            result.extras["source"] = self.copy_reference(result)
         return result
 
     def samples(self, tokenizer, documents: Sequence[str], length: int) -> torch.Tensor:

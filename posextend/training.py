@@ -34,7 +34,7 @@ from .checkpoint import check_destination, model_card, resolve_source
 from .errors import TrainingError
 from .evaluation import EvalReport
 from .io import atomic_output, output_errors, read_header, write_file, write_safetensors
-from .loading import Loaded
+from .loading import AnchorSource, Loaded, anchor_source, provenance
 from .objectives import Objective, default_objective, get_objective
 
 log = logging.getLogger(__name__)
@@ -65,6 +65,8 @@ class FinetuneReport:
     strategy: str | None = None  # how the table was extended before training (None: it came extended)
     anchor: float = 0.0  # the objective's anchor weight (0: none)
     schedule: str = "constant"
+    anchor_source: str | None = None  # the original model the anchor held to (None: the checkpoint as loaded)
+    anchor_note: str | None = None  # one line: why the anchor could not hold to the original model
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -143,6 +145,7 @@ class _Run:
     lr: float
     cache: dict[str, Any] = field(default_factory=dict)  # an objective's per-run objects (its loss module)
     extended: bool = False  # the table was extended by this run (not by an earlier resize)
+    reference: AnchorSource = field(default_factory=AnchorSource)  # what the anchor term holds to
 
     @property
     def short_inputs_fixed(self) -> bool:
@@ -203,30 +206,22 @@ def _setup(
     directory: Path, dst: Path, data: Sequence[str | Path], *, length: int | None, strategy: str, steps: int,
     train: str, lr: float | None, schedule: str, batch_size: int, grad_accum: int, mixed_precision: str,
     gradient_checkpointing: bool, seed: int, old_length: int | None, init_head: bool, eval_sequences: int,
-    buckets: int, chosen: Objective,
+    buckets: int, chosen: Objective, source: str | Path | None = None,
 ) -> tuple[_Run, Loaded]:
     """Load, extend, cut the data into samples, choose what trains, and prepare model, optimizer and
     schedule. ``lr`` None: the objective's default for the train mode and the table's width."""
     from accelerate.utils import set_seed
 
     from .data import read_documents, split
-    from .model import extend_model
 
     docs = read_documents(data)
-    loaded = chosen.load(directory, init_head=init_head)
+    loaded, length, old_len, extended, anchor = _load(chosen, directory, length=length, strategy=strategy, seed=seed,
+                                                      old_length=old_length, init_head=init_head, source=source)
     model, tokenizer = loaded.model, loaded.tokenizer
-    current = loaded.usable
-    extended = length is not None and length != current
-    if extended:
-        extend_model(loaded.hf_model, length, strategy, seed=seed, allow_shrink=False)
-        old_len = current
-    else:
-        length = current
-        old_len = old_length or loaded.old_length or current
     if train == "new-rows" and old_len >= length:
         raise TrainingError(
             f"Training only new rows needs rows beyond the old length, but the model has {length} positions and its old length is "
-            f"{old_len}: pass length=N above {current}, or old_length=N for a checkpoint extended elsewhere."
+            f"{old_len}: pass length=N above {length}, or old_length=N for a checkpoint extended elsewhere."
         )
     tokenizer.model_max_length = length
     train_seqs, eval_seqs = split(chosen.samples(tokenizer, docs, length))
@@ -242,7 +237,9 @@ def _setup(
     fingerprint = _fingerprint(src=str(directory), data=[str(d) for d in data], length=length, train=train, lr=lr,
                                schedule=schedule, global_batch=batch_size * accelerator.num_processes,
                                grad_accum=grad_accum, seed=seed, strategy=strategy, objective=chosen.name,
-                               anchor=chosen.anchor)
+                               anchor=chosen.anchor, **({"anchor_source": str(anchor.path)} if anchor.path else {}))
+    if anchor.note and accelerator.is_main_process:
+        (log.info if anchor.exact else log.warning)("%s", anchor.note)
     keep_rows = old_len + loaded.reserved
     for p in model.parameters():
         p.requires_grad_(train == "all")
@@ -261,8 +258,39 @@ def _setup(
     run = _Run(accelerator, prepared, accelerator.unwrap_model(prepared), optimizer, scheduler, tokenizer,
                chosen, train_seqs, eval_seqs[:eval_sequences], length, old_len, tables, keep_rows,
                saved_rows, dst.with_name(dst.name + ".state"), fingerprint, seed, batch_size, grad_accum, buckets, lr,
-               cache=dict(loaded.extras), extended=extended)
+               cache=dict(loaded.extras), extended=extended, reference=anchor)
     return run, loaded
+
+
+def _load(
+    chosen: Objective, directory: Path, *, length: int | None, strategy: str, seed: int, old_length: int | None,
+    init_head: bool, source: str | Path | None,
+) -> tuple[Loaded, int, int, bool, AnchorSource]:
+    """Load through the objective, settle what its anchor holds to while the table is as loaded, then
+    extend it when ``length`` asks. Returns the loaded model, the run's length and old length, whether
+    this run extended the table, and the anchor's reference."""
+    from .model import extend_model
+
+    if source is not None and chosen.anchor is None:
+        raise TrainingError(f"The {chosen.name} objective has no anchor term to hold to a source; "
+                            "leave the source unset.")
+    anchored = bool(chosen.anchor)
+    # an original may replace the frozen copy of the checkpoint: load without making that copy
+    may_swap = anchored and (source is not None or "posextend.source" in provenance(directory))
+    loaded = (chosen.with_anchor(0) if may_swap else chosen).load(directory, init_head=init_head)
+    current = loaded.usable
+    extended = length is not None and length != current
+    old_len = current if extended else (old_length or loaded.old_length or current)
+    length = length if extended else current
+    anchor = (anchor_source(directory, source, old_length=old_len, length=length, extended=extended)
+              if anchored else AnchorSource())
+    if anchor.path is not None:  # the original, at its own length
+        loaded.extras["source"] = chosen.read_reference(anchor.path, init_head=init_head)
+    elif may_swap:  # no original to hold to: the checkpoint as loaded, before it is extended
+        loaded.extras["source"] = chosen.copy_reference(loaded)
+    if extended:
+        extend_model(loaded.hf_model, length, strategy, seed=seed, allow_shrink=False)
+    return loaded, length, old_len, extended, anchor
 
 
 def _adamw(params: list[torch.nn.Parameter], lr: float) -> torch.optim.Optimizer:
@@ -387,6 +415,7 @@ def finetune(
     init_head: bool = False,
     objective: str | None = None,
     anchor: float | None = None,
+    source: str | Path | None = None,
     eval_sequences: int = 16,
     buckets: int = 8,
     overwrite: bool = False,
@@ -402,6 +431,10 @@ def finetune(
     otherwise). ``anchor``: the weight of the objective's term that keeps the source model's
     outputs on inputs within the old length (causal 1, contrastive 2; 0 turns it off and saves
     the frozen copy of the source it needs).
+    ``source``: the original model the anchor holds to, for a checkpoint extended earlier (its
+    outputs on inputs within the old length are the ones to keep). Default: the original its
+    provenance records, when that is still there and fits (same model type, the recorded old
+    length); else the checkpoint as loaded, with one logged line (``report.anchor_note``).
     ``schedule``: linear warm-up over 10% of the steps, then ``constant`` or ``cosine`` (down to
     10% of ``lr``).
     ``train``: ``new-rows`` trains only the rows beyond the old length (everything else,
@@ -431,7 +464,7 @@ def finetune(
         directory, dst, data, length=length, strategy=strategy, steps=steps, train=train, lr=lr, schedule=schedule,
         batch_size=batch_size, grad_accum=grad_accum, mixed_precision=mixed_precision,
         gradient_checkpointing=gradient_checkpointing, seed=seed, old_length=old_length, init_head=init_head,
-        eval_sequences=eval_sequences, buckets=buckets, chosen=chosen,
+        eval_sequences=eval_sequences, buckets=buckets, chosen=chosen, source=source,
     )
     before = None if resume else run.evaluate()
     start_step = _resume_step(run) if resume else 0
@@ -447,6 +480,7 @@ def finetune(
         before=before, after=after, processes=run.accelerator.num_processes,
         main_process=run.accelerator.is_main_process, strategy=strategy if run.extended else None,
         anchor=chosen.anchor or 0.0, schedule=schedule,
+        anchor_source=str(run.reference.path) if run.reference.path else None, anchor_note=run.reference.note,
     )
     state_dict = run.accelerator.get_state_dict(run.model)  # every process takes part (sharded weights)
     if run.accelerator.is_main_process:
@@ -464,8 +498,9 @@ def _save(run: _Run, dst: Path, report: FinetuneReport, src: Path, loaded: Loade
     """
     from .checkpoint import ResizeReport
 
+    origin = run.reference.path if run.reference.path and not run.extended else src  # the original, when the anchor found it
     card = ResizeReport(
-        src=str(src), dst=report.dst, model_type=loaded.hf_model.config.model_type, strategy=strategy, params={}, seed=seed,
+        src=str(origin), dst=report.dst, model_type=loaded.hf_model.config.model_type, strategy=strategy, params={}, seed=seed,
         old_length=report.old_length, new_length=report.new_length, reserved=loaded.reserved,
         tables=list(loaded.tables), buffers=[],
     )
