@@ -57,9 +57,11 @@ SIZES = {  # name: changes to quality.py's settings
 }
 FACTORS = (2, 4)
 
-# label: finetune's arguments besides posextend's defaults (``posextend finetune``'s); "pose": the PoSE objective
+# label: finetune's arguments besides posextend's defaults (``posextend finetune``'s); "pose": the PoSE objective;
+# "resized": fine-tune the output of resize-model (the two-command path: the anchor finds the original by provenance)
 RECIPES = {
     "defaults, all: interpolate, lr 1e-3 cosine, anchor 1": {},
+    "resize-model (interpolate), then finetune with the defaults": {"resized": True},
     "all, lr 1e-4 constant (the defaults before)": {"lr": 1e-4, "schedule": "constant"},
     "all, no anchor": {"anchor": 0.0},
     "kps + all": {"strategy": "kps"},
@@ -196,7 +198,7 @@ def run_size(name: str, s: dict, args, train_files: list[Path], held: dict[str, 
         for label, recipe in recipes.items():
             steps = round((args.steps or s["ft_steps"]) * recipe.get("steps_scale", 1))
             kwargs = {"train": "all", "batch_size": 4, "steps": steps,
-                      **{k: v for k, v in recipe.items() if k not in ("pose", "teacher", "steps_scale")}}
+                      **{k: v for k, v in recipe.items() if k not in ("pose", "teacher", "steps_scale", "resized")}}
             if recipe.get("pose"):  # the same tokens per step as the full-length recipes
                 kwargs.update(objective=pose_objective(factor), batch_size=4 * factor)
             if recipe.get("teacher"):
@@ -205,8 +207,9 @@ def run_size(name: str, s: dict, args, train_files: list[Path], held: dict[str, 
             start, out = work / f"{name}-{factor}-{strategy}", work / f"{name}-{factor}-{len(rows)}"
             if not start.exists():  # the untrained start, for the far range's gain
                 posextend.resize_checkpoint(ref, start, new, strategy, seed=args.seed)
-            t0 = time.perf_counter()  # from the reference itself, so that an anchor compares with the true source
-            finetune(ref, out, train_files, length=new, eval_sequences=1, seed=args.seed, **kwargs)
+            t0 = time.perf_counter()  # from the reference itself, or from its resize (whose provenance names it)
+            src, length = (start, None) if recipe.get("resized") else (ref, new)
+            finetune(src, out, train_files, length=length, eval_sequences=1, seed=args.seed, **kwargs)
             seconds = time.perf_counter() - t0
             for h, x in seqs.items():
                 (orig0, far0), (orig, far) = perplexities(start, x, old), perplexities(out, x, old)

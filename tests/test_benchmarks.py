@@ -65,6 +65,12 @@ def test_quality_grid_quick(tmp_path):
             assert r["original"] == pytest.approx(r["source_original"], rel=1e-4)
     for recipe in recipes:
         assert f"| {recipe} |" in out
+    # resize first, fine-tune later: the anchor finds the original by provenance, so the result is the one-command path's
+    by_recipe = {}
+    for r in data["rows"]:
+        by_recipe.setdefault(r["recipe"], []).append((r["original"], r["far"]))
+    assert by_recipe["resize-model (interpolate), then finetune with the defaults"] == \
+        by_recipe["defaults, all: interpolate, lr 1e-3 cosine, anchor 1"]
     assert "worst far / in-range" in out and (tmp_path / "g" / "quality_grid.png").exists()
     assert "| *the source itself on the far range's tokens" in out
 
