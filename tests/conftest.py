@@ -12,6 +12,10 @@ from tiny import FAMILIES, add_legacy_gpt2_masks, build
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers.logging.set_verbosity_error()
+if os.environ.get("PYTEST_XDIST_WORKER"):  # the workers share the cores: one thread each (tiny twins gain nothing from more)
+    import torch
+
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
