@@ -96,10 +96,7 @@ def main() -> None:
     head = " / ".join(str(n) for n in lengths)
     longest = lengths[-1]
     for protocol in protocols:
-        about = {"shared": "shared haystack (LongEmbed's protocol: one haystack per length, passkey in LongEmbed's "
-                           "filler, needle in one span of the data; keys at evenly spread depths)",
-                 "varied": "varied haystack (each document its own span of the data, key at a random depth)"}[protocol]
-        print(f"\n### {about}; {seconds[protocol]:.0f} s\n")
+        print(f"\n### {HAYSTACKS[protocol]}; {seconds[protocol]:.0f} s\n")
         print(f"| model | passkey {head} | needle {head} | short-input cosine |")
         print("|---|---|---|---|")
         for name, r in results[protocol].items():
@@ -121,10 +118,7 @@ def main() -> None:
                 print(f"| {n} | {_quarters(r, 'passkey', n)} | {_quarters(r, 'needle', n)} |")
     if args.json:
         args.json.write_text(json.dumps({"settings": vars(args) | {"workdir": str(args.workdir), "json": str(args.json)},
-                                         "protocols": {"shared": "LongEmbed's: one haystack per length shared by every "
-                                                                 "candidate, keys at evenly spread depths",
-                                                       "varied": "each document its own span of the data, key at a "
-                                                                 "random depth"},
+                                         "protocols": HAYSTACKS,
                                          "results": results}, indent=2, default=str))
 
 

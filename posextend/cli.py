@@ -501,10 +501,8 @@ def _retrieval(model: str, data: list[Path], tasks: str, lengths: str, documents
     with err_console.status("Embedding documents"):
         report = evaluate_retrieval(model, data, tasks=[t.strip() for t in tasks.split(",")], lengths=sizes,
                                     n=documents, mode=mode, max_tokens=max_tokens, reference=reference, haystack=haystack)
-    protocol = ("shared haystack (LongEmbed's protocol)" if haystack == "shared"
-                else "varied haystack (each document its own span)")
     table = Table("task", *(f"{n} tokens" for n in sizes),
-                  title=f"{model}: accuracy@1 over {documents} documents, {protocol} ({mode}, reads {report.max_seq_length} tokens)")
+                  title=f"{model}: accuracy@1 over {documents} documents, {HAYSTACKS[haystack]} ({mode}, reads {report.max_seq_length} tokens)")
     for name, scores in report.scores.items():
         table.add_row(name, *(f"{scores[n]:.2f}" for n in sizes))
     console.print(table)

@@ -40,7 +40,11 @@ from .errors import DataError, PosExtendError
 
 Mode = Literal["full", "chunk"]
 Haystack = Literal["shared", "varied"]
-HAYSTACKS = ("shared", "varied")
+#: The protocols, each with the line that names it in reports (the CLI's table, the benchmark's).
+HAYSTACKS = {
+    "shared": "shared haystack (LongEmbed's protocol)",  # one haystack per length, keys at evenly spread depths
+    "varied": "varied haystack (each document its own span)",  # the key at a random depth
+}
 #: LongEmbed's passkey haystack: this text, repeated to the document's length.
 PASSKEY_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 _NAMES = ("Ada", "Basil", "Clara", "Dmitri", "Elena", "Farid", "Greta", "Hugo", "Ines", "Jonas", "Kira", "Lars",
