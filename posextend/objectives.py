@@ -32,6 +32,7 @@ import torch
 from .errors import DataError, TrainingError
 from .evaluation import Bucket, EvalReport, bucket_edges, evaluate_model
 from .loading import Loaded, config_objective, is_sentence_transformer, load_language_model, loaded
+from .registry import Registry
 
 if TYPE_CHECKING:
     from .training import _Run
@@ -115,42 +116,33 @@ class Objective:
         run.tokenizer.save_pretrained(directory)
 
 
-_REGISTRY: dict[str, Objective] = {}
-_plugins_loaded = False
+_REGISTRY: Registry[Objective] = Registry("objective", "objectives", ENTRY_POINT_GROUP, TrainingError)
 
 
 def register_objective(name: str, *, description: str | None = None) -> Callable[[type[Objective]], type[Objective]]:
-    """Class decorator registering an :class:`Objective` under ``name``; refuses duplicates."""
+    """Class decorator registering an :class:`Objective` under ``name``; refuses invalid or duplicate names."""
+    _REGISTRY.check_name(name)
 
     def decorator(cls: type[Objective]) -> type[Objective]:
-        if name in _REGISTRY:
-            raise TrainingError(f"An objective named {name!r} is already registered; choose another name.")
         if not (isinstance(cls, type) and issubclass(cls, Objective)):
             raise TrainingError(f"Objective {name!r} must be a subclass of posextend.objectives.Objective.")
+        _REGISTRY.check_name(name)
         cls.name = name
         cls.description = description or cls.description or (cls.__doc__ or "").strip().split("\n")[0]
-        _REGISTRY[name] = cls()
+        _REGISTRY.add(name, cls())
         return cls
 
     return decorator
 
 
 def available_objectives() -> dict[str, Objective]:
-    global _plugins_loaded
-    if not _plugins_loaded:
-        _plugins_loaded = True
-        from importlib.metadata import entry_points
-
-        for ep in entry_points(group=ENTRY_POINT_GROUP):
-            ep.load()
-    return dict(sorted(_REGISTRY.items()))
+    """All registered objectives (built-ins and plug-ins), by name."""
+    return _REGISTRY.available()
 
 
 def get_objective(name: str) -> Objective:
-    objectives = available_objectives()
-    if name not in objectives:
-        raise TrainingError(f"Unknown objective {name!r}. Objectives: {', '.join(objectives)}.")
-    return objectives[name]
+    """The registered objective ``name``; raises :class:`TrainingError` listing the valid ones."""
+    return _REGISTRY.get(name)
 
 
 def default_objective(directory: Path) -> str:

@@ -45,12 +45,12 @@ from __future__ import annotations
 
 import inspect
 import logging
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .errors import CorruptCheckpointError, StrategyError
+from .registry import Registry
 
 if TYPE_CHECKING:
     import torch
@@ -59,7 +59,6 @@ log = logging.getLogger(__name__)
 
 StrategyFn = Callable[..., "torch.Tensor"]
 ENTRY_POINT_GROUP = "posextend.strategies"
-_NAME = re.compile(r"^[a-z][a-z0-9_-]*$")
 CONTEXT_PARAMS = ("initializer_range",)
 DEFAULTS = {1: "tile", 2: "bicubic"}  # the strategy used when none is named, by grid rank
 
@@ -83,8 +82,7 @@ class Strategy:
         }
 
 
-_REGISTRY: dict[str, Strategy] = {}
-_plugins_loaded = False
+_REGISTRY: Registry[Strategy] = Registry("strategy", "strategies", ENTRY_POINT_GROUP, StrategyError)
 
 
 def register_strategy(
@@ -111,18 +109,10 @@ def register_strategy(
             out[: min(len(table), new_len)] = table[:new_len]
             return out
     """
-    if not _NAME.match(name):
-        raise StrategyError(
-            f"Invalid strategy name {name!r}: use lowercase letters, digits, '-' and '_', "
-            "starting with a letter."
-        )
+    _REGISTRY.check_name(name)
 
     def decorator(fn: StrategyFn) -> StrategyFn:
-        if name in _REGISTRY:
-            raise StrategyError(
-                f"A strategy named {name!r} is already registered "
-                f"(by {_REGISTRY[name].fn.__module__}); choose another name."
-            )
+        _REGISTRY.check_name(name)
         params = inspect.signature(fn).parameters
         if "generator" not in params or params["generator"].kind is not inspect.Parameter.KEYWORD_ONLY:
             raise StrategyError(
@@ -136,37 +126,20 @@ def register_strategy(
         ):
             raise StrategyError(f"Strategy {name!r}: a row strategy (rows=...) takes no parameters.")
         doc = description or (inspect.getdoc(fn) or "").split("\n")[0]
-        _REGISTRY[name] = Strategy(name, fn, doc, keeps_rows, rows, tuple(ranks))
+        _REGISTRY.add(name, Strategy(name, fn, doc, keeps_rows, rows, tuple(ranks)))
         return fn
 
     return decorator
 
 
-def _load_plugins() -> None:
-    global _plugins_loaded
-    if _plugins_loaded:
-        return
-    _plugins_loaded = True
-    from importlib.metadata import entry_points
-
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        try:
-            ep.load()
-        except Exception as exc:  # a broken plugin must not break the built-ins
-            log.warning("Could not load posextend strategy plugin %r: %s", ep.name, exc)
-
-
 def available_strategies() -> dict[str, Strategy]:
     """All registered strategies (built-ins and plugins), by name."""
-    _load_plugins()
-    return dict(sorted(_REGISTRY.items()))
+    return _REGISTRY.available()
 
 
 def get_strategy(name: str) -> Strategy:
-    strategies = available_strategies()
-    if name not in strategies:
-        raise StrategyError(f"Unknown strategy {name!r}. Valid strategies: {', '.join(strategies)}.")
-    return strategies[name]
+    """The registered strategy ``name``; raises :class:`StrategyError` listing the valid ones."""
+    return _REGISTRY.get(name)
 
 
 def parse_param(text: str) -> tuple[str, Any]:

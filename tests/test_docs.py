@@ -182,7 +182,7 @@ def _python(source: str, cwd: Path, where: Block) -> str:
     """Run a python block in this process (imports are paid once), leaving the registries as they were."""
     from posextend import objectives, strategies
 
-    registries = [(r, dict(r)) for r in (strategies._REGISTRY, objectives._REGISTRY)]
+    registries = [(r.items, dict(r.items)) for r in (strategies._REGISTRY, objectives._REGISTRY)]
     out = io.StringIO()
     old = Path.cwd()
     os.chdir(cwd)

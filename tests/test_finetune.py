@@ -258,7 +258,7 @@ def test_contrastive_anchor_keeps_short_inputs_near_the_source(minilm, corpus, t
         anchored = finetune(minilm, tmp_path / "anchored", [corpus], **kwargs)
         free = finetune(minilm, tmp_path / "free", [corpus], objective="contrastive-no-anchor", **kwargs)
     finally:
-        objectives._REGISTRY.pop("contrastive-no-anchor")
+        objectives._REGISTRY.items.pop("contrastive-no-anchor")
     assert anchored.steps == free.steps == 4 and anchored.lr == 3e-4
     assert (anchored.anchor, anchored.schedule, free.anchor) == (2.0, "cosine", 0.0)
     texts = [corpus.read_text()[i : i + n] for i, n in ((0, 80), (5000, 400), (20000, 1200))]

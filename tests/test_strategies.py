@@ -205,7 +205,7 @@ def test_parse_param_rejects_non_pairs():
 
 
 def test_registration_refuses_duplicates_and_bad_names(monkeypatch):
-    monkeypatch.setattr(S, "_REGISTRY", dict(S._REGISTRY))
+    monkeypatch.setattr(S._REGISTRY, "items", dict(S._REGISTRY.items))
     with pytest.raises(StrategyError, match="already registered"):
         S.register_strategy("tile")(lambda t, n, *, generator: t)
     with pytest.raises(StrategyError, match="Invalid strategy name"):
@@ -215,7 +215,7 @@ def test_registration_refuses_duplicates_and_bad_names(monkeypatch):
 
 
 def test_core_rejects_a_strategy_that_breaks_the_contract(monkeypatch, table):
-    monkeypatch.setattr(S, "_REGISTRY", dict(S._REGISTRY))
+    monkeypatch.setattr(S._REGISTRY, "items", dict(S._REGISTRY.items))
 
     @S.register_strategy("short")
     def short(t, n, *, generator):
@@ -248,8 +248,8 @@ def test_entry_point_plugin_is_discovered(tmp_path, monkeypatch, table):
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: mirror-plugin\nVersion: 1.0\n")
     (dist / "entry_points.txt").write_text("[posextend.strategies]\nmirror = mirror_plugin\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(S, "_REGISTRY", dict(S._REGISTRY))
-    monkeypatch.setattr(S, "_plugins_loaded", False)
+    monkeypatch.setattr(S._REGISTRY, "items", dict(S._REGISTRY.items))
+    monkeypatch.setattr(S._REGISTRY, "plugins_loaded", False)
     monkeypatch.delitem(sys.modules, "mirror_plugin", raising=False)
     assert "mirror" in posextend.available_strategies()
     out = S.resize_table(table, 2 * OLD, "mirror")

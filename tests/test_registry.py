@@ -1,0 +1,69 @@
+"""Strategies and objectives share one registry mechanism: names, duplicates, lookups and plug-ins
+(entry points) behave the same for both."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import pytest
+
+from posextend import objectives, strategies
+from posextend.errors import StrategyError, TrainingError
+
+KINDS = {  # registry, an error of its kind, a built-in
+    "strategy": (strategies, StrategyError, "tile"),
+    "objective": (objectives, TrainingError, "causal"),
+}
+
+
+def _install_plugin(tmp_path, monkeypatch, group: str, source: str) -> None:
+    """A distribution whose ``group`` entry point names the module ``source`` (on sys.path)."""
+    (tmp_path / "my_plugin.py").write_text(source)
+    dist = tmp_path / "my_plugin-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: my-plugin\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text(f"[{group}]\nmine = my_plugin\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "my_plugin", raising=False)
+
+
+@pytest.fixture
+def registry(request, monkeypatch):
+    module, error, builtin = KINDS[request.param]
+    monkeypatch.setattr(module._REGISTRY, "items", dict(module._REGISTRY.items))
+    monkeypatch.setattr(module._REGISTRY, "plugins_loaded", False)
+    return module._REGISTRY, error, builtin
+
+
+@pytest.mark.parametrize("registry", list(KINDS), indirect=True)
+def test_a_broken_plugin_warns_and_leaves_the_built_ins(registry, tmp_path, monkeypatch, caplog):
+    reg, error, builtin = registry
+    _install_plugin(tmp_path, monkeypatch, reg.group, "raise ImportError('needs a GPU library')\n")
+    with caplog.at_level(logging.WARNING, logger="posextend.registry"):
+        found = reg.available()
+    assert builtin in found and "mine" not in found
+    assert f"Could not load posextend {reg.kind} plug-in 'mine': needs a GPU library" in caplog.text
+    assert reg.get(builtin) is found[builtin]
+
+
+@pytest.mark.parametrize("registry", list(KINDS), indirect=True)
+def test_names_duplicates_and_unknowns_are_refused_alike(registry):
+    reg, error, builtin = registry
+    with pytest.raises(error, match=f"Invalid {reg.kind} name 'Bad Name'"):
+        reg.check_name("Bad Name")
+    with pytest.raises(error, match=rf"A {reg.kind} named '{builtin}' is already registered \(by posextend\.\w+\)"):
+        reg.check_name(builtin)
+    with pytest.raises(error, match=rf"Unknown {reg.kind} 'nope'\. Valid {reg.plural}: .*{builtin}"):
+        reg.get("nope")
+
+
+def test_an_objective_plugin_is_discovered(tmp_path, monkeypatch):
+    monkeypatch.setattr(objectives._REGISTRY, "items", dict(objectives._REGISTRY.items))
+    monkeypatch.setattr(objectives._REGISTRY, "plugins_loaded", False)
+    _install_plugin(tmp_path, monkeypatch, "posextend.objectives", (
+        "from posextend.objectives import CausalLM, register_objective\n"
+        "@register_objective('causal-copy', description='The causal objective under another name (a test).')\n"
+        "class Copy(CausalLM):\n    pass\n"))
+    found = objectives.available_objectives()
+    assert type(found["causal-copy"]).__module__ == "my_plugin" and found["causal-copy"].name == "causal-copy"
