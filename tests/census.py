@@ -120,9 +120,12 @@ def capped(config: dict) -> dict:
 def holds_table(config: dict, cls: type) -> str:
     """'grid', 'table' or '' from the twin's parameter shapes (for classifying refusals only).
 
-    'grid': a position-named parameter whose rows (less 0-5 prefix tokens) are a square, in a
-    model whose config has a patch size. 'table': a 2-D position-named parameter with as many
-    rows as a length field says (or 2 more).
+    Only absolute tables count: an ``nn.Embedding``'s weight or a bare parameter, named for
+    positions, not a relative one (Swin's ``relative_position_bias_table``, SAM's ``rel_pos_h``) and no
+    layer's weight (SAM-2's ``temporal_positional_encoding_projection_layer`` is a Linear).
+    'grid': such a table, in a model whose config has a patch size, that is ``[1, H, W, D]`` or whose
+    rows (less 0-5 prefix tokens) are a square. 'table': a 2-D one with as many rows as a length
+    field says (or 2 more).
     """
     try:
         model = twin.build(config, device="meta", cls=cls)
@@ -131,16 +134,29 @@ def holds_table(config: dict, cls: type) -> str:
     lengths = {twin.get_path(config, f) for f in length_fields(config)}
     patches = any("patch_size" in sub for _, sub in twin.sub_configs(config))
     kind = ""
-    for name, p in model.named_parameters():
-        if "pos" not in name.lower() and not name.endswith("wpe.weight"):
-            continue
+    for name, p in _absolute_tables(model):
         shape = tuple(p.shape)
         rows = shape[-2] if len(shape) >= 2 else 0
-        if patches and rows > 4 and any(math.isqrt(rows - k) ** 2 == rows - k for k in (0, 1, 2, 5)):
+        square = rows > 4 and any(math.isqrt(rows - k) ** 2 == rows - k for k in (0, 1, 2, 5))
+        if patches and (square or (len(shape) == 4 and shape[0] == 1)):
             kind = "grid"
         elif len(shape) == 2 and rows in {v + k for v in lengths for k in (0, 2)}:
             return "table"
     return kind
+
+
+def _absolute_tables(model: torch.nn.Module):
+    """``(name, parameter)`` of the position-named parameters that could be absolute tables."""
+    layers = (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.LayerNorm)
+    for module_name, module in model.named_modules():
+        if isinstance(module, layers):
+            continue
+        for name, p in module.named_parameters(recurse=False):
+            full = f"{module_name}.{name}" if module_name else name
+            lowered = full.lower()
+            if ("pos" in lowered or full.endswith("wpe.weight")) and not any(
+                    word in lowered for word in ("relative", "rel_pos", "bias")):
+                yield full, p
 
 
 def _owned(model):
