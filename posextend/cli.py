@@ -350,10 +350,7 @@ def _eval_table(title: str, reports: dict[str, Any]) -> None:
     from rich.table import Table
 
     first = next(r for r in reports.values() if r is not None)
-    if first.accuracy is not None:  # an embedding model's retrieval of passages
-        metric, key, count = "retrieval accuracy@1", "accuracy", "passages"
-    else:
-        metric, key, count = "perplexity" if first.objective == "causal" else "masked-LM perplexity", "perplexity", "tokens"
+    metric, key, count = first.metric, first.score, first.unit
     table = Table("positions", *(f"{label} {metric}" for label in reports), count, title=title)
     for i, bucket in enumerate(first.buckets):
         cells = [_fmt(getattr(r.buckets[i], key)) if r is not None else "-" for r in reports.values()]

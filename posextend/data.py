@@ -79,6 +79,21 @@ def pack(tokenizer, documents: Sequence[str], length: int) -> torch.Tensor:
     return torch.tensor(ids[: n * length], dtype=torch.long).view(n, length)
 
 
+def framed(rows: Sequence[Sequence[int] | torch.Tensor], tokenizer) -> dict[str, torch.Tensor]:
+    """An encoder's batch of ``rows`` (token ids without special tokens): ``[CLS] row [SEP]`` each (BOS and
+    EOS for a tokenizer without CLS/SEP), padded to the longest, with the attention mask."""
+    cls, sep = tokenizer.cls_token_id, tokenizer.sep_token_id
+    if cls is None or sep is None:
+        cls, sep = tokenizer.bos_token_id, tokenizer.eos_token_id
+    width = max(len(r) for r in rows) + 2
+    ids = torch.full((len(rows), width), tokenizer.pad_token_id or 0, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, row in enumerate(rows):
+        ids[i, : len(row) + 2] = torch.cat([torch.tensor([cls]), torch.as_tensor(row, dtype=torch.long), torch.tensor([sep])])
+        mask[i, : len(row) + 2] = 1
+    return {"input_ids": ids, "attention_mask": mask}
+
+
 def split(sequences: torch.Tensor, eval_fraction: float = 0.1) -> tuple[torch.Tensor, torch.Tensor]:
     """Train and held-out parts (the held-out part comes from the end of the corpus)."""
     if len(sequences) < 2:

@@ -42,6 +42,17 @@ class EvalReport:
     buckets: list[Bucket] = field(default_factory=list)
     old_length: int | None = None
     accuracy: float | None = None  # contrastive: mean retrieval accuracy@1
+    metric: str = "perplexity"  # what its numbers are, as every report prints it (set by whoever scores)
+
+    @property
+    def score(self) -> str:
+        """The field holding its numbers, overall and per bucket: ``accuracy`` (retrieval) or ``perplexity``."""
+        return "accuracy" if self.accuracy is not None else "perplexity"
+
+    @property
+    def unit(self) -> str:
+        """What it counts: ``passages`` (retrieval) or ``tokens``."""
+        return "passages" if self.accuracy is not None else "tokens"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -124,6 +135,10 @@ def position_losses(
     return total, count
 
 
+#: What a language model's held-out numbers are, by its head: the one place reports take the label from.
+LM_METRICS = {"causal": "perplexity", "masked": "masked-LM perplexity"}
+
+
 def report_from(
     total: torch.Tensor, count: torch.Tensor, edges: Sequence[int], *, objective: str, sequences: int,
     old_length: int | None = None,
@@ -138,7 +153,7 @@ def report_from(
     return EvalReport(
         objective=objective, length=len(total), sequences=sequences, loss=loss,
         perplexity=math.exp(min(loss, 50)) if n else float("nan"), tokens=int(n), buckets=buckets,
-        old_length=old_length,
+        old_length=old_length, metric=LM_METRICS.get(objective, "perplexity"),
     )
 
 
@@ -180,11 +195,11 @@ def evaluate(
     """
     from .data import pack, read_documents
     from .checkpoint import resolve_source
-    from .loading import config_objective, load_language_model
+    from .loading import config_head, load_language_model
 
     docs = read_documents(data)
     directory = resolve_source(model_path)
-    loaded = load_language_model(directory, config_objective(directory))
+    loaded = load_language_model(directory, config_head(directory))
     length = length or loaded.usable
     if length > loaded.usable:
         raise PosExtendError(
@@ -229,7 +244,7 @@ def plot_reports(
     if reference is not None:
         ax.axhline(reference, color="black", linestyle=":", linewidth=1, label=f"original model: {reference:.1f}")
     ax.set_xlabel("position")
-    ax.set_ylabel("perplexity" if next(iter(reports.values())).objective == "causal" else "masked-LM perplexity")
+    ax.set_ylabel(next(iter(reports.values())).metric)
     ax.set_yscale("log")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small") if len(reports) > 3 else ax.legend()
     return _save(fig, Path(path), plt)

@@ -108,9 +108,9 @@ def model_directory(directory: Path) -> Path:
     return directory / transformer_dir(directory)
 
 
-def config_objective(directory: Path) -> str:
-    """The objective a checkpoint's family trains with by default (its spec's)."""
-    return spec_for(read_config(model_directory(directory))).objective
+def config_head(directory: Path) -> str:
+    """The language-model head of a checkpoint's family (its spec's): ``causal``, ``masked``, ``seq2seq`` or ``other``."""
+    return spec_for(read_config(model_directory(directory))).head
 
 
 # ------------------------------------------------------------------------------ the anchor's reference

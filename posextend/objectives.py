@@ -29,9 +29,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from .data import framed
 from .errors import DataError, TrainingError
 from .evaluation import Bucket, EvalReport, bucket_edges, evaluate_model
-from .loading import Loaded, config_objective, is_sentence_transformer, load_language_model, loaded
+from .loading import Loaded, config_head, is_sentence_transformer, load_language_model, loaded
 from .registry import Registry
 
 if TYPE_CHECKING:
@@ -145,17 +146,22 @@ def get_objective(name: str) -> Objective:
     return _REGISTRY.get(name)
 
 
+def _features(rows, tokenizer, device) -> dict[str, torch.Tensor]:
+    """:func:`posextend.data.framed` on ``device``."""
+    return {k: v.to(device) for k, v in framed(rows, tokenizer).items()}
+
+
 def default_objective(directory: Path) -> str:
     """``contrastive`` for a sentence-transformers folder; else the family's language-model objective."""
     if is_sentence_transformer(directory):
         return "contrastive"
-    objective = config_objective(directory)
-    if objective not in ("causal", "masked"):
+    head = config_head(directory)
+    if head not in ("causal", "masked"):
         raise TrainingError(
             "This family is neither a causal nor a masked language model; fine-tuning it is not supported yet. "
             "Resize it and train it with your own trainer."
         )
-    return objective
+    return head
 
 
 def without_dropout(model: torch.nn.Module, *, attention_only: bool = False) -> int:
@@ -325,20 +331,6 @@ class Contrastive(Objective):
                                                              gather_across_devices=run.accelerator.num_processes > 1)
         return run.cache["mnrl"]
 
-    @staticmethod
-    def _features(rows: list[torch.Tensor], tokenizer, device) -> dict[str, torch.Tensor]:
-        """[CLS] row [SEP] for each row, padded to the longest, with its attention mask."""
-        cls, sep = tokenizer.cls_token_id, tokenizer.sep_token_id
-        if cls is None or sep is None:
-            cls, sep = tokenizer.bos_token_id, tokenizer.eos_token_id
-        width = max(len(r) for r in rows) + 2
-        ids = torch.full((len(rows), width), tokenizer.pad_token_id or 0, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, r in enumerate(rows):
-            ids[i, : len(r) + 2] = torch.cat([torch.tensor([cls]), r, torch.tensor([sep])])
-            mask[i, : len(r) + 2] = 1
-        return {"input_ids": ids.to(device), "attention_mask": mask.to(device)}
-
     def _queries(self, run: _Run, batch: torch.Tensor, generators: list[torch.Generator]
                  ) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
         """The documents (with their inserted passages) and the sets of queries, one query per
@@ -367,8 +359,8 @@ class Contrastive(Objective):
         generators = [sample_generator(run.seed, p) for p in positions]
         device = run.accelerator.device
         documents, sets = self._queries(run, batch, generators)
-        d = run.model(self._features(list(documents), run.tokenizer, device))["sentence_embedding"]
-        queries = [self._features(rows, run.tokenizer, device) for rows in sets]
+        d = run.model(_features(list(documents), run.tokenizer, device))["sentence_embedding"]
+        queries = [_features(rows, run.tokenizer, device) for rows in sets]
         embedded = [run.model(q)["sentence_embedding"] for q in queries]
         loss = sum(self._loss_fn(run).compute_loss_from_embeddings([q, d], None) for q in embedded) / len(embedded)
         source = run.cache.get("source")
@@ -376,7 +368,7 @@ class Contrastive(Objective):
             widest = min(run.old_length, run.length) - 2
             widths = [round(math.exp(math.log(PASSAGE_TOKENS) + float(torch.rand((), generator=g))
                                      * math.log(widest / PASSAGE_TOKENS))) for g in generators]
-            heads = self._features([row[:w] for row, w in zip(batch, widths)], run.tokenizer, device)
+            heads = _features([row[:w] for row, w in zip(batch, widths)], run.tokenizer, device)
             source.to(device)  # where the model trains (nothing moves once there)
             with torch.no_grad():
                 targets = [source(heads)["sentence_embedding"], source(queries[0])["sentence_embedding"]]
@@ -403,13 +395,13 @@ class Contrastive(Objective):
         edges = bucket_edges(docs.shape[1] + 2, run.buckets,
                              old_length=run.old_length if run.old_length < run.length else None)
         device = run.accelerator.device
-        d = torch.cat([run.model(self._features(list(docs[i : i + run.batch_size]), run.tokenizer, device))
+        d = torch.cat([run.model(_features(list(docs[i : i + run.batch_size]), run.tokenizer, device))
                        ["sentence_embedding"] for i in range(0, len(docs), run.batch_size)])
         d = torch.nn.functional.normalize(d, dim=1)
         buckets, losses, hits = [], [], []
         for lo, hi in zip(edges[:-1], edges[1:]):
             start = min(max(0, (lo + hi) // 2 - 1 - PASSAGE_TOKENS // 2), span)  # a passage centred in the bucket
-            q = run.model(self._features([row[start : start + PASSAGE_TOKENS] for row in docs], run.tokenizer,
+            q = run.model(_features([row[start : start + PASSAGE_TOKENS] for row in docs], run.tokenizer,
                                          device))["sentence_embedding"]
             scores = 20.0 * torch.nn.functional.normalize(q, dim=1) @ d.T  # MNRL's scale
             target = torch.arange(len(docs), device=scores.device)
@@ -422,7 +414,7 @@ class Contrastive(Objective):
         loss = sum(losses) / len(losses)
         return EvalReport("contrastive", docs.shape[1] + 2, len(docs), loss, math.exp(min(loss, 50)),
                           len(docs) * len(buckets), buckets, run.old_length if run.old_length < run.length else None,
-                          accuracy=sum(hits) / len(hits))
+                          accuracy=sum(hits) / len(hits), metric="retrieval accuracy@1")
 
     def save(self, run: _Run, directory: Path, state_dict: dict[str, Any] | None) -> None:
         run.unwrapped.max_seq_length = run.length

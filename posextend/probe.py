@@ -56,7 +56,7 @@ def group_name(path: str) -> str:
     return _GROUP_NAMES.get(leaf, "model")
 
 
-def _objective(config: Mapping[str, Any], cls: type) -> str:
+def _head(config: Mapping[str, Any], cls: type) -> str:
     name = cls.__name__
     if name.endswith(("ForCausalLM", "LMHeadModel")):
         return "causal"
@@ -196,7 +196,7 @@ def _group(
     return ArchitectureSpec(
         model_type=model_type, prefix=base, tables=tuple(_relative(t, base) for t in tables + companions),
         length_keys=(path,), reserved=first,
-        config_counts_reserved=counts_reserved, buffers=rules, objective=_objective(config, cls),
+        config_counts_reserved=counts_reserved, buffers=rules, head=_head(config, cls),
         note="probed", group=group_name(path),
     )
 

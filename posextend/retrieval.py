@@ -200,11 +200,9 @@ def _embed_ids(model, documents: list[list[int]], max_tokens: int, mode: Mode, b
     """Unit embeddings of token-id documents read as ``mode`` says, through the model's own modules."""
     import torch
 
-    tok = model.tokenizer
-    cls, sep = tok.cls_token_id, tok.sep_token_id
-    if cls is None or sep is None:
-        cls, sep = tok.bos_token_id, tok.eos_token_id
-    window = max_tokens - 2
+    from .data import framed
+
+    window = max_tokens - 2  # [CLS] and [SEP]
 
     def pieces(doc: list[int]) -> list[list[int]]:
         if mode == "full" or len(doc) <= window:
@@ -214,17 +212,9 @@ def _embed_ids(model, documents: list[list[int]], max_tokens: int, mode: Mode, b
     out = []
     with torch.no_grad():
         for doc in documents:
-            chunks = [[cls, *p, sep] for p in pieces(doc)]
-            vectors = []
-            for b in range(0, len(chunks), batch_size):
-                group = chunks[b : b + batch_size]
-                width = max(map(len, group))
-                ids = torch.full((len(group), width), tok.pad_token_id or 0, dtype=torch.long)
-                mask = torch.zeros_like(ids)
-                for r, c in enumerate(group):
-                    ids[r, : len(c)] = torch.tensor(c)
-                    mask[r, : len(c)] = 1
-                vectors.append(model({"input_ids": ids, "attention_mask": mask})["sentence_embedding"])
+            chunks = pieces(doc)
+            vectors = [model(framed(chunks[b : b + batch_size], model.tokenizer))["sentence_embedding"]
+                       for b in range(0, len(chunks), batch_size)]
             mean = torch.cat(vectors).mean(0)  # chunk-and-average: the mean of the chunks' embeddings
             out.append(torch.nn.functional.normalize(mean, dim=0))
     return torch.stack(out)

@@ -519,10 +519,8 @@ def _save(run: _Run, dst: Path, report: FinetuneReport, src: Path, loaded: Loade
         lines = [model_card(card, trained=True).rstrip(), "", "## Fine-tune", "",
                  f"- Trained: `{report.train}` for {report.steps} steps ({report.tokens} tokens, lr {report.lr})"]
         for label, ev in (("before", report.before), ("after", report.after)):
-            if ev is not None and ev.accuracy is not None:
-                lines.append(f"- Held-out retrieval accuracy@1 {label}: {ev.accuracy:.3f}")
-            elif ev is not None and math.isfinite(ev.perplexity):
-                lines.append(f"- Held-out perplexity {label}: {ev.perplexity:.3f}")
+            if ev is not None and math.isfinite(getattr(ev, ev.score)):
+                lines.append(f"- Held-out {ev.metric} {label}: {getattr(ev, ev.score):.3f}")
         (tmp / "README.md").write_text("\n".join(lines) + "\n")
         if report.before or report.after:
             (tmp / "posextend_eval.json").write_text(json.dumps(

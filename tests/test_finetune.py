@@ -66,6 +66,9 @@ def test_masked_lm_positions_mode(bert, corpus, tmp_path):
         if name in after:
             assert torch.equal(after[name], before[name]), name
     assert report.before.objective == "masked" and report.after.tokens > 0
+    # the label comes with the report: the CLI's table, the plot and the model card print it as it is
+    assert (report.after.metric, report.after.score, report.after.unit) == ("masked-LM perplexity", "perplexity", "tokens")
+    assert f"- Held-out masked-LM perplexity after: {report.after.perplexity:.3f}" in (tmp_path / "out" / "README.md").read_text()
 
 
 def test_resume_gives_the_same_result_as_an_uninterrupted_run(gpt, corpus, tmp_path):

@@ -132,3 +132,19 @@ def test_haystack_through_the_cli_and_the_json(minilm, corpus, tmp_path):
     assert set(depths) == {"passkey", "needle"} and all(len(v) == 4 for t in depths.values() for v in t.values())
     r = CliRunner().invoke(app, ["eval", str(minilm), "--data", str(corpus), "--task", "passkey", "--haystack", "same"])
     assert r.exit_code != 0 and "--haystack must be shared or varied" in r.output
+
+
+def test_framed_is_the_one_encoder_batch_of_training_and_retrieval():
+    """[CLS] row [SEP] (BOS/EOS for a tokenizer without CLS/SEP), padded with the pad id, masked."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from posextend.data import framed
+
+    bert = SimpleNamespace(cls_token_id=101, sep_token_id=102, bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    out = framed([[5, 6, 7], torch.tensor([8])], bert)
+    assert out["input_ids"].tolist() == [[101, 5, 6, 7, 102], [101, 8, 102, 0, 0]]
+    assert out["attention_mask"].tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]
+    no_cls = SimpleNamespace(cls_token_id=None, sep_token_id=None, bos_token_id=0, eos_token_id=2, pad_token_id=1)
+    assert framed([[5], [6, 7]], no_cls)["input_ids"].tolist() == [[0, 5, 2, 1], [0, 6, 7, 2]]

@@ -137,12 +137,12 @@ def test_the_cli_resizes_and_inspects_the_subfolder_layout(layouts, tmp_path):
 
 
 def test_the_fine_tune_door_finds_the_subfolder(layouts, resized, corpus, tmp_path):
-    from posextend.loading import config_objective, model_directory, provenance
+    from posextend.loading import config_head, model_directory, provenance
     from posextend.objectives import default_objective, get_objective
 
     src = layouts["subfolder"]
     assert model_directory(src) == src / "0_Transformer"
-    assert (default_objective(src), config_objective(src)) == ("contrastive", "masked")
+    assert (default_objective(src), config_head(src)) == ("contrastive", "masked")
     _, _, dst, _, _ = resized
     assert provenance(dst)["posextend.old_length"] == "512"  # read from the model's own weights
     # the masked objective loads the transformers model from 0_Transformer/ (it has no masked-LM head)
