@@ -23,6 +23,10 @@ class UnsupportedArchitectureError(PosExtendError):
     """No architecture spec (and no safe fallback) knows this model type."""
 
 
+class RunTimeGridError(UnsupportedArchitectureError):
+    """The model adapts its learned image grid to each image on every forward: nothing on disk to resize."""
+
+
 class NotLearnedPositionsError(UnsupportedArchitectureError):
     """The model's positions are not a learned absolute table (rotary, relative, ALiBi...)."""
 

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from . import twin
-from .errors import UnsupportedArchitectureError
+from .errors import RunTimeGridError, UnsupportedArchitectureError
 from .specs import IMAGE_COUNT_FIELD, ArchitectureSpec, BufferRule, GridSpec, _pair, table_rows
 
 if TYPE_CHECKING:
@@ -53,18 +53,18 @@ def observe_grids(config: Mapping[str, Any], cls: type | None = None) -> tuple[A
         return ()
     name = f"{cls.__module__}.{cls.__qualname__}" if cls else None
     found = _cached(json.dumps(dict(config), sort_keys=True, default=str), name)
-    if isinstance(found, str):
-        raise UnsupportedArchitectureError(found)
+    if isinstance(found, UnsupportedArchitectureError):
+        raise type(found)(str(found))
     return found
 
 
 @functools.lru_cache(maxsize=64)
-def _cached(config_json: str, cls_name: str | None) -> tuple[ArchitectureSpec, ...] | str:
-    """The specs, or the refusal's message (refusals are remembered too: lookups ask again)."""
+def _cached(config_json: str, cls_name: str | None) -> tuple[ArchitectureSpec, ...] | UnsupportedArchitectureError:
+    """The specs, or the refusal (refusals are remembered too: lookups ask again)."""
     try:
         return _observe_grids(config_json, cls_name)
     except UnsupportedArchitectureError as exc:
-        return str(exc)
+        return exc
 
 
 def _observe_grids(config_json: str, cls_name: str | None) -> tuple[ArchitectureSpec, ...]:
@@ -86,6 +86,13 @@ def _observe_grids(config_json: str, cls_name: str | None) -> tuple[Architecture
         claim(claimed, spec, image_key)
         specs.append(spec)
     if not specs:
+        adapted = None if reasons else _adapted_per_image(config, cls)
+        if adapted:
+            raise RunTimeGridError(
+                f"Model type {model_type!r} uses its learned position grid at any image size: {adapted}. It adapts "
+                "the grid to each image on every forward, so there is nothing on disk to resize; feed it larger "
+                "images instead (raise the image processor's size)."
+            )
         why = "; ".join(reasons) if reasons else (
             f"no image size ({', '.join(k for k, _ in image_fields(config))}) changes the rows of a learned table")
         raise UnsupportedArchitectureError(
@@ -93,6 +100,42 @@ def _observe_grids(config_json: str, cls_name: str | None) -> tuple[Architecture
             f"resize safely ({why})."
         )
     return tuple(specs)
+
+
+def _adapted_per_image(config: dict[str, Any], cls: type) -> str | None:
+    """What shows that the family uses one learned grid at any image size, or None: a tiny twin (image
+    and patch sizes kept) holds a table shaped as a grid that no image-size field sizes, runs on images of
+    its own size and of two patches more a side with finite outputs, and uses the table there (zeroing it
+    changes the output)."""
+    import torch
+
+    image_key, patch_key = image_fields(config)[0]
+    (h, w), (ph, pw) = GridSpec(image_key, patch_key).sizes(config)
+    sizes = [(h, w), (h + STEP * ph, w + STEP * pw)]
+    for widths in (True, False):
+        try:
+            small = twin.shrink(config, widths=widths)
+            model = twin.build(small, cls=cls)
+            params = dict(model.named_parameters())
+            tables = [n for n, p in twin.absolute_position_tables(model) if twin.is_grid_shape(tuple(p.shape))]
+            if not tables:
+                return None
+            channels = twin.num_channels(small)
+            outs = [twin.run_pixels(model, tables, size, channels, resampling=True) for size in sizes]
+            with torch.no_grad():
+                kept = params[tables[0]].detach().clone()
+                params[tables[0]].zero_()
+                zeroed = twin.run_pixels(model, tables, sizes[1], channels, resampling=True)
+                params[tables[0]].copy_(kept)
+        except UnsupportedArchitectureError:
+            return None
+        except Exception:  # a foreign forward: try a milder shrink
+            continue
+        if not all(torch.isfinite(o).all() for o in outs) or torch.equal(zeroed, outs[1]):
+            return None
+        return (f"a tiny twin ran on {sizes[0][0]}x{sizes[0][1]} and {sizes[1][0]}x{sizes[1][1]} images with one "
+                f"table {tables[0]} {list(params[tables[0]].shape)}, which no image-size field changes, and used it")
+    return None
 
 
 def _value(old: Any, size: tuple[int, int]) -> Any:

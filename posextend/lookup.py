@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
-from .errors import NotLearnedPositionsError, UnsupportedArchitectureError
+from .errors import NotLearnedPositionsError, RunTimeGridError, UnsupportedArchitectureError
 from .twin import get_path
 from .specs import GRID_SPECS, RUN_TIME_GRIDS, SPECS, VISION_TOWERS, ArchitectureSpec, positions_kind_problem
 
@@ -47,7 +47,7 @@ def all_specs(config: Mapping[str, Any], *, cls: type | None = None) -> tuple[Ar
     grids, grid_error = _grids(config, cls)
     if not specs and not grids:
         if model_type in RUN_TIME_GRIDS:  # the table it has is not one to resize on disk: say why
-            raise UnsupportedArchitectureError(f"Model type {model_type!r}: {RUN_TIME_GRIDS[model_type]}.") from error
+            raise RunTimeGridError(f"Model type {model_type!r}: {RUN_TIME_GRIDS[model_type]}.") from error
         raise grid_error or error
     groups = {s.group for s in specs}  # a grid named like a length of positions (both at the top): "image"
     return specs + tuple(replace(g, group="image") if g.group in groups else g for g in grids)
@@ -88,8 +88,7 @@ def spec_for(
     if not specs:
         what = "an image grid" if wanted == 2 else "a length of positions"
         if wanted == 2 and config.get("model_type") in RUN_TIME_GRIDS:
-            raise UnsupportedArchitectureError(f"Model type {config.get('model_type')!r}: "
-                                               f"{RUN_TIME_GRIDS[config.get('model_type')]}.")
+            raise RunTimeGridError(f"Model type {config.get('model_type')!r}: {RUN_TIME_GRIDS[config.get('model_type')]}.")
         grid_error = _grids(config, cls)[1] if wanted == 2 else None
         if grid_error is not None:  # it has an image size, but its grid was refused: say why
             raise grid_error

@@ -19,6 +19,7 @@ import functools
 import inspect
 import json
 import logging
+import math
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -506,13 +507,43 @@ def num_channels(config: Mapping[str, Any]) -> int:
     return next((v for _, sub in sub_configs(config) if isinstance(v := sub.get("num_channels"), int)), 3)
 
 
-def run_pixels(model: nn.Module, tables: list[str], image_size: tuple[int, int], channels: int = 3) -> torch.Tensor:
+def absolute_position_tables(model: nn.Module) -> Iterator[tuple[str, torch.nn.Parameter]]:
+    """``(name, parameter)`` of the parameters named for positions that could be absolute tables:
+    an ``nn.Embedding``'s weight or a bare parameter, not a relative table (Swin's
+    ``relative_position_bias_table``, SAM's ``rel_pos_h``) and no layer's weight (a Linear named
+    ``..._pos_proj``, or sitting under ``post_attention_layernorm``)."""
+    from torch import nn
+
+    layers = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.LayerNorm)
+    for module_name, module in model.named_modules():
+        if isinstance(module, layers):
+            continue
+        for name, p in module.named_parameters(recurse=False):
+            full = f"{module_name}.{name}" if module_name else name
+            lowered = full.lower()
+            if ("pos" in lowered or full.endswith("wpe.weight")) and not any(
+                    word in lowered for word in ("relative", "rel_pos", "bias")):
+                yield full, p
+
+
+def is_grid_shape(shape: tuple[int, ...]) -> bool:
+    """``[1, H, W, D]``, or a table whose rows (``shape[-2]``: ``[rows, D]``, ``[1, rows, D]``; a side of
+    ``[H, W, D]``) less 0, 1, 2 or 5 prefix tokens (class, distillation, registers) are a square of more than 4."""
+    if len(shape) == 4 and shape[0] == 1:
+        return True
+    rows = shape[-2] if len(shape) >= 2 else 0
+    return rows > 4 and any(math.isqrt(rows - k) ** 2 == rows - k for k in (0, 1, 2, 5) if rows > k)
+
+
+def run_pixels(model: nn.Module, tables: list[str], image_size: tuple[int, int], channels: int = 3,
+               *, resampling: bool = False) -> torch.Tensor:
     """Run the outermost module around ``tables`` that takes ``pixel_values`` on one random image
     of ``image_size`` (height, width); return its main output.
 
     Raises ``RuntimeError`` when no module on the way runs, or when the one that runs resamples
     anything to another size (``F.interpolate``; DPT's call on every forward keeps the size): at
-    its own image size a model must use its table as it is.
+    its own image size a model must use its table as it is. ``resampling=True``: that is allowed
+    (an image of another size).
     """
     import torch
     import torch.nn.functional as F
@@ -541,7 +572,7 @@ def run_pixels(model: nn.Module, tables: list[str], image_size: tuple[int, int],
         except Exception as exc:  # a foreign forward (CLIPModel wants input_ids too): try the next module inside
             failures.append(f"{path or type(model).__name__}: {_first_line(exc)}")
             continue
-        if Resampling.calls:
+        if Resampling.calls and not resampling:
             raise RuntimeError(f"{path or type(model).__name__} resamples its positions at its own image size")
         if isinstance(out, torch.Tensor):
             return out

@@ -13,8 +13,9 @@ Outcomes:
 - ``grid``: refused; the twin holds a 2-D image-patch grid that cannot be resized safely (the reason says why);
 - ``grid-probed``: a 2-D image-patch grid observed on twins, resized to twice the image size and checked
   (against the family's run-time ``interpolate_pos_encoding`` where it has one);
-- ``run-time-grid``: refused with the reason: the family resamples its grid to each image on
-  every forward (YOLOS, SigLIP2), so there is nothing on disk to resize;
+- ``run-time-grid``: refused with the reason: the family adapts its grid to each image on every
+  forward (YOLOS, SigLIP2 by a written note; others observed: a twin runs at two image sizes with
+  one table), so there is nothing on disk to resize;
 - ``grid-spec``: a 2-D image-patch grid with a written spec (``--image-size``), checked by
   tests/test_vision.py against transformers' run-time interpolation, not walked here;
 - ``silently-wrong``: written, then a check failed (must never happen);
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import re
 import shutil
@@ -49,7 +49,6 @@ import posextend  # noqa: E402
 from posextend import twin  # noqa: E402
 from posextend.lookup import all_specs  # noqa: E402
 from posextend.probe import length_fields  # noqa: E402
-from posextend.specs import RUN_TIME_GRIDS  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 warnings.filterwarnings("ignore")
@@ -120,12 +119,9 @@ def capped(config: dict) -> dict:
 def holds_table(config: dict, cls: type) -> str:
     """'grid', 'table' or '' from the twin's parameter shapes (for classifying refusals only).
 
-    Only absolute tables count: an ``nn.Embedding``'s weight or a bare parameter, named for
-    positions, not a relative one (Swin's ``relative_position_bias_table``, SAM's ``rel_pos_h``) and no
-    layer's weight (SAM-2's ``temporal_positional_encoding_projection_layer`` is a Linear).
-    'grid': such a table, in a model whose config has a patch size, that is ``[1, H, W, D]`` or whose
-    rows (less 0-5 prefix tokens) are a square. 'table': a 2-D one with as many rows as a length
-    field says (or 2 more).
+    Only absolute tables count (:func:`posextend.twin.absolute_position_tables`). 'grid': one shaped
+    as an image grid (:func:`posextend.twin.is_grid_shape`), in a model whose config has a patch size.
+    'table': a 2-D one with as many rows as a length field says (or 2 more).
     """
     try:
         model = twin.build(config, device="meta", cls=cls)
@@ -134,29 +130,13 @@ def holds_table(config: dict, cls: type) -> str:
     lengths = {twin.get_path(config, f) for f in length_fields(config)}
     patches = any("patch_size" in sub for _, sub in twin.sub_configs(config))
     kind = ""
-    for name, p in _absolute_tables(model):
+    for _, p in twin.absolute_position_tables(model):
         shape = tuple(p.shape)
-        rows = shape[-2] if len(shape) >= 2 else 0
-        square = rows > 4 and any(math.isqrt(rows - k) ** 2 == rows - k for k in (0, 1, 2, 5))
-        if patches and (square or (len(shape) == 4 and shape[0] == 1)):
+        if patches and twin.is_grid_shape(shape):
             kind = "grid"
-        elif len(shape) == 2 and rows in {v + k for v in lengths for k in (0, 2)}:
+        elif len(shape) == 2 and shape[0] in {v + k for v in lengths for k in (0, 2)}:
             return "table"
     return kind
-
-
-def _absolute_tables(model: torch.nn.Module):
-    """``(name, parameter)`` of the position-named parameters that could be absolute tables."""
-    layers = (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.LayerNorm)
-    for module_name, module in model.named_modules():
-        if isinstance(module, layers):
-            continue
-        for name, p in module.named_parameters(recurse=False):
-            full = f"{module_name}.{name}" if module_name else name
-            lowered = full.lower()
-            if ("pos" in lowered or full.endswith("wpe.weight")) and not any(
-                    word in lowered for word in ("relative", "rel_pos", "bias")):
-                yield full, p
 
 
 def _owned(model):
@@ -358,7 +338,7 @@ def census_one(model_type: str, workdir: Path, layouts: tuple[str, ...] = LAYOUT
         except posextend.PosExtendError as exc:
             kind = holds_table(small, cls)
             result.outcome = {"table": "refused-table", "grid": "grid"}.get(kind, "refused")
-            if model_type in RUN_TIME_GRIDS:
+            if isinstance(exc, posextend.RunTimeGridError):
                 result.outcome = "run-time-grid"
             result.reason = str(exc)
             return result
@@ -573,8 +553,9 @@ def markdown(results: list[Result]) -> str:
         "interpolation within 1e-5; else (**load-and-run**) finite outputs. Composites (OWL-ViT, BLIP …) list their "
         "probed grid beside their text table.",
         "- **grid**: a 2-D image-patch grid that cannot be resized on disk safely: refused, with the reason.",
-        "- **run-time-grid**: a 2-D grid the family resamples to each image on every forward: refused, with "
-        "what to do instead.",
+        "- **run-time-grid**: a 2-D grid the family adapts to each image on every forward: refused, with "
+        "what to do instead. Written for SigLIP-2 and YOLOS; observed for the others (a twin holds a grid no "
+        "image-size field sizes, runs at two image sizes with it, and uses it).",
         "- **grid-spec**: a 2-D image-patch grid resized with `--image-size` by a written spec, checked by "
         "`tests/test_vision.py` (the same outputs as transformers' run-time `interpolate_pos_encoding`).",
         "",

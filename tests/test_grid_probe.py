@@ -284,3 +284,29 @@ def test_paligemma_image_token_counts_follow_in_config_and_processor(tmp_path):
         features = model.get_image_features(pixel_values=torch.randn(1, 3, 56, 56))
     features = features if isinstance(features, torch.Tensor) else features.pooler_output
     assert features.shape[1] == 49
+
+
+@pytest.mark.parametrize("model_type", ["sam3_vision_model", "radio"])
+def test_a_grid_used_at_any_image_size_is_refused_as_adapted_per_image(tmp_path, model_type):
+    """SAM 3's ViT and RADIO keep one learned grid that no image-size field sizes and adapt it to every
+    image: observed (a twin runs at two sizes with that table, and uses it), refused with what to do."""
+    cls = _class(model_type)
+    config = transformers.AutoConfig.for_model(model_type).to_dict()
+    config.update(model_type=model_type, architectures=[cls.__name__])
+    config = twin.shrink(config)
+    with pytest.raises(posextend.RunTimeGridError, match=r"ran on (\d+)x\1 and \d+x\d+ images with one table \S*position_embedding"):
+        spec_for(config, rank=2)
+    src = tmp_path / "src"
+    save_twin(src, config, cls)
+    r = CliRunner().invoke(app, ["resize-model", str(src), str(tmp_path / "out"), "--image-size", "1120"])
+    assert r.exit_code == 1 and "adapts the grid to each image on every forward" in r.output
+    assert "feed it larger images instead" in r.output and not (tmp_path / "out").exists()
+
+
+def test_a_grid_the_image_size_sizes_is_not_taken_for_an_adapted_one():
+    """SAM's ViT sizes its [1, H, W, D] grid by image_size and runs at that size only: the old refusal stands."""
+    sam = twin.shrink(transformers.SamVisionConfig().to_dict() | {"model_type": "sam_vision_model",
+                                                                  "architectures": ["SamVisionModel"]})
+    with pytest.raises(posextend.PosExtendError) as caught:
+        observe_grids(sam)
+    assert not isinstance(caught.value, posextend.RunTimeGridError) and "no learned table of prefix rows" in str(caught.value)
