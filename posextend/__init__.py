@@ -30,6 +30,7 @@ _LAZY = {
     "resize_grid": "strategies",
     "finetune": "training",
     "FinetuneReport": "training",
+    "FinetuneConfig": "options",
     "evaluate": "evaluation",
     "EvalReport": "evaluation",
     "ArchitectureSpec": "specs",
@@ -51,6 +52,7 @@ if TYPE_CHECKING:
     from .objectives import available_objectives, register_objective
     from .retrieval import evaluate_retrieval
     from .model import extend_model
+    from .options import FinetuneConfig
     from .specs import GRID_SPECS, SPECS, ArchitectureSpec
     from .strategies import available_strategies, get_strategy, register_strategy, resize_grid, resize_table
     from .training import FinetuneReport, finetune

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import json
 import logging
 import math
@@ -26,7 +25,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any
 
 import torch
 
@@ -36,10 +35,9 @@ from .evaluation import EvalReport
 from .io import atomic_output, output_errors, read_header, write_file, write_safetensors
 from .loading import AnchorSource, Loaded, anchor_source, provenance
 from .objectives import Objective, default_objective, get_objective
+from .options import FinetuneConfig
 
 log = logging.getLogger(__name__)
-TrainMode = Literal["new-rows", "positions", "all"]
-TRAIN_MODES = get_args(TrainMode)
 
 
 @dataclass
@@ -114,10 +112,6 @@ def batch_indices(k: int, batch_size: int, n: int, seed: int, world: int = 1, ra
     return torch.stack([_epoch_order(n, seed, p // n)[p % n] for p in batch_positions(k, batch_size, world, rank)])
 
 
-def _fingerprint(**kwargs: Any) -> str:
-    return hashlib.sha256(json.dumps(kwargs, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
 @dataclass
 class _Run:
     """One fine-tune, set up: what the loop, the evaluation and the state files need."""
@@ -146,6 +140,7 @@ class _Run:
     cache: dict[str, Any] = field(default_factory=dict)  # an objective's per-run objects (its loss module)
     extended: bool = False  # the table was extended by this run (not by an earlier resize)
     reference: AnchorSource = field(default_factory=AnchorSource)  # what the anchor term holds to
+    config: FinetuneConfig = field(default_factory=FinetuneConfig)  # the run's options, resolved
 
     @property
     def short_inputs_fixed(self) -> bool:
@@ -160,16 +155,6 @@ class _Run:
             self.accelerator.save_state(str(self.state_dir))
             if self.accelerator.is_main_process:
                 write_file(self.state_dir / "posextend.json", json.dumps({"step": step, "fingerprint": self.fingerprint}))
-
-
-def _check_options(train: str, schedule: str, steps: int, batch_size: int, grad_accum: int) -> None:
-    if train not in TRAIN_MODES:
-        raise TrainingError(f"The train mode must be one of {', '.join(TRAIN_MODES)}, got {train!r}.")
-    if schedule not in ("constant", "cosine"):
-        raise TrainingError(f"The schedule must be constant or cosine, got {schedule!r}.")
-    for name, value in (("steps", steps), ("batch_size", batch_size), ("grad_accum", grad_accum)):
-        if value < 1:
-            raise TrainingError(f"{name} must be at least 1, got {value}.")
 
 
 def make_accelerator(mixed_precision: str, grad_accum: int, *, unused_parameters: bool = False):
@@ -202,74 +187,68 @@ def make_accelerator(mixed_precision: str, grad_accum: int, *, unused_parameters
     return accelerator
 
 
-def _setup(
-    directory: Path, dst: Path, data: Sequence[str | Path], *, length: int | None, strategy: str, steps: int,
-    train: str, lr: float | None, schedule: str, batch_size: int, grad_accum: int, mixed_precision: str,
-    gradient_checkpointing: bool, seed: int, old_length: int | None, init_head: bool, eval_sequences: int,
-    buckets: int, chosen: Objective, source: str | Path | None = None,
-) -> tuple[_Run, Loaded]:
+def _setup(directory: Path, dst: Path, data: Sequence[str | Path], config: FinetuneConfig,
+           chosen: Objective) -> tuple[_Run, Loaded]:
     """Load, extend, cut the data into samples, choose what trains, and prepare model, optimizer and
-    schedule. ``lr`` None: the objective's default for the train mode and the table's width."""
+    schedule. ``config`` is resolved (:meth:`FinetuneConfig.resolved`); its ``lr`` is set here when None."""
     from accelerate.utils import set_seed
 
     from .data import read_documents, split
 
     docs = read_documents(data)
-    loaded, length, old_len, extended, anchor = _load(chosen, directory, length=length, strategy=strategy, seed=seed,
-                                                      old_length=old_length, init_head=init_head, source=source)
+    loaded, length, old_len, extended, anchor = _load(chosen, directory, config)
     model, tokenizer = loaded.model, loaded.tokenizer
-    if train == "new-rows" and old_len >= length:
+    if config.train == "new-rows" and old_len >= length:
         raise TrainingError(
             f"Training only new rows needs rows beyond the old length, but the model has {length} positions and its old length is "
             f"{old_len}: pass length=N above {length}, or old_length=N for a checkpoint extended elsewhere."
         )
     tokenizer.model_max_length = length
     train_seqs, eval_seqs = split(chosen.samples(tokenizer, docs, length))
-    accelerator = make_accelerator(mixed_precision, grad_accum, unused_parameters=chosen.unused_parameters)
-    if train == "new-rows" and accelerator.distributed_type.value in ("FSDP", "DEEPSPEED"):
+    accelerator = make_accelerator(config.mixed_precision, config.grad_accum, unused_parameters=chosen.unused_parameters)
+    if config.train == "new-rows" and accelerator.distributed_type.value in ("FSDP", "DEEPSPEED"):
         raise TrainingError(
             "Training only the new rows edits one table's gradients in place, which sharded training (FSDP, "
             "DeepSpeed) does not allow; train the positions or every parameter, or use data parallel training."
         )
     tables = [dict(model.named_parameters())[n] for n in loaded.tables]
-    lr = lr if lr is not None else chosen.default_lr(train, tables[0].shape[-1])
+    config = config.with_lr(chosen, tables[0].shape[-1])
     # the run is a function of the global batch, so a resume may use another number of processes
-    fingerprint = _fingerprint(src=str(directory), data=[str(d) for d in data], length=length, train=train, lr=lr,
-                               schedule=schedule, global_batch=batch_size * accelerator.num_processes,
-                               grad_accum=grad_accum, seed=seed, strategy=strategy, objective=chosen.name,
-                               anchor=chosen.anchor, **({"anchor_source": str(anchor.path)} if anchor.path else {}))
+    fingerprint = config.fingerprint(src=directory, data=[str(d) for d in data], processes=accelerator.num_processes,
+                                     anchor_source=anchor.path)
     if anchor.note and accelerator.is_main_process:
         (log.info if anchor.exact else log.warning)("%s", anchor.note)
     keep_rows = old_len + loaded.reserved
     for p in model.parameters():
-        p.requires_grad_(train == "all")
+        p.requires_grad_(config.train == "all")
     for t in tables:
         t.requires_grad_(True)
-    saved_rows = [t.detach()[:keep_rows].clone() for t in tables] if train == "new-rows" else []
-    if train == "new-rows":
+    saved_rows = [t.detach()[:keep_rows].clone() for t in tables] if config.train == "new-rows" else []
+    if config.train == "new-rows":
         for t in tables:
             t.register_hook(lambda g: torch.cat([torch.zeros_like(g[:keep_rows]), g[keep_rows:]]))
-    if gradient_checkpointing:
+    if config.gradient_checkpointing:
         loaded.hf_model.gradient_checkpointing_enable()
-    set_seed(seed)
-    optimizer = _adamw([p for p in model.parameters() if p.requires_grad], lr)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(lr_factor, steps=steps, schedule=schedule))
+    set_seed(config.seed)
+    optimizer = _adamw([p for p in model.parameters() if p.requires_grad], config.lr)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, functools.partial(lr_factor, steps=config.steps, schedule=config.schedule))
     prepared, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     run = _Run(accelerator, prepared, accelerator.unwrap_model(prepared), optimizer, scheduler, tokenizer,
-               chosen, train_seqs, eval_seqs[:eval_sequences], length, old_len, tables, keep_rows,
-               saved_rows, dst.with_name(dst.name + ".state"), fingerprint, seed, batch_size, grad_accum, buckets, lr,
-               cache=dict(loaded.extras), extended=extended, reference=anchor)
+               chosen, train_seqs, eval_seqs[: config.eval_sequences], length, old_len, tables, keep_rows,
+               saved_rows, dst.with_name(dst.name + ".state"), fingerprint, config.seed, config.batch_size,
+               config.grad_accum, config.buckets, config.lr, cache=dict(loaded.extras), extended=extended,
+               reference=anchor, config=config)
     return run, loaded
 
 
-def _load(
-    chosen: Objective, directory: Path, *, length: int | None, strategy: str, seed: int, old_length: int | None,
-    init_head: bool, source: str | Path | None,
-) -> tuple[Loaded, int, int, bool, AnchorSource]:
+def _load(chosen: Objective, directory: Path, config: FinetuneConfig) -> tuple[Loaded, int, int, bool, AnchorSource]:
     """Load through the objective, settle what its anchor holds to while the table is as loaded, then
-    extend it when ``length`` asks. Returns the loaded model, the run's length and old length, whether
-    this run extended the table, and the anchor's reference."""
+    extend it when ``config.length`` asks. Returns the loaded model, the run's length and old length,
+    whether this run extended the table, and the anchor's reference."""
     from .model import extend_model
+
+    length, old_length, init_head, source = config.length, config.old_length, config.init_head, config.source
 
     if source is not None and chosen.anchor is None:
         raise TrainingError(f"The {chosen.name} objective has no anchor term to hold to a source; "
@@ -289,7 +268,7 @@ def _load(
     elif may_swap:  # no original to hold to: the checkpoint as loaded, before it is extended
         loaded.extras["source"] = chosen.copy_reference(loaded)
     if extended:
-        extend_model(loaded.hf_model, length, strategy, seed=seed, allow_shrink=False)
+        extend_model(loaded.hf_model, length, config.strategy, seed=config.seed, allow_shrink=False)
     return loaded, length, old_len, extended, anchor
 
 
@@ -397,34 +376,14 @@ def finetune(
     dst: str | Path,
     data: Sequence[str | Path],
     *,
-    length: int | None = None,
-    strategy: str | None = None,
-    steps: int | None = None,
-    train: TrainMode = "all",
-    lr: float | None = None,
-    schedule: Literal["constant", "cosine"] | None = None,
-    batch_size: int = 4,
-    grad_accum: int = 1,
-    mixed_precision: Literal["no", "fp16", "bf16"] = "no",
-    gradient_checkpointing: bool = False,
-    eval_every: int = 0,
-    save_every: int = 0,
-    resume: bool = False,
-    seed: int = 0,
-    old_length: int | None = None,
-    init_head: bool = False,
-    objective: str | None = None,
-    anchor: float | None = None,
-    source: str | Path | None = None,
-    eval_sequences: int = 16,
-    buckets: int = 8,
-    overwrite: bool = False,
     progress: Callable[[int, int, float, float], None] | None = None,
     fail_at_step: int | None = None,  # testing hook: make the loss non-finite at this step
+    **options: Any,
 ) -> FinetuneReport:
     """Extend (optionally) and fine-tune ``src``, evaluate before and after, save to ``dst``.
 
-    ``steps``, ``lr``, ``schedule`` and ``strategy`` default to the objective's
+    ``options`` are :class:`~posextend.options.FinetuneConfig`'s fields (``length``, ``steps``, ``train``,
+    ``lr``, ``objective``, ``anchor``, ``seed`` …); those left out take the objective's defaults
     (:mod:`posextend.objectives`: 200 steps for language models, 60 for ``contrastive``; lr and
     schedule by ``train``: with ``all``, causal LMs 1e-3 × min(1, 192 / width) from
     ``interpolate``, contrastive 5e-5, both with a cosine decay; ``tile`` and a constant lr
@@ -435,8 +394,6 @@ def finetune(
     outputs on inputs within the old length are the ones to keep). Default: the original its
     provenance records, when that is still there and fits (same model type, the recorded old
     length); else the checkpoint as loaded, with one logged line (``report.anchor_note``).
-    ``schedule``: linear warm-up over 10% of the steps, then ``constant`` or ``cosine`` (down to
-    10% of ``lr``).
     ``train``: ``new-rows`` trains only the rows beyond the old length (everything else,
     the old rows included, stays bit-identical), ``positions`` the whole table, ``all``
     every parameter. ``progress(step, steps, loss, tokens_per_second)`` is called per step
@@ -451,40 +408,37 @@ def finetune(
         >>> report.before.perplexity, report.after.perplexity
     """
     directory = resolve_source(src)
-    chosen = get_objective(objective or default_objective(directory))
-    if anchor is not None:
-        chosen = chosen.with_anchor(anchor)
-    steps = steps if steps is not None else chosen.steps
-    schedule = schedule or chosen.schedule.get(train, "constant")
-    _check_options(train, schedule, steps, batch_size, grad_accum)
-    strategy = strategy or chosen.strategy[train]
+    given = FinetuneConfig.of(options)
+    given.check()
+    chosen = get_objective(given.objective or default_objective(directory))
+    if given.anchor is not None:
+        chosen = chosen.with_anchor(given.anchor)
+    config = given.resolved(chosen)
     dst = Path(dst).expanduser()
-    check_destination(directory, dst, overwrite=overwrite)
-    run, loaded = _setup(
-        directory, dst, data, length=length, strategy=strategy, steps=steps, train=train, lr=lr, schedule=schedule,
-        batch_size=batch_size, grad_accum=grad_accum, mixed_precision=mixed_precision,
-        gradient_checkpointing=gradient_checkpointing, seed=seed, old_length=old_length, init_head=init_head,
-        eval_sequences=eval_sequences, buckets=buckets, chosen=chosen, source=source,
-    )
-    before = None if resume else run.evaluate()
-    start_step = _resume_step(run) if resume else 0
-    losses, eval_losses, tokens, seconds = _loop(run, start_step, steps, eval_every=eval_every, save_every=save_every,
-                                                 progress=progress, fail_at_step=fail_at_step)
+    check_destination(directory, dst, overwrite=config.overwrite)
+    run, loaded = _setup(directory, dst, data, config, chosen)
+    config = run.config  # with its lr
+    before = None if config.resume else run.evaluate()
+    start_step = _resume_step(run) if config.resume else 0
+    losses, eval_losses, tokens, seconds = _loop(run, start_step, config.steps, eval_every=config.eval_every,
+                                                 save_every=config.save_every, progress=progress,
+                                                 fail_at_step=fail_at_step)
     after = run.evaluate()
     run.accelerator.wait_for_everyone()
     report = FinetuneReport(
-        dst=str(dst.resolve()), train=train, objective=run.objective.name, steps=steps, old_length=run.old_length, new_length=run.length, lr=run.lr,
-        batch_size=batch_size, grad_accum=grad_accum, tokens=tokens, seconds=seconds,
+        dst=str(dst.resolve()), train=config.train, objective=run.objective.name, steps=config.steps,
+        old_length=run.old_length, new_length=run.length, lr=config.lr,
+        batch_size=config.batch_size, grad_accum=config.grad_accum, tokens=tokens, seconds=seconds,
         tokens_per_second=tokens / max(seconds, 1e-9), losses=losses,
-        eval_losses=([(0, before.loss)] if before else []) + eval_losses + [(steps, after.loss)],
+        eval_losses=([(0, before.loss)] if before else []) + eval_losses + [(config.steps, after.loss)],
         before=before, after=after, processes=run.accelerator.num_processes,
-        main_process=run.accelerator.is_main_process, strategy=strategy if run.extended else None,
-        anchor=chosen.anchor or 0.0, schedule=schedule,
+        main_process=run.accelerator.is_main_process, strategy=config.strategy if run.extended else None,
+        anchor=chosen.anchor or 0.0, schedule=config.schedule,
         anchor_source=str(run.reference.path) if run.reference.path else None, anchor_note=run.reference.note,
     )
     state_dict = run.accelerator.get_state_dict(run.model)  # every process takes part (sharded weights)
     if run.accelerator.is_main_process:
-        _save(run, dst, report, directory, loaded, strategy, seed, overwrite, state_dict)
+        _save(run, dst, report, directory, loaded, config.strategy, config.seed, config.overwrite, state_dict)
         shutil.rmtree(run.state_dir, ignore_errors=True)
     run.accelerator.wait_for_everyone()
     return report

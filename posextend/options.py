@@ -1,0 +1,135 @@
+"""The options of a fine-tune, in one frozen dataclass (:class:`FinetuneConfig`).
+
+The API (``posextend.finetune(src, dst, data, **options)``) and the CLI build it; it is resolved once
+against the objective's defaults (:meth:`FinetuneConfig.resolved`), checked in one place, and
+fingerprinted for resuming (:meth:`FinetuneConfig.fingerprint`). Nothing below takes loose options.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, get_args
+
+from .errors import TrainingError
+
+if TYPE_CHECKING:
+    from .objectives import Objective
+
+TrainMode = Literal["new-rows", "positions", "all"]
+TRAIN_MODES = get_args(TrainMode)
+SCHEDULES = ("constant", "cosine")
+PRECISIONS = ("no", "fp16", "bf16")
+# options that change how a run is carried out or reported, not what it computes: a resume may change them
+_NOT_FINGERPRINTED = {"resume", "overwrite", "eval_every", "save_every", "eval_sequences", "buckets",
+                      "gradient_checkpointing", "batch_size"}
+
+
+@dataclass(frozen=True)
+class FinetuneConfig:
+    """Every option of a fine-tune. ``None``: the objective's default (see :meth:`resolved`).
+
+    - ``length``: extend to this many usable positions first (None: train at the checkpoint's length).
+    - ``strategy``: how ``length`` fills the new rows (objective's default: ``interpolate`` for causal LMs
+      with ``train="all"``, else ``tile``).
+    - ``steps``: optimizer steps (200 for language models, 60 for ``contrastive``).
+    - ``train``: ``new-rows`` (only rows beyond the old length; everything else stays bit-identical),
+      ``positions`` (the whole table) or ``all`` (every parameter).
+    - ``lr``: learning rate (by train mode and the table's width: see the objectives).
+    - ``schedule``: after a 10% linear warm-up, ``constant`` or ``cosine`` down to 10% of ``lr``.
+    - ``batch_size`` (per process), ``grad_accum``, ``mixed_precision`` (``no``, ``fp16``, ``bf16``),
+      ``gradient_checkpointing``.
+    - ``eval_every``: held-out evaluation every N steps (0: before and after only); ``save_every``:
+      resumable state to ``DST.state/`` every N steps; ``resume``: continue from it.
+    - ``seed``: data order, masking and strategies.
+    - ``old_length``: the old length of a checkpoint extended by another tool (for ``new-rows``).
+    - ``init_head``: train a fresh LM head when the checkpoint has none.
+    - ``objective``: ``causal``, ``masked``, ``contrastive`` or a plug-in (default: ``contrastive`` for a
+      sentence-transformers folder, else the family's LM head).
+    - ``anchor``: weight of the objective's term that keeps the source's outputs on inputs within the
+      old length (causal 1, contrastive 2; 0 turns it off).
+    - ``source``: the original model the anchor holds to, for a checkpoint extended earlier.
+    - ``eval_sequences``, ``buckets``: the held-out evaluation's size and position buckets.
+    - ``overwrite``: replace DST if it exists.
+    """
+
+    length: int | None = None
+    strategy: str | None = None
+    steps: int | None = None
+    train: TrainMode = "all"
+    lr: float | None = None
+    schedule: Literal["constant", "cosine"] | None = None
+    batch_size: int = 4
+    grad_accum: int = 1
+    mixed_precision: Literal["no", "fp16", "bf16"] = "no"
+    gradient_checkpointing: bool = False
+    eval_every: int = 0
+    save_every: int = 0
+    resume: bool = False
+    seed: int = 0
+    old_length: int | None = None
+    init_head: bool = False
+    objective: str | None = None
+    anchor: float | None = None
+    source: str | Path | None = None
+    eval_sequences: int = 16
+    buckets: int = 8
+    overwrite: bool = False
+
+    @classmethod
+    def of(cls, options: dict[str, Any]) -> FinetuneConfig:
+        """The config of keyword ``options``; an unknown name is refused with the valid ones."""
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - names)
+        if unknown:
+            raise TrainingError(f"Unknown fine-tune option(s) {', '.join(unknown)}; the options are: "
+                                f"{', '.join(sorted(names))}.")
+        return cls(**options)
+
+    def resolved(self, objective: Objective) -> FinetuneConfig:
+        """The options with ``objective``'s defaults filled in (objective, anchor, steps, schedule,
+        strategy), checked. ``lr`` stays None until the table's width is known (:meth:`with_lr`)."""
+        self._check_train()
+        anchor = objective.anchor if self.anchor is None else self.anchor
+        config = replace(
+            self, objective=objective.name, anchor=anchor,
+            steps=objective.steps if self.steps is None else self.steps,
+            schedule=self.schedule or objective.schedule.get(self.train, "constant"),
+            strategy=self.strategy or objective.strategy[self.train],
+        )
+        config.check()
+        return config
+
+    def with_lr(self, objective: Objective, width: int) -> FinetuneConfig:
+        """The config with ``lr`` set: the given one, else ``objective``'s for the train mode and ``width``."""
+        return self if self.lr is not None else replace(self, lr=objective.default_lr(self.train, width))
+
+    def _check_train(self) -> None:
+        if self.train not in TRAIN_MODES:
+            raise TrainingError(f"The train mode must be one of {', '.join(TRAIN_MODES)}, got {self.train!r}.")
+
+    def check(self) -> None:
+        """Refuse values no run can use, each with what to give instead."""
+        self._check_train()
+        if self.schedule is not None and self.schedule not in SCHEDULES:
+            raise TrainingError(f"The schedule must be constant or cosine, got {self.schedule!r}.")
+        if self.mixed_precision not in PRECISIONS:
+            raise TrainingError(f"Mixed precision must be one of {', '.join(PRECISIONS)}, got {self.mixed_precision!r}.")
+        for name in ("steps", "batch_size", "grad_accum"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise TrainingError(f"{name} must be at least 1, got {value}.")
+        for name in ("eval_every", "save_every"):
+            if getattr(self, name) < 0:
+                raise TrainingError(f"{name} must be 0 (off) or a number of steps, got {getattr(self, name)}.")
+
+    def fingerprint(self, *, src: Path, data: list[str], processes: int, anchor_source: Path | None) -> str:
+        """What a resume must share with the run that saved its state: the source, the data, every option
+        that changes what is computed (the global batch, not the per-process one), the anchor's original."""
+        settings = {k: v for k, v in dataclasses.asdict(self).items() if k not in _NOT_FINGERPRINTED}
+        settings.update(src=str(src), data=data, global_batch=self.batch_size * processes, source=None,
+                        anchor_source=str(anchor_source) if anchor_source else None)
+        return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
