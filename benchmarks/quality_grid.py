@@ -44,7 +44,7 @@ from quality import SETTINGS, build_reference
 import posextend
 from posextend.data import pack, read_documents
 from posextend.evaluation import evaluate_model, position_losses
-from posextend.objectives import CausalLM, get_objective, register_objective, sample_generator
+from posextend.objectives import CausalLM, get_objective, register_objective
 from posextend.training import finetune
 
 HELDOUT = ("emma.txt", "northangerabbey.txt")
@@ -92,7 +92,7 @@ class PoSE(CausalLM):
         n = batch.shape[1]
         cuts, ids = [], []
         for p in positions:
-            g = sample_generator(run.seed, p)
+            g = run.generator(p)
             cut = int(torch.randint(1, n, (1,), generator=g))
             skip = int(torch.randint(run.length - n + 1, (1,), generator=g))
             cuts.append(cut)

@@ -2,9 +2,10 @@
 
 An objective knows how to load the model it trains, cut documents into training samples,
 compute one micro-batch's loss, evaluate by position, and save. The loop (accumulation,
-resume, NaN, Ctrl-C, progress, distribution) is shared (:mod:`posextend.training`). Every
-random choice of a sample comes from ``sample_generator(seed, p)`` for its global number
-``p``, so a run is the same whatever the number of processes.
+resume, NaN, Ctrl-C, progress, distribution) is shared (:mod:`posextend.training`) and hands
+each objective a :class:`~posextend.context.RunContext`, its one view of the run. Every random
+choice of a sample comes from ``run.generator(p)`` for its global number ``p``, so a run is the
+same whatever the number of processes.
 
 Built-ins: ``causal`` (next-token LM), ``masked`` (BERT masking), ``contrastive``
 (embedding models: a short passage drawn from a long document must retrieve that document
@@ -25,25 +26,18 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 
+from .context import RunContext
 from .data import framed
 from .errors import DataError, TrainingError
 from .evaluation import Bucket, EvalReport, bucket_edges, evaluate_model
 from .loading import Loaded, config_head, is_sentence_transformer, load_language_model, loaded
 from .registry import Registry
 
-if TYPE_CHECKING:
-    from .training import _Run
-
 ENTRY_POINT_GROUP = "posextend.objectives"
-
-
-def sample_generator(seed: int, position: int) -> torch.Generator:
-    """The generator of global sample ``position``'s random choices."""
-    return torch.Generator().manual_seed(seed * 1_000_003 + position)
 
 
 class Objective:
@@ -105,14 +99,14 @@ class Objective:
 
         return pack(tokenizer, documents, length)
 
-    def loss(self, run: _Run, positions: range, batch: torch.Tensor) -> tuple[torch.Tensor, int]:
+    def loss(self, run: RunContext, positions: range, batch: torch.Tensor) -> tuple[torch.Tensor, int]:
         """The micro-batch's mean loss on this process and the number of items it averages."""
         raise NotImplementedError
 
-    def evaluate(self, run: _Run) -> EvalReport:
+    def evaluate(self, run: RunContext) -> EvalReport:
         raise NotImplementedError
 
-    def save(self, run: _Run, directory: Path, state_dict: dict[str, torch.Tensor] | None) -> None:
+    def save(self, run: RunContext, directory: Path, state_dict: dict[str, torch.Tensor] | None) -> None:
         run.unwrapped.save_pretrained(directory, state_dict=state_dict)
         run.tokenizer.save_pretrained(directory)
 
@@ -207,10 +201,10 @@ class _LanguageModel(Objective):
         without_dropout(model.model)
         return model
 
-    def evaluate(self, run: _Run) -> EvalReport:
-        return evaluate_model(run.model, run.eval_seqs, self.head, tokenizer=run.tokenizer, buckets=run.buckets,
+    def evaluate(self, run: RunContext) -> EvalReport:
+        return evaluate_model(run.model, run.eval_seqs, self.head, tokenizer=run.tokenizer, buckets=run.config.buckets,
                               old_length=run.old_length if run.old_length < run.length else None,
-                              batch_size=run.batch_size, seed=run.seed)
+                              batch_size=run.config.batch_size, seed=run.config.seed)
 
 
 @register_objective("causal", description="Next-token prediction (GPT-style models).")
@@ -236,7 +230,7 @@ class CausalLM(_LanguageModel):
             result.extras["source"] = self.copy_reference(result)
         return result
 
-    def loss(self, run: _Run, positions: range, batch: torch.Tensor) -> tuple[torch.Tensor, int]:
+    def loss(self, run: RunContext, positions: range, batch: torch.Tensor) -> tuple[torch.Tensor, int]:
         batch = batch.to(run.accelerator.device)
         out = run.model(input_ids=batch, labels=batch)
         loss, old = out.loss, run.old_length
@@ -245,7 +239,7 @@ class CausalLM(_LanguageModel):
         return loss, batch.shape[0] * (batch.shape[1] - 1)
 
     @staticmethod
-    def source_kl(run: _Run, inputs: torch.Tensor, logits: torch.Tensor,
+    def source_kl(run: RunContext, inputs: torch.Tensor, logits: torch.Tensor,
                   keep: torch.Tensor | None = None) -> torch.Tensor:
         """Mean KL divergence of ``logits`` (the model's, for the last ``logits.shape[1]`` tokens of
         ``inputs``) from the frozen source's next-token predictions reading ``inputs`` (at the
@@ -261,10 +255,10 @@ class CausalLM(_LanguageModel):
 class MaskedLM(_LanguageModel):
     head = "masked"
 
-    def loss(self, run: _Run, positions: range, batch: torch.Tensor) -> tuple[torch.Tensor, int]:
+    def loss(self, run: RunContext, positions: range, batch: torch.Tensor) -> tuple[torch.Tensor, int]:
         from .data import mask_tokens
 
-        pairs = [mask_tokens(row[None], run.tokenizer, sample_generator(run.seed, p)) for row, p in zip(batch, positions)]
+        pairs = [mask_tokens(row[None], run.tokenizer, run.generator(p)) for row, p in zip(batch, positions)]
         inputs, labels = torch.cat([a for a, _ in pairs]), torch.cat([b for _, b in pairs])
         device = run.accelerator.device
         return run.model(input_ids=inputs.to(device), labels=labels.to(device)).loss, int((labels != -100).sum())
@@ -323,7 +317,7 @@ class Contrastive(Objective):
             raise DataError(f"Contrastive training needs documents longer than {PASSAGE_TOKENS + 4} tokens.")
         return pack(tokenizer, documents, length - 2)  # [CLS] and [SEP] are added around each window
 
-    def _loss_fn(self, run: _Run):
+    def _loss_fn(self, run: RunContext):
         if "mnrl" not in run.cache:
             from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
 
@@ -331,7 +325,7 @@ class Contrastive(Objective):
                                                              gather_across_devices=run.accelerator.num_processes > 1)
         return run.cache["mnrl"]
 
-    def _queries(self, run: _Run, batch: torch.Tensor, generators: list[torch.Generator]
+    def _queries(self, run: RunContext, batch: torch.Tensor, generators: list[torch.Generator]
                  ) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
         """The documents (with their inserted passages) and the sets of queries, one query per
         document in each set; every draw comes from the document's own generator."""
@@ -351,12 +345,12 @@ class Contrastive(Objective):
             sets.append([document[s : s + PASSAGE_TOKENS] for document, s in zip(documents, starts)])
         return documents, sets
 
-    def loss(self, run: _Run, positions: range, batch: torch.Tensor) -> tuple[torch.Tensor, int]:
+    def loss(self, run: RunContext, positions: range, batch: torch.Tensor) -> tuple[torch.Tensor, int]:
         """The ranking loss of each set of queries against the documents (averaged over the sets),
         plus ``anchor`` × the cosine distance between the model's and the source model's embeddings
         of short inputs: the first set's queries, and each document's head, cut at a width drawn
         log-uniformly between a passage and the old length."""
-        generators = [sample_generator(run.seed, p) for p in positions]
+        generators = [run.generator(p) for p in positions]
         device = run.accelerator.device
         documents, sets = self._queries(run, batch, generators)
         d = run.model(_features(list(documents), run.tokenizer, device))["sentence_embedding"]
@@ -377,7 +371,7 @@ class Contrastive(Objective):
             loss = loss + self.anchor * distance
         return loss, batch.shape[0]
 
-    def _distill_fn(self, run: _Run):
+    def _distill_fn(self, run: RunContext):
         if "distill" not in run.cache:
             from sentence_transformers.sentence_transformer.losses import EmbedDistillLoss
 
@@ -385,18 +379,18 @@ class Contrastive(Objective):
         return run.cache["distill"]
 
     @torch.no_grad()
-    def evaluate(self, run: _Run) -> EvalReport:
+    def evaluate(self, run: RunContext) -> EvalReport:
         """Retrieval of every held-out document by passages taken from each position bucket:
         accuracy@1 and the ranking loss per bucket (``perplexity`` holds exp(loss))."""
         was_training = run.model.training
         run.model.eval()
         docs = run.eval_seqs
         span = docs.shape[1] - PASSAGE_TOKENS
-        edges = bucket_edges(docs.shape[1] + 2, run.buckets,
+        edges = bucket_edges(docs.shape[1] + 2, run.config.buckets,
                              old_length=run.old_length if run.old_length < run.length else None)
         device = run.accelerator.device
-        d = torch.cat([run.model(_features(list(docs[i : i + run.batch_size]), run.tokenizer, device))
-                       ["sentence_embedding"] for i in range(0, len(docs), run.batch_size)])
+        d = torch.cat([run.model(_features(list(docs[i : i + run.config.batch_size]), run.tokenizer, device))
+                       ["sentence_embedding"] for i in range(0, len(docs), run.config.batch_size)])
         d = torch.nn.functional.normalize(d, dim=1)
         buckets, losses, hits = [], [], []
         for lo, hi in zip(edges[:-1], edges[1:]):
@@ -416,6 +410,6 @@ class Contrastive(Objective):
                           len(docs) * len(buckets), buckets, run.old_length if run.old_length < run.length else None,
                           accuracy=sum(hits) / len(hits), metric="retrieval accuracy@1")
 
-    def save(self, run: _Run, directory: Path, state_dict: dict[str, Any] | None) -> None:
+    def save(self, run: RunContext, directory: Path, state_dict: dict[str, Any] | None) -> None:
         run.unwrapped.max_seq_length = run.length
         run.unwrapped.save(str(directory))

@@ -12,12 +12,9 @@ import hashlib
 import json
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, get_args
+from typing import Any, Literal, Protocol, get_args
 
 from .errors import TrainingError
-
-if TYPE_CHECKING:
-    from .objectives import Objective
 
 TrainMode = Literal["new-rows", "positions", "all"]
 TRAIN_MODES = get_args(TrainMode)
@@ -26,6 +23,18 @@ PRECISIONS = ("no", "fp16", "bf16")
 # options that change how a run is carried out or reported, not what it computes: a resume may change them
 _NOT_FINGERPRINTED = {"resume", "overwrite", "eval_every", "save_every", "eval_sequences", "buckets",
                       "gradient_checkpointing", "batch_size"}
+
+
+class Defaults(Protocol):
+    """What a config takes from its objective (:class:`posextend.objectives.Objective` has it)."""
+
+    name: str
+    anchor: float | None
+    steps: int
+    schedule: dict[str, str]
+    strategy: dict[str, str]
+
+    def default_lr(self, train: str, width: int) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -89,7 +98,7 @@ class FinetuneConfig:
                                 f"{', '.join(sorted(names))}.")
         return cls(**options)
 
-    def resolved(self, objective: Objective) -> FinetuneConfig:
+    def resolved(self, objective: Defaults) -> FinetuneConfig:
         """The options with ``objective``'s defaults filled in (objective, anchor, steps, schedule,
         strategy), checked. ``lr`` stays None until the table's width is known (:meth:`with_lr`)."""
         self._check_train()
@@ -103,7 +112,7 @@ class FinetuneConfig:
         config.check()
         return config
 
-    def with_lr(self, objective: Objective, width: int) -> FinetuneConfig:
+    def with_lr(self, objective: Defaults, width: int) -> FinetuneConfig:
         """The config with ``lr`` set: the given one, else ``objective``'s for the train mode and ``width``."""
         return self if self.lr is not None else replace(self, lr=objective.default_lr(self.train, width))
 

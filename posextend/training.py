@@ -35,6 +35,7 @@ from .evaluation import EvalReport
 from .io import atomic_output, output_errors, read_header, write_file, write_safetensors
 from .loading import AnchorSource, Loaded, anchor_source, provenance
 from .objectives import Objective, default_objective, get_objective
+from .context import RunContext
 from .options import FinetuneConfig
 
 log = logging.getLogger(__name__)
@@ -112,40 +113,21 @@ def batch_indices(k: int, batch_size: int, n: int, seed: int, world: int = 1, ra
     return torch.stack([_epoch_order(n, seed, p // n)[p % n] for p in batch_positions(k, batch_size, world, rank)])
 
 
-@dataclass
-class _Run:
-    """One fine-tune, set up: what the loop, the evaluation and the state files need."""
+@dataclass(kw_only=True)
+class _Run(RunContext):
+    """One fine-tune, set up: the objective's view of it (:class:`RunContext`, what the objective is handed)
+    and what only the loop and the state files need."""
 
-    accelerator: Any
-    model: torch.nn.Module  # prepared (wrapped when distributed)
-    unwrapped: torch.nn.Module
+    objective: Objective
     optimizer: Any
     scheduler: Any
-    tokenizer: Any
-    objective: Objective
-    train_seqs: torch.Tensor
-    eval_seqs: torch.Tensor
-    length: int
-    old_length: int
     tables: list[torch.nn.Parameter]
     keep_rows: int  # new-rows: rows below this never change
     saved_rows: list[torch.Tensor]
     state_dir: Path
     fingerprint: str
-    seed: int
-    batch_size: int
-    grad_accum: int
-    buckets: int
-    lr: float
-    cache: dict[str, Any] = field(default_factory=dict)  # an objective's per-run objects (its loss module)
     extended: bool = False  # the table was extended by this run (not by an earlier resize)
     reference: AnchorSource = field(default_factory=AnchorSource)  # what the anchor term holds to
-    config: FinetuneConfig = field(default_factory=FinetuneConfig)  # the run's options, resolved
-
-    @property
-    def short_inputs_fixed(self) -> bool:
-        """Only new rows train (``new-rows``): outputs on inputs within the old length never change."""
-        return bool(self.saved_rows)
 
     def evaluate(self) -> EvalReport:  # through the prepared model: sharded weights need every process
         return self.objective.evaluate(self)
@@ -234,11 +216,13 @@ def _setup(directory: Path, dst: Path, data: Sequence[str | Path], config: Finet
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, functools.partial(lr_factor, steps=config.steps, schedule=config.schedule))
     prepared, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    run = _Run(accelerator, prepared, accelerator.unwrap_model(prepared), optimizer, scheduler, tokenizer,
-               chosen, train_seqs, eval_seqs[: config.eval_sequences], length, old_len, tables, keep_rows,
-               saved_rows, dst.with_name(dst.name + ".state"), fingerprint, config.seed, config.batch_size,
-               config.grad_accum, config.buckets, config.lr, cache=dict(loaded.extras), extended=extended,
-               reference=anchor, config=config)
+    run = _Run(accelerator=accelerator, model=prepared, unwrapped=accelerator.unwrap_model(prepared),
+               tokenizer=tokenizer, config=config, spec=loaded.spec, train_seqs=train_seqs,
+               eval_seqs=eval_seqs[: config.eval_sequences], length=length, old_length=old_len,
+               short_inputs_fixed=config.train == "new-rows", cache=dict(loaded.extras), objective=chosen,
+               optimizer=optimizer, scheduler=scheduler, tables=tables, keep_rows=keep_rows, saved_rows=saved_rows,
+               state_dir=dst.with_name(dst.name + ".state"), fingerprint=fingerprint, extended=extended,
+               reference=anchor)
     return run, loaded
 
 
@@ -292,8 +276,8 @@ def _micro_loss(run: _Run, k: int) -> tuple[torch.Tensor, int]:
     """Loss of micro-batch ``k`` on this process, scaled so that the processes' gradients average
     to the gradient of the mean over the *global* batch's items (tokens, or pairs); and its tokens."""
     acc = run.accelerator
-    positions = batch_positions(k, run.batch_size, acc.num_processes, acc.process_index)
-    batch = run.train_seqs[batch_indices(k, run.batch_size, len(run.train_seqs), run.seed, acc.num_processes,
+    positions = batch_positions(k, run.config.batch_size, acc.num_processes, acc.process_index)
+    batch = run.train_seqs[batch_indices(k, run.config.batch_size, len(run.train_seqs), run.config.seed, acc.num_processes,
                                          acc.process_index)]
     loss, count = run.objective.loss(run, positions, batch)
     if acc.num_processes > 1:
@@ -317,9 +301,9 @@ def _loop(
     with _stop_at_step_boundary() as stop_requested:
         for step in range(start_step, steps):
             step_loss = 0.0
-            for micro in range(run.grad_accum):
+            for micro in range(run.config.grad_accum):
                 with acc.accumulate(run.model):
-                    loss, n = _micro_loss(run, step * run.grad_accum + micro)
+                    loss, n = _micro_loss(run, step * run.config.grad_accum + micro)
                     if fail_at_step == step:
                         loss = loss * float("nan")
                     bad = acc.reduce(torch.tensor([0.0 if torch.isfinite(loss) else 1.0], device=acc.device), "sum")
@@ -327,13 +311,13 @@ def _loop(
                         run.save_state(step)
                         raise TrainingError(
                             f"The loss became {loss.item()} at step {step}; training stopped. The last good state "
-                            f"(step {step}) is in {run.state_dir}: lower the lr (lr={run.lr / 3:.2g}) or use mixed_precision=bf16, then resume=True."
+                            f"(step {step}) is in {run.state_dir}: lower the lr (lr={run.config.lr / 3:.2g}) or use mixed_precision=bf16, then resume=True."
                         )
                     acc.backward(loss)
                     run.optimizer.step()
                     run.scheduler.step()
                     run.optimizer.zero_grad()
-                step_loss += loss.item() / run.grad_accum
+                step_loss += loss.item() / run.config.grad_accum
                 tokens += n * acc.num_processes
             if run.saved_rows:
                 with torch.no_grad():

@@ -85,7 +85,8 @@ def _contains(row: torch.Tensor, part: torch.Tensor) -> bool:
 def test_contrastive_queries_are_passages_of_the_documents_and_one_inserted_passage():
     from types import SimpleNamespace
 
-    from posextend.objectives import PASSAGE_TOKENS, Contrastive, sample_generator
+    from posextend.context import sample_generator
+    from posextend.objectives import PASSAGE_TOKENS, Contrastive
 
     pool = torch.arange(50 * 200).reshape(50, 200)  # every token distinct: a passage is found where it came from
     batch = pool[:3] + 100_000

@@ -1,0 +1,64 @@
+"""What an objective sees of a fine-tune: :class:`RunContext`, its one public contract.
+
+The training loop (:mod:`posextend.training`) builds it and hands it to the objective's ``loss``,
+``evaluate`` and ``save``; objectives import nothing from the loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .options import FinetuneConfig
+
+if TYPE_CHECKING:
+    import torch
+
+    from .specs import ArchitectureSpec
+
+
+def sample_generator(seed: int, position: int) -> torch.Generator:
+    """The generator of global sample ``position``'s random choices."""
+    import torch
+
+    return torch.Generator().manual_seed(seed * 1_000_003 + position)
+
+
+@dataclass(kw_only=True)
+class RunContext:
+    """One fine-tune, set up, as its objective sees it.
+
+    - ``model``: the model as prepared by accelerate (wrapped when distributed: call it for forwards);
+      ``unwrapped``: the model itself (its attributes, saving).
+    - ``tokenizer``, ``accelerator`` (``device``, ``num_processes``, ``reduce``).
+    - ``config``: the run's options, resolved (:class:`~posextend.options.FinetuneConfig`: ``seed``,
+      ``batch_size``, ``buckets``, ``lr`` …); ``spec``: the family's position tables.
+    - ``train_seqs`` / ``eval_seqs``: the samples the objective cut (:meth:`Objective.samples`).
+    - ``length`` / ``old_length``: the run's number of positions, and the source's.
+    - ``short_inputs_fixed``: only new rows train, so outputs on inputs within the old length never change.
+    - ``cache``: the objective's per-run objects (its loss module; ``"source"``, the frozen model its
+      anchor holds to, when kept: :attr:`source`).
+    """
+
+    accelerator: Any
+    model: torch.nn.Module
+    unwrapped: torch.nn.Module
+    tokenizer: Any
+    config: FinetuneConfig
+    spec: ArchitectureSpec | None = None
+    train_seqs: torch.Tensor
+    eval_seqs: torch.Tensor
+    length: int
+    old_length: int
+    short_inputs_fixed: bool = False
+    cache: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def source(self) -> torch.nn.Module | None:
+        """The frozen source model the anchor term compares with, when the run keeps one."""
+        return self.cache.get("source")
+
+    def generator(self, position: int) -> torch.Generator:
+        """Global sample ``position``'s generator: every random choice of that sample comes from it, so a run
+        is the same on any number of processes."""
+        return sample_generator(self.config.seed, position)
