@@ -31,7 +31,7 @@ _LAZY = {
     "finetune": "training",
     "FinetuneReport": "training",
     "FinetuneConfig": "options",
-    "evaluate": "evaluation",
+    "evaluate": "heldout",
     "EvalReport": "evaluation",
     "ArchitectureSpec": "specs",
     "SPECS": "specs",
@@ -47,7 +47,8 @@ __all__ = ["PosExtendError", "__version__", *_LAZY]
 
 if TYPE_CHECKING:
     from .checkpoint import CheckpointInfo, ResizeReport, inspect_checkpoint, resize_checkpoint
-    from .evaluation import EvalReport, evaluate
+    from .evaluation import EvalReport
+    from .heldout import evaluate
     from .lookup import all_specs, spec_for
     from .objectives import available_objectives, register_objective
     from .retrieval import evaluate_retrieval

@@ -402,7 +402,7 @@ def finetune_cmd(
     seed: Annotated[int, typer.Option(help="Seed for data order, masking and strategies.")] = 0,
     old_length: Annotated[int | None, typer.Option(help="Old length of a checkpoint extended by another tool (for new-rows).")] = None,
     init_head: Annotated[bool, typer.Option("--init-head", help="Train a fresh LM head when SRC has none.")] = False,
-    objective: Annotated[str | None, typer.Option("--objective", help="causal, masked or contrastive (default: contrastive for a sentence-transformers model, else the family's LM objective).")] = None,
+    objective: Annotated[str | None, typer.Option("--objective", help="causal, masked, seq2seq, contrastive or a plug-in's name (default: contrastive for a sentence-transformers model, else the family's LM head: causal, masked or seq2seq).")] = None,
     buckets: Annotated[int, typer.Option(help="Position buckets in the before/after table.")] = 8,
     plot: Annotated[Path | None, typer.Option("--plot", help="Save perplexity vs position (before and after) as PNG.")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace DST if it exists.")] = False,
@@ -458,6 +458,7 @@ def eval_cmd(
     max_sequences: Annotated[int, typer.Option(help="Evaluate at most this many sequences (0: all).")] = 64,
     json_path: Annotated[Path | None, typer.Option("--json", help="Write the report as JSON.")] = None,
     plot: Annotated[Path | None, typer.Option("--plot", help="Save perplexity vs position as PNG.")] = None,
+    objective: Annotated[str | None, typer.Option("--objective", help="Score as this objective does (default: the one finetune would use: contrastive for a sentence-transformers model, else the family's LM head).")] = None,
     task: Annotated[str | None, typer.Option("--task", help="Embedding models: retrieval tasks built from the data, e.g. passkey,needle.")] = None,
     lengths: Annotated[str, typer.Option("--lengths", help="With --task: document lengths in tokens.")] = "256,512,1024,2048",
     documents: Annotated[int, typer.Option("--documents", help="With --task: documents (and queries) per length.")] = 50,
@@ -468,14 +469,14 @@ def eval_cmd(
                                           "keys at evenly spread depths; passkey in LongEmbed's filler) or varied (each document "
                                           "its own span of the data, key at a random depth).")] = "shared",
 ) -> None:
-    """Loss and perplexity by position bucket on held-out text; or, with --task, long-document retrieval."""
+    """Held-out scores by position bucket, as the objective scores a fine-tune; or, with --task, long-document retrieval."""
     if task:
         _retrieval(model, data, task, lengths, documents, mode, max_tokens, reference, json_path, haystack)
         return
-    from .evaluation import evaluate
+    from .heldout import evaluate
 
     with err_console.status("Evaluating"):
-        report = evaluate(model, data, length=length, buckets=buckets, batch_size=batch_size,
+        report = evaluate(model, data, length=length, objective=objective, buckets=buckets, batch_size=batch_size,
                           max_sequences=max_sequences or None, json_path=json_path, plot_path=plot)
     _eval_table(f"{model}: {report.sequences} sequences of {report.length} tokens", {"model": report})
 

@@ -7,7 +7,6 @@ over ``rounds`` masks: a masked-LM ("pseudo") perplexity.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -78,7 +77,10 @@ def far_range_gap(before: EvalReport, after: EvalReport) -> tuple[float, float, 
     start = min((e for e in edges if e >= start), default=None)
     if start is None:
         return None
-    return after.range_perplexity(start, after.length), before.range_perplexity(0, old), start
+    try:
+        return after.range_perplexity(start, after.length), before.range_perplexity(0, old), start
+    except PosExtendError:  # a range without scored tokens (a few masked sentences): nothing to compare
+        return None
 
 
 def bucket_edges(length: int, buckets: int, *, old_length: int | None = None) -> list[int]:
@@ -136,7 +138,7 @@ def position_losses(
 
 
 #: What a language model's held-out numbers are, by its head: the one place reports take the label from.
-LM_METRICS = {"causal": "perplexity", "masked": "masked-LM perplexity"}
+LM_METRICS = {"causal": "perplexity", "masked": "masked-LM perplexity", "seq2seq": "masked-sentence perplexity"}
 
 
 def report_from(
@@ -172,53 +174,6 @@ def evaluate_model(
     total, count = position_losses(model, sequences, objective, tokenizer=tokenizer, batch_size=batch_size, seed=seed)
     edges = bucket_edges(sequences.shape[1], buckets, old_length=old_length)
     return report_from(total, count, edges, objective=objective, sequences=len(sequences), old_length=old_length)
-
-
-def evaluate(
-    model_path: str | Path,
-    data: Sequence[str | Path],
-    *,
-    length: int | None = None,
-    buckets: int = 8,
-    batch_size: int = 4,
-    max_sequences: int | None = 64,
-    seed: int = 0,
-    json_path: str | Path | None = None,
-    plot_path: str | Path | None = None,
-) -> EvalReport:
-    """``posextend eval``: load a checkpoint, pack ``data`` at its length, report by position.
-
-    Example::
-
-        >>> report = posextend.evaluate("gpt2-4k", ["held_out.txt"], buckets=4)
-        >>> [round(b.perplexity, 1) for b in report.buckets]
-    """
-    from .data import pack, read_documents
-    from .checkpoint import resolve_source
-    from .loading import config_head, load_language_model
-
-    docs = read_documents(data)
-    directory = resolve_source(model_path)
-    loaded = load_language_model(directory, config_head(directory))
-    length = length or loaded.usable
-    if length > loaded.usable:
-        raise PosExtendError(
-            f"A length of {length} exceeds the model's {loaded.usable} positions; extend the model first."
-        )
-    sequences = pack(loaded.tokenizer, docs, length)
-    if max_sequences:
-        sequences = sequences[:max_sequences]
-    report = evaluate_model(
-        loaded.model, sequences, loaded.objective, tokenizer=loaded.tokenizer, buckets=buckets,
-        old_length=loaded.old_length, batch_size=batch_size, seed=seed,
-    )
-    if json_path:
-        from .io import write_file
-
-        write_file(json_path, json.dumps(report.to_dict(), indent=2))
-    if plot_path:
-        plot_reports({"model": report}, plot_path)
-    return report
 
 
 def plot_reports(

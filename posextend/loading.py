@@ -76,17 +76,18 @@ def loaded(model: torch.nn.Module, hf_model: torch.nn.Module, tokenizer, objecti
 
 
 def load_language_model(src: str | Path, objective: str, *, init_head: bool = False) -> Loaded:
-    """The checkpoint with the head ``objective`` (``causal`` or ``masked``) needs, and its tokenizer."""
+    """The checkpoint with the head ``objective`` (``causal``, ``masked`` or ``seq2seq``) needs, and its tokenizer."""
     import transformers
 
     directory = resolve_source(src)
     model_dir = model_directory(directory)  # an older sentence-transformers folder: its 0_Transformer/
     tokenizer = load_tokenizer(model_dir)
-    cls = transformers.AutoModelForCausalLM if objective == "causal" else transformers.AutoModelForMaskedLM
-    model, info = cls.from_pretrained(model_dir, output_loading_info=True)
+    classes = {"causal": transformers.AutoModelForCausalLM, "masked": transformers.AutoModelForMaskedLM,
+               "seq2seq": transformers.AutoModelForSeq2SeqLM}
+    model, info = classes[objective].from_pretrained(model_dir, output_loading_info=True)
     missing = sorted(info["missing_keys"])
     if missing:
-        head = "causal-LM" if objective == "causal" else "masked-LM"
+        head = {"causal": "causal-LM", "masked": "masked-LM", "seq2seq": "sequence-to-sequence"}[objective]
         if not init_head:
             raise TrainingError(
                 f"{directory} has no {head} head ({len(missing)} missing weights, e.g. {missing[0]}); "

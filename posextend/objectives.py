@@ -146,14 +146,15 @@ def _features(rows, tokenizer, device) -> dict[str, torch.Tensor]:
 
 
 def default_objective(directory: Path) -> str:
-    """``contrastive`` for a sentence-transformers folder; else the family's language-model objective."""
+    """``contrastive`` for a sentence-transformers folder; else the objective named like the family's head
+    (``causal``, ``masked``, ``seq2seq``)."""
     if is_sentence_transformer(directory):
         return "contrastive"
     head = config_head(directory)
-    if head not in ("causal", "masked"):
+    if head not in ("causal", "masked", "seq2seq"):
         raise TrainingError(
-            "This family is neither a causal nor a masked language model; fine-tuning it is not supported yet. "
-            "Resize it and train it with your own trainer."
+            "This family has no causal, masked or sequence-to-sequence language-model head; fine-tuning it is not "
+            "supported yet. Resize it and train it with your own trainer."
         )
     return head
 

@@ -49,7 +49,7 @@ import pytest
 import torch
 import transformers
 
-from tiny import FAMILIES, build
+from tiny import bart as tiny_bart
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -124,7 +124,7 @@ def placeholders(tmp_path_factory, gpt, minilm, corpus) -> dict[str, str]:
     shutil.copy(corpus, data / "text.txt")
     return {
         "path/to/gpt2": str(gpt),
-        "path/to/bart": str(build(FAMILIES["bart"], root / "bart")),
+        "path/to/bart": str(tiny_bart(root / "bart")),
         "all-MiniLM-L6-v2": str(minilm),
         "vit-base-patch16-224": str(_vit(root)),
         "clip-vit-base-patch16": str(_clip(root)),
@@ -146,6 +146,9 @@ PAGE_SUBSTITUTIONS: dict[str, list[tuple[str, str]]] = {
         (r"--lengths 256,512,1024,2048", "--lengths 256,512 --documents 4"),
         (r"--task passkey,needle --max-tokens", "--task passkey,needle --lengths 256,512 --documents 4 --max-tokens"),
     ],
+    # the tiny BART has 64 positions: 4x is 256, 2 steps of 2 windows
+    "guides/encoder-decoder.md": [(r"(posextend finetune .*?)--length 4096", r"\1--length 256 --steps 2 --batch-size 2"),
+                                  (r"--length 4096 --objective", "--length 256 --objective")],
     # two CPU processes (gloo) on the tiny GPT-2, 2 steps
     "guides/distributed.md": [(r"\bSRC\b", "path/to/gpt2"), (r"\bDST\b", "dst"),
                               (r"--length 2048 --batch-size 1", "--length 64 --batch-size 1 --steps 2")],

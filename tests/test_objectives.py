@@ -44,12 +44,18 @@ def test_default_lr_and_schedule_by_train_mode_and_width():
     assert get_objective("contrastive").schedule["all"] == "cosine"
 
 
-def test_default_objective_follows_the_checkpoint(tiny, minilm):
+def test_default_objective_follows_the_checkpoint(tiny, minilm, tmp_path):
+    import transformers
+
     assert default_objective(tiny["gpt2"]) == "causal"
     assert default_objective(tiny["bert"]) == "masked"
+    assert default_objective(tiny["bart"]) == default_objective(tiny["blenderbot"]) == "seq2seq"
     assert default_objective(minilm) == "contrastive"  # a sentence-transformers folder
-    with pytest.raises(posextend.TrainingError, match="neither a causal nor a masked"):
-        default_objective(tiny["bart"])
+    vit = transformers.ViTConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+                                 image_size=32, patch_size=8)
+    transformers.ViTModel(vit).save_pretrained(tmp_path / "vit")
+    with pytest.raises(posextend.TrainingError, match="no causal, masked or sequence-to-sequence language-model head"):
+        default_objective(tmp_path / "vit")
 
 
 def test_a_plugin_objective_trains_through_the_shared_loop(gpt, corpus, tmp_path):

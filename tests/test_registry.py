@@ -67,3 +67,18 @@ def test_an_objective_plugin_is_discovered(tmp_path, monkeypatch):
         "class Copy(CausalLM):\n    pass\n"))
     found = objectives.available_objectives()
     assert type(found["causal-copy"]).__module__ == "my_plugin" and found["causal-copy"].name == "causal-copy"
+
+
+def test_the_seq2seq_objective_is_one_file_found_through_its_entry_point():
+    """posextend's own seq2seq objective is registered as a third-party one is: by the package's entry point,
+    with nothing in the core importing it."""
+    import subprocess
+
+    code = ("import sys, posextend; found = posextend.available_objectives(); "
+            "print(type(found['seq2seq']).__module__, 'posextend.seq2seq' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["posextend.seq2seq", "True"]
+    from pathlib import Path
+
+    package = Path(objectives.__file__).parent
+    assert not [p.name for p in package.glob("*.py") if p.name != "seq2seq.py" and "seq2seq import" in p.read_text()]

@@ -151,3 +151,18 @@ def add_legacy_gpt2_masks(path: Path) -> None:
 def copy_tree(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst)
     return dst
+
+
+def bart(path: Path, positions: int = 64, seed: int = 0) -> Path:
+    """A tiny BART for training at ``path``: the real GPT-2 BPE with BART's special tokens (``<mask>``
+    included) and a vocabulary that holds them, ``positions`` positions."""
+    tok = transformers.BartTokenizerFast.from_pretrained(_gpt2_files(), model_max_length=positions)
+    config = transformers.BartConfig(
+        vocab_size=len(tok), d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=positions,
+        pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        decoder_start_token_id=tok.eos_token_id, forced_eos_token_id=tok.eos_token_id)
+    torch.manual_seed(seed)
+    transformers.BartForConditionalGeneration(config).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path

@@ -1,0 +1,85 @@
+"""``posextend eval``: a checkpoint scored by position on held-out text, as its objective scores a fine-tune.
+
+The objective decides what is measured (:meth:`Objective.evaluate`): perplexity for causal LMs,
+masked-LM perplexity, masked-sentence perplexity for encoder-decoders, passage retrieval for
+sentence-transformers models; a plug-in objective brings its own.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .checkpoint import resolve_source
+from .context import RunContext
+from .errors import PosExtendError
+from .evaluation import EvalReport, plot_reports
+from .objectives import default_objective, get_objective
+from .options import FinetuneConfig
+
+
+@dataclass(frozen=True)
+class _OneProcess:
+    """What an objective asks of the accelerator when scoring outside a fine-tune."""
+
+    device: Any
+    num_processes: int = 1
+    is_main_process: bool = True
+
+
+def evaluate(
+    model_path: str | Path,
+    data: Sequence[str | Path],
+    *,
+    length: int | None = None,
+    objective: str | None = None,
+    buckets: int = 8,
+    batch_size: int = 4,
+    max_sequences: int | None = 64,
+    seed: int = 0,
+    json_path: str | Path | None = None,
+    plot_path: str | Path | None = None,
+) -> EvalReport:
+    """``posextend eval``: load a checkpoint through its objective (``objective``, default: the one
+    ``finetune`` would use), cut ``data`` into samples at ``length`` (default: the model's), and report
+    by position as the objective scores them (at most ``max_sequences`` samples).
+
+    Example::
+
+        >>> report = posextend.evaluate("gpt2-4k", ["held_out.txt"], buckets=4)
+        >>> [round(b.perplexity, 1) for b in report.buckets]
+    """
+    from .data import read_documents
+
+    docs = read_documents(data)
+    directory = resolve_source(model_path)
+    chosen = get_objective(objective or default_objective(directory))
+    if chosen.anchor:
+        chosen = chosen.with_anchor(0)  # no frozen copy of the model: nothing trains
+    loaded = chosen.load(directory, init_head=False)
+    length = length or loaded.usable
+    if length > loaded.usable:
+        raise PosExtendError(
+            f"A length of {length} exceeds the model's {loaded.usable} positions; extend the model first."
+        )
+    samples = chosen.samples(loaded.tokenizer, docs, length)
+    if max_sequences:
+        samples = samples[:max_sequences]
+    device = next(loaded.model.parameters()).device
+    run = RunContext(
+        accelerator=_OneProcess(device), model=loaded.model, unwrapped=loaded.model, tokenizer=loaded.tokenizer,
+        config=FinetuneConfig(batch_size=batch_size, buckets=buckets, seed=seed, objective=chosen.name),
+        spec=loaded.spec, train_seqs=samples[:0], eval_seqs=samples, length=length,
+        old_length=loaded.old_length or length, cache=dict(loaded.extras),
+    )
+    report = chosen.evaluate(run)
+    if json_path:
+        from .io import write_file
+
+        write_file(json_path, json.dumps(report.to_dict(), indent=2))
+    if plot_path:
+        plot_reports({"model": report}, plot_path)
+    return report

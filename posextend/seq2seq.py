@@ -1,0 +1,176 @@
+"""The ``seq2seq`` objective: gap-sentence generation for encoder-decoders (BART, mBART, PLBART, MVP,
+BlenderBot), the fine-tune of the LED recipe (Longformer, arXiv 2004.05150, §6: BART's 1,024 encoder
+positions copied to 16K, then trained).
+
+Self-supervised from raw text, as PEGASUS (arXiv 1912.08777) pretrains: in each window of the run's
+length, whole sentences spread over the window (one per equal region, about 15% of its tokens) are each
+replaced by one mask token, and the decoder generates them in order. So every encoder position, the new
+ones included, holds text the loss depends on. Evaluated by position: each masked sentence's loss, binned
+by where its mask sat in the source.
+
+One file, registered through the ``posextend.objectives`` entry point as a third-party objective is.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from .context import RunContext, sample_generator
+from .errors import TrainingError
+from .evaluation import EvalReport, bucket_edges, report_from
+from .loading import Loaded, load_language_model
+from .objectives import Objective, register_objective, without_dropout
+
+log = logging.getLogger(__name__)
+
+GAP_RATIO = 0.15  # the share of the source's tokens masked, PEGASUS's
+SENTENCE_TOKENS = 24  # a typical sentence, to set the number of gaps
+MAX_SENTENCE = 48  # longer sentences are not masked (their target would dominate)
+ENDS = (".", "!", "?")  # a token ending so ends a sentence
+HELD_OUT = 10**9  # held-out window i draws its gaps from sample HELD_OUT + i's generator (no training sample's)
+
+
+def framing(tokenizer) -> tuple[list[int], list[int]]:
+    """The special tokens the tokenizer puts before and after a text's ids (BART: ``<s>`` and ``</s>``)."""
+    bare = tokenizer("a", add_special_tokens=False)["input_ids"]
+    full = tokenizer("a")["input_ids"]
+    at = next((i for i in range(len(full)) if full[i : i + len(bare)] == bare), None)
+    if not bare or at is None:
+        raise TrainingError("Cannot tell which special tokens this tokenizer adds around a text.")
+    return full[:at], full[at + len(bare):]
+
+
+def gap_count(source_tokens: int) -> int:
+    """How many sentences a source of ``source_tokens`` tokens has masked: about :data:`GAP_RATIO` of them."""
+    return max(1, round(GAP_RATIO * source_tokens / SENTENCE_TOKENS))
+
+
+def raw_tokens(source_tokens: int) -> int:
+    """Tokens of text a sample needs so that, once its gaps are masked, the source still has ``source_tokens``."""
+    return source_tokens + gap_count(source_tokens) * (MAX_SENTENCE - 1)
+
+
+def sentence_ends(tokenizer) -> torch.Tensor:
+    """A boolean per vocabulary id: the token ends a sentence."""
+    tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    return torch.tensor([bool(t) and t.strip().endswith(ENDS) for t in tokens])
+
+
+def gaps(row: Sequence[int], ends: torch.Tensor, source_tokens: int, mask: int,
+         generator: torch.Generator) -> tuple[list[int], list[int], list[int]]:
+    """``(source, target, where)`` of one window ``row`` of token ids: the source, exactly ``source_tokens``
+    long, with one sentence per region of ``source_tokens / gap_count`` replaced by ``mask``; the target, those
+    sentences in order; and for each target token, the source position of its mask.
+
+    A region's gap is the first whole sentence (2 to :data:`MAX_SENTENCE` tokens) that starts in it at or
+    after a point drawn in its first half; a region without one has no gap."""
+    k = gap_count(source_tokens)
+    size = source_tokens / k
+    points = [int((j + 0.5 * float(torch.rand((), generator=generator))) * size) for j in range(k)]
+    row = list(row)
+    cuts = [0] + [i + 1 for i, t in enumerate(row[:-1]) if t < len(ends) and ends[t]] + [len(row)]
+    source: list[int] = []
+    target: list[int] = []
+    where: list[int] = []
+    done = set()
+    for start, end in zip(cuts[:-1], cuts[1:]):
+        if len(source) >= source_tokens:
+            break
+        region = min(int(len(source) / size), k - 1)
+        if region not in done and len(source) >= points[region] and 2 <= end - start <= MAX_SENTENCE:
+            done.add(region)
+            where += [len(source)] * (end - start)
+            target += row[start:end]
+            source.append(mask)
+        else:
+            source += row[start:end]
+    if len(source) < source_tokens:
+        raise TrainingError(f"A window of {len(row)} tokens gave a source of {len(source)}, fewer than "
+                            f"{source_tokens}: the text is too short for this length.")
+    return source[:source_tokens], target, where
+
+
+@register_objective("seq2seq", description="Encoder-decoders: masked sentences spread over the source are generated "
+                                           "(gap-sentence generation, as PEGASUS).")
+class GapSentences(Objective):
+    """Gap-sentence generation (see the module doc). ``tile`` fills the new rows, as LED copies BART's."""
+
+    head = "seq2seq"
+    strategy = {"new-rows": "tile", "positions": "tile", "all": "tile"}  # LED's copies
+    lr = {"new-rows": 3e-3, "positions": 1e-3, "all": 1e-4}
+    schedule = {"new-rows": "constant", "positions": "constant", "all": "cosine"}
+
+    def load(self, directory: Path, *, init_head: bool) -> Loaded:
+        loaded = load_language_model(directory, "seq2seq", init_head=init_head)
+        if loaded.tokenizer.mask_token_id is None:
+            raise TrainingError(f"The tokenizer of {directory} has no mask token, which gap-sentence generation "
+                                "puts where each sentence was; add one (tokenizer.add_special_tokens) and save it.")
+        without_dropout(loaded.model)
+        return loaded
+
+    def samples(self, tokenizer, documents: Sequence[str], length: int) -> torch.Tensor:
+        """``[n, raw]`` token windows, enough text for a source of ``length`` tokens once its gaps are masked."""
+        from .data import pack
+
+        before, after = framing(tokenizer)
+        return pack(tokenizer, documents, raw_tokens(length - len(before) - len(after)))
+
+    def batch(self, run: RunContext, rows: torch.Tensor, generators: list[torch.Generator]
+              ) -> tuple[dict[str, torch.Tensor], list[list[int]]]:
+        """The model's inputs (sources of exactly the run's length, targets padded with -100) and, per
+        target token, its mask's position in the source (special tokens counted)."""
+        tok = run.tokenizer
+        if "ends" not in run.cache:
+            run.cache["ends"], run.cache["framing"] = sentence_ends(tok), framing(tok)
+        before, after = run.cache["framing"]
+        sources, targets, wheres = [], [], []
+        for row, g in zip(rows.tolist(), generators):
+            source, target, where = gaps(row, run.cache["ends"], run.length - len(before) - len(after),
+                                         tok.mask_token_id, g)
+            sources.append(before + source + after)
+            targets.append(before + target + after)
+            lead = len(before)
+            wheres.append([-1] * lead + [w + lead for w in where] + [-1] * len(after))
+        width = max(map(len, targets))
+        labels = torch.full((len(targets), width), -100, dtype=torch.long)
+        for i, t in enumerate(targets):
+            labels[i, : len(t)] = torch.tensor(t)
+        device = run.accelerator.device
+        return {"input_ids": torch.tensor(sources, device=device), "labels": labels.to(device)}, wheres
+
+    def loss(self, run: RunContext, positions: range, batch: torch.Tensor) -> tuple[torch.Tensor, int]:
+        inputs, _ = self.batch(run, batch, [run.generator(p) for p in positions])
+        return run.model(**inputs).loss, int((inputs["labels"] != -100).sum())
+
+    @torch.no_grad()
+    def evaluate(self, run: RunContext) -> EvalReport:
+        """Each masked sentence's loss, binned by the source position of its mask (the same gaps every time:
+        held-out window ``i`` draws them from its own generator)."""
+        was_training = run.model.training
+        run.model.eval()
+        total = torch.zeros(run.length, dtype=torch.float64)
+        count = torch.zeros(run.length, dtype=torch.float64)
+        size = run.config.batch_size
+        for i in range(0, len(run.eval_seqs), size):
+            rows = run.eval_seqs[i : i + size]
+            inputs, wheres = self.batch(run, rows, [sample_generator(run.config.seed, HELD_OUT + i + j) for j in range(len(rows))])
+            logits = run.model(**inputs).logits.float()
+            losses = torch.nn.functional.cross_entropy(logits.transpose(1, 2), inputs["labels"], reduction="none",
+                                                       ignore_index=-100).cpu().double()
+            for r, where in enumerate(wheres):
+                for t, pos in enumerate(where):
+                    if pos >= 0 and inputs["labels"][r, t] != -100:
+                        total[pos] += losses[r, t]
+                        count[pos] += 1
+        run.model.train(was_training)
+        old = run.old_length if run.old_length < run.length else None
+        edges = bucket_edges(run.length, run.config.buckets, old_length=old)
+        report = report_from(total, count, edges, objective="seq2seq", sequences=len(run.eval_seqs), old_length=old)
+        if not math.isfinite(report.loss):
+            raise TrainingError("No masked sentence in the held-out text: give more text, or text with sentences.")
+        return report

@@ -1,0 +1,70 @@
+"""The seq2seq objective (posextend/seq2seq.py): gap-sentence generation on encoder-decoders, the LED
+recipe's fine-tune after extending, through the API and the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+from typer.testing import CliRunner
+
+import posextend
+from posextend.cli import app
+from posextend.seq2seq import MAX_SENTENCE, gap_count, gaps, raw_tokens
+
+OLD = 64  # usable positions of the tiny BART
+
+
+@pytest.fixture(scope="module")
+def bart(tmp_path_factory):
+    """A tiny BART with the real GPT-2 BPE (BART's own) and BART's special tokens, 64 positions."""
+    from tiny import bart
+
+    return bart(tmp_path_factory.mktemp("bart") / "src", OLD)
+
+
+def test_gaps_mask_whole_sentences_spread_over_the_source():
+    ends = torch.zeros(100, dtype=torch.bool)
+    ends[99] = True  # token 99 is a full stop
+    sentence = lambda n, t: [t] * (n - 1) + [99]  # noqa: E731
+    row = [tok for i in range(60) for tok in sentence(5 + i % 4, 10 + i % 50)]
+    length = 320
+    source, target, where = gaps(row, ends, length, 3, torch.Generator().manual_seed(0))
+    assert len(source) == length and source.count(3) == len(set(where)) == gap_count(length) == 2
+    assert len(target) == len(where) and target.count(99) == 2  # whole sentences, ending with their stop
+    masks = [i for i, t in enumerate(source) if t == 3]
+    assert sorted(set(where)) == masks and masks[0] < length / 2 <= masks[1]  # one per half
+    again = gaps(row, ends, length, 3, torch.Generator().manual_seed(0))
+    assert again == (source, target, where)  # a sample's gaps are a function of its generator
+    assert raw_tokens(length) == length + 2 * (MAX_SENTENCE - 1)
+
+
+def test_finetune_extends_bart_4x_and_generates_from_a_long_input(bart, corpus, tmp_path):
+    report = posextend.finetune(bart, tmp_path / "out", [corpus], length=4 * OLD, steps=3, batch_size=2, seed=0)
+    assert (report.objective, report.strategy, report.old_length, report.new_length) == ("seq2seq", "tile", OLD, 4 * OLD)
+    assert len(report.losses) == 3 and all(torch.isfinite(torch.tensor(report.losses)))
+    for ev in (report.before, report.after):
+        assert ev.metric == "masked-sentence perplexity" and ev.tokens > 0 and ev.length == 4 * OLD
+        assert sum(b.tokens for b in ev.buckets) == ev.tokens
+        assert any(b.tokens for b in ev.buckets if b.start >= OLD)  # sentences masked in the new range are scored
+    model = transformers.BartForConditionalGeneration.from_pretrained(tmp_path / "out")
+    assert model.config.max_position_embeddings == 4 * OLD
+    assert model.model.encoder.embed_positions.weight.shape == (4 * OLD + 2, 16)
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
+    ids = tok(corpus.read_text()[:4000], truncation=True, max_length=4 * OLD, return_tensors="pt").input_ids
+    assert ids.shape[1] == 4 * OLD
+    out = model.generate(ids, max_new_tokens=4, min_new_tokens=4, num_beams=1, do_sample=False)
+    assert out.shape[1] >= 4
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert f"- Held-out masked-sentence perplexity after: {report.after.perplexity:.3f}" in card
+
+
+def test_cli_runs_seq2seq_with_defaults_and_prints_the_table(bart, corpus, tmp_path):
+    r = CliRunner().invoke(app, ["finetune", str(bart), str(tmp_path / "out"), "--data", str(corpus), "--length",
+                                 str(2 * OLD), "--steps", "2", "--batch-size", "2"])
+    assert r.exit_code == 0, r.output
+    assert "masked-sentence" in r.output and "(seq2seq, all, 2 steps" in r.output  # the table, the summary
+    saved = json.loads((tmp_path / "out" / "posextend_eval.json").read_text())
+    assert saved["after"]["metric"] == "masked-sentence perplexity" and saved["after"]["objective"] == "seq2seq"
