@@ -422,18 +422,19 @@ def finetune(
     )
     state_dict = run.accelerator.get_state_dict(run.model)  # every process takes part (sharded weights)
     if run.accelerator.is_main_process:
-        _save(run, dst, report, directory, loaded, config.strategy, config.seed, config.overwrite, state_dict)
+        _save(run, dst, report, directory, loaded, state_dict)
         shutil.rmtree(run.state_dir, ignore_errors=True)
     run.accelerator.wait_for_everyone()
     return report
 
 
-def _save(run: _Run, dst: Path, report: FinetuneReport, src: Path, loaded: Loaded, strategy: str,
-          seed: int, overwrite: bool, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+def _save(run: _Run, dst: Path, report: FinetuneReport, src: Path, loaded: Loaded,
+          state_dict: dict[str, torch.Tensor] | None = None) -> None:
     """The fine-tuned model through the same atomic writer, with provenance and a model card.
 
     ``state_dict``: the full weights when they were sharded across processes (FSDP, DeepSpeed).
     """
+    strategy, seed, overwrite = run.config.strategy, run.config.seed, run.config.overwrite
     from .checkpoint import ResizeReport
 
     origin = run.reference.path if run.reference.path and not run.extended else src  # the original, when the anchor found it
