@@ -30,8 +30,8 @@ log = logging.getLogger(__name__)
 
 GAP_RATIO = 0.15  # the share of the source's tokens masked, PEGASUS's
 SENTENCE_TOKENS = 24  # a typical sentence, to set the number of gaps
-MAX_SENTENCE = 48  # longer sentences are not masked (their target would dominate)
-ENDS = (".", "!", "?")  # a token ending so ends a sentence
+MAX_SENTENCE = 96  # longer sentences are not masked (their target would dominate); Austen's run ~50 tokens
+ENDS = (".", "!", "?")  # a token whose text ends so (closing quotes aside) ends a sentence
 HELD_OUT = 10**9  # held-out window i draws its gaps from sample HELD_OUT + i's generator (no training sample's)
 
 
@@ -56,39 +56,48 @@ def raw_tokens(source_tokens: int) -> int:
 
 
 def sentence_ends(tokenizer) -> torch.Tensor:
-    """A boolean per vocabulary id: the token ends a sentence."""
-    tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
-    return torch.tensor([bool(t) and t.strip().endswith(ENDS) for t in tokens])
+    """A boolean per vocabulary id: the token's text ends a sentence (``.``, ``."``, ``!\n`` …)."""
+    texts = [tokenizer.decode([i]) for i in range(len(tokenizer))]
+    return torch.tensor([t.strip().rstrip("\"'\u201d\u2019)").endswith(ENDS) for t in texts])
 
 
-def gaps(row: Sequence[int], ends: torch.Tensor, source_tokens: int, mask: int,
-         generator: torch.Generator) -> tuple[list[int], list[int], list[int]]:
+def gaps(row: Sequence[int], ends: torch.Tensor, source_tokens: int, mask: int, generator: torch.Generator,
+         target_tokens: int | None = None) -> tuple[list[int], list[int], list[int]]:
     """``(source, target, where)`` of one window ``row`` of token ids: the source, exactly ``source_tokens``
     long, with one sentence per region of ``source_tokens / gap_count`` replaced by ``mask``; the target, those
     sentences in order; and for each target token, the source position of its mask.
 
-    A region's gap is the first whole sentence (2 to :data:`MAX_SENTENCE` tokens) that starts in it at or
-    after a point drawn in its first half; a region without one has no gap."""
+    A region's gap is the whole sentence (2 to :data:`MAX_SENTENCE` tokens) starting in it nearest to a
+    point drawn uniformly in it, so gaps fall at every position; a region where no such sentence starts
+    (or none fits in the ``target_tokens`` the decoder reads) has none."""
     k = gap_count(source_tokens)
     size = source_tokens / k
-    points = [int((j + 0.5 * float(torch.rand((), generator=generator))) * size) for j in range(k)]
     row = list(row)
     cuts = [0] + [i + 1 for i, t in enumerate(row[:-1]) if t < len(ends) and ends[t]] + [len(row)]
+    spans = list(zip(cuts[:-1], cuts[1:]))
+    chosen, removed, taken = set(), 0, 0  # the gaps' tokens out of the source (less their masks), in the target
+    room = target_tokens if target_tokens is not None else source_tokens
+    for j in range(k):
+        point = (j + float(torch.rand((), generator=generator))) * size
+        fits = [(abs(a - removed - point), i) for i, (a, b) in enumerate(spans)
+                if j * size <= a - removed < (j + 1) * size and 2 <= b - a <= min(MAX_SENTENCE, room - taken)]
+        if fits:
+            i = min(fits)[1]
+            chosen.add(i)
+            removed += spans[i][1] - spans[i][0] - 1
+            taken += spans[i][1] - spans[i][0]
     source: list[int] = []
     target: list[int] = []
     where: list[int] = []
-    done = set()
-    for start, end in zip(cuts[:-1], cuts[1:]):
+    for i, (a, b) in enumerate(spans):
         if len(source) >= source_tokens:
             break
-        region = min(int(len(source) / size), k - 1)
-        if region not in done and len(source) >= points[region] and 2 <= end - start <= MAX_SENTENCE:
-            done.add(region)
-            where += [len(source)] * (end - start)
-            target += row[start:end]
+        if i in chosen:
+            where += [len(source)] * (b - a)
+            target += row[a:b]
             source.append(mask)
         else:
-            source += row[start:end]
+            source += row[a:b]
     if len(source) < source_tokens:
         raise TrainingError(f"A window of {len(row)} tokens gave a source of {len(source)}, fewer than "
                             f"{source_tokens}: the text is too short for this length.")
@@ -130,8 +139,8 @@ class GapSentences(Objective):
         before, after = run.cache["framing"]
         sources, targets, wheres = [], [], []
         for row, g in zip(rows.tolist(), generators):
-            source, target, where = gaps(row, run.cache["ends"], run.length - len(before) - len(after),
-                                         tok.mask_token_id, g)
+            inner = run.length - len(before) - len(after)  # BART's decoder reads as many positions
+            source, target, where = gaps(row, run.cache["ends"], inner, tok.mask_token_id, g, target_tokens=inner)
             sources.append(before + source + after)
             targets.append(before + target + after)
             lead = len(before)

@@ -39,6 +39,8 @@ def test_gaps_mask_whole_sentences_spread_over_the_source():
     again = gaps(row, ends, length, 3, torch.Generator().manual_seed(0))
     assert again == (source, target, where)  # a sample's gaps are a function of its generator
     assert raw_tokens(length) == length + 2 * (MAX_SENTENCE - 1)
+    _, short, _ = gaps(row, ends, length, 3, torch.Generator().manual_seed(0), target_tokens=8)
+    assert 0 < len(short) <= 8  # what the decoder can read
 
 
 def test_finetune_extends_bart_4x_and_generates_from_a_long_input(bart, corpus, tmp_path):
