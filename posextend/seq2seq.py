@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from pathlib import Path
 
 import torch
@@ -55,13 +55,13 @@ def raw_tokens(source_tokens: int) -> int:
     return source_tokens + gap_count(source_tokens) * (MAX_SENTENCE - 1)
 
 
-def sentence_ends(tokenizer) -> torch.Tensor:
-    """A boolean per vocabulary id: the token's text ends a sentence (``.``, ``."``, ``!\n`` …)."""
+def sentence_ends(tokenizer) -> frozenset[int]:
+    """The vocabulary ids whose text ends a sentence (``.``, ``."``, ``!\n`` …)."""
     texts = [tokenizer.decode([i]) for i in range(len(tokenizer))]
-    return torch.tensor([t.strip().rstrip("\"'\u201d\u2019)").endswith(ENDS) for t in texts])
+    return frozenset(i for i, t in enumerate(texts) if t.strip().rstrip("\"'\u201d\u2019)").endswith(ENDS))
 
 
-def gaps(row: Sequence[int], ends: torch.Tensor, source_tokens: int, mask: int, generator: torch.Generator,
+def gaps(row: Sequence[int], ends: Container[int], source_tokens: int, mask: int, generator: torch.Generator,
          target_tokens: int | None = None) -> tuple[list[int], list[int], list[int]]:
     """``(source, target, where)`` of one window ``row`` of token ids: the source, exactly ``source_tokens``
     long, with one sentence per region of ``source_tokens / gap_count`` replaced by ``mask``; the target, those
@@ -73,7 +73,7 @@ def gaps(row: Sequence[int], ends: torch.Tensor, source_tokens: int, mask: int, 
     k = gap_count(source_tokens)
     size = source_tokens / k
     row = list(row)
-    cuts = [0] + [i + 1 for i, t in enumerate(row[:-1]) if t < len(ends) and ends[t]] + [len(row)]
+    cuts = [0] + [i + 1 for i, t in enumerate(row[:-1]) if t in ends] + [len(row)]
     spans = list(zip(cuts[:-1], cuts[1:]))
     chosen, removed, taken = set(), 0, 0  # the gaps' tokens out of the source (less their masks), in the target
     room = target_tokens if target_tokens is not None else source_tokens

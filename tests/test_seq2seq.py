@@ -26,8 +26,7 @@ def bart(tmp_path_factory):
 
 
 def test_gaps_mask_whole_sentences_spread_over_the_source():
-    ends = torch.zeros(100, dtype=torch.bool)
-    ends[99] = True  # token 99 is a full stop
+    ends = {99}  # token 99 is a full stop
     sentence = lambda n, t: [t] * (n - 1) + [99]  # noqa: E731
     row = [tok for i in range(60) for tok in sentence(5 + i % 4, 10 + i % 50)]
     length = 320
@@ -70,3 +69,13 @@ def test_cli_runs_seq2seq_with_defaults_and_prints_the_table(bart, corpus, tmp_p
     assert "masked-sentence" in r.output and "(seq2seq, all, 2 steps" in r.output  # the table, the summary
     saved = json.loads((tmp_path / "out" / "posextend_eval.json").read_text())
     assert saved["after"]["metric"] == "masked-sentence perplexity" and saved["after"]["objective"] == "seq2seq"
+
+
+def test_sentence_ends_are_read_off_each_tokens_text(bart):
+    from posextend.seq2seq import sentence_ends
+
+    tok = transformers.AutoTokenizer.from_pretrained(bart)
+    ends = sentence_ends(tok)
+    ids = tok('She smiled. "Really?" he asked! Then', add_special_tokens=False)["input_ids"]
+    marked = [tok.decode([i]) for i in ids if i in ends]
+    assert marked == [".", '?"', "!"]  # a closing quote after the mark still ends the sentence
