@@ -179,7 +179,8 @@ class GapSentences(Objective):
         run.model.train(was_training)
         old = run.old_length if run.old_length < run.length else None
         edges = bucket_edges(run.length, run.config.buckets, old_length=old)
-        report = report_from(total, count, edges, objective="seq2seq", sequences=len(run.eval_seqs), old_length=old)
+        report = report_from(total, count, edges, objective="seq2seq", sequences=len(run.eval_seqs), old_length=old,
+                             metric="masked-sentence perplexity")
         if not math.isfinite(report.loss):
             raise TrainingError("No masked sentence in the held-out text: give more text, or text with sentences.")
         return report
