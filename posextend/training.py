@@ -30,12 +30,12 @@ from typing import Any
 import torch
 
 from .checkpoint import check_destination, model_card, resolve_source
+from .context import RunContext
 from .errors import TrainingError
 from .evaluation import EvalReport
 from .io import atomic_output, output_errors, read_header, write_file, write_safetensors
 from .loading import AnchorSource, Loaded, anchor_source, provenance
 from .objectives import Objective, default_objective, get_objective
-from .context import RunContext
 from .options import FinetuneConfig
 
 log = logging.getLogger(__name__)
