@@ -439,6 +439,8 @@ def finetune_cmd(
     )
     if report.anchor_source:
         console.print(f"  anchor: held to the original model {report.anchor_source}", highlight=False)
+    for note in report.notes:
+        console.print(f"  {note}", highlight=False)
     _far_range_advice(report)
     if plot:
         from .evaluation import plot_reports

@@ -110,6 +110,10 @@ class Objective:
         run.unwrapped.save_pretrained(directory, state_dict=state_dict)
         run.tokenizer.save_pretrained(directory)
 
+    def notes(self, run: RunContext) -> list[str]:
+        """Lines about the run that the fine-tune's report, the CLI and the model card carry (none by default)."""
+        return []
+
 
 _REGISTRY: Registry[Objective] = Registry("objective", "objectives", ENTRY_POINT_GROUP, TrainingError)
 

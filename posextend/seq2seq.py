@@ -146,6 +146,8 @@ class GapSentences(Objective):
             lead = len(before)
             wheres.append([-1] * lead + [w + lead for w in where] + [-1] * len(after))
         width = max(map(len, targets))
+        if run.unwrapped.training:
+            run.cache["longest_target"] = max(run.cache.get("longest_target", 0), width)
         labels = torch.full((len(targets), width), -100, dtype=torch.long)
         for i, t in enumerate(targets):
             labels[i, : len(t)] = torch.tensor(t)
@@ -155,6 +157,15 @@ class GapSentences(Objective):
     def loss(self, run: RunContext, positions: range, batch: torch.Tensor) -> tuple[torch.Tensor, int]:
         inputs, _ = self.batch(run, batch, [run.generator(p) for p in positions])
         return run.model(**inputs).loss, int((inputs["labels"] != -100).sum())
+
+    def notes(self, run: RunContext) -> list[str]:
+        """How far the decoder's positions were trained: BART-like families have one length for both
+        stacks, so the decoder's table grew too, but its targets (the masked sentences) are short."""
+        longest = run.cache.get("longest_target")
+        if not longest:
+            return []
+        return [f"decoder: positions 0-{longest - 1} of {run.length} trained (the targets, masked sentences, are "
+                f"at most {longest} tokens); the rest of its table is as extended"]
 
     @torch.no_grad()
     def evaluate(self, run: RunContext) -> EvalReport:

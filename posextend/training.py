@@ -66,6 +66,7 @@ class FinetuneReport:
     schedule: str = "constant"
     anchor_source: str | None = None  # the original model the anchor held to (None: the checkpoint as loaded)
     anchor_note: str | None = None  # one line: why the anchor could not hold to the original model
+    notes: list[str] = field(default_factory=list)  # the objective's lines about the run (Objective.notes)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -419,6 +420,7 @@ def finetune(
         main_process=run.accelerator.is_main_process, strategy=config.strategy if run.extended else None,
         anchor=chosen.anchor or 0.0, schedule=config.schedule,
         anchor_source=str(run.reference.path) if run.reference.path else None, anchor_note=run.reference.note,
+        notes=chosen.notes(run),
     )
     state_dict = run.accelerator.get_state_dict(run.model)  # every process takes part (sharded weights)
     if run.accelerator.is_main_process:
@@ -460,6 +462,7 @@ def _save(run: _Run, dst: Path, report: FinetuneReport, src: Path, loaded: Loade
         for label, ev in (("before", report.before), ("after", report.after)):
             if ev is not None and math.isfinite(getattr(ev, ev.score)):
                 lines.append(f"- Held-out {ev.metric} {label}: {getattr(ev, ev.score):.3f}")
+        lines += [f"- {note}" for note in report.notes]
         (tmp / "README.md").write_text("\n".join(lines) + "\n")
         if report.before or report.after:
             (tmp / "posextend_eval.json").write_text(json.dumps(

@@ -60,6 +60,10 @@ def test_finetune_extends_bart_4x_and_generates_from_a_long_input(bart, corpus, 
     assert out.shape[1] >= 4
     card = (tmp_path / "out" / "README.md").read_text()
     assert f"- Held-out masked-sentence perplexity after: {report.after.perplexity:.3f}" in card
+    (note,) = report.notes  # how far the decoder's positions trained, in the report and the card
+    longest = int(note.split("positions 0-")[1].split(" ")[0]) + 1
+    assert note.startswith("decoder: positions 0-") and f"of {4 * OLD} trained" in note and 2 < longest < 4 * OLD
+    assert f"- {note}" in card
 
 
 def test_cli_runs_seq2seq_with_defaults_and_prints_the_table(bart, corpus, tmp_path):
@@ -67,6 +71,7 @@ def test_cli_runs_seq2seq_with_defaults_and_prints_the_table(bart, corpus, tmp_p
                                  str(2 * OLD), "--steps", "2", "--batch-size", "2"])
     assert r.exit_code == 0, r.output
     assert "masked-sentence" in r.output and "(seq2seq, all, 2 steps" in r.output  # the table, the summary
+    assert "decoder: positions 0-" in r.output
     saved = json.loads((tmp_path / "out" / "posextend_eval.json").read_text())
     assert saved["after"]["metric"] == "masked-sentence perplexity" and saved["after"]["objective"] == "seq2seq"
 
