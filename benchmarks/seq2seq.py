@@ -3,7 +3,8 @@
 A small BART (byte-level BPE of 4k trained on the training text, BART's special tokens) is pretrained here
 with gap-sentence generation (``posextend finetune --objective seq2seq`` at its own length), then extended
 ``--factor`` times with ``tile`` (LED's copies) and ``interpolate``, each scored untrained and after the
-default fine-tune (``posextend.finetune(src, dst, data, length=...)``: 200 steps, lr 1e-4 cosine). The
+default fine-tune (``posextend.finetune(src, dst, data, length=...)``: 200 steps, lr 1e-4 cosine, no anchor;
+``tile`` also with the anchor at 1). The
 score is the masked-sentence perplexity of held-out text (one novel, ``--heldout``), by where each masked
 sentence sat in the source: near (the original range) and far (the last ``1 / factor`` of the new length),
 against the source reading the same text in windows of its own length.
@@ -33,9 +34,19 @@ SETTINGS = {
 
 
 def build_reference(work: Path, train_files: list[Path], s: dict, seed: int) -> tuple[Path, dict]:
-    """Tokenizer, a BART initialised at random, then pretrained with gap-sentence generation at its length."""
+    """Tokenizer, a BART initialised at random, then pretrained with gap-sentence generation at its length;
+    reused from ``work`` while the settings, the training files and the seed are the same."""
     from tokenizers import ByteLevelBPETokenizer
     from tokenizers.processors import TemplateProcessing
+
+    key = {"settings": s, "train": [p.name for p in train_files], "seed": seed}
+    init, ref = work / "init", work / "reference"
+    if (ref / "reference.json").is_file():
+        info = json.loads((ref / "reference.json").read_text())
+        if info.pop("key") == key:
+            return ref, {**info, "reused": True}
+    for old in work.iterdir() if work.is_dir() else []:
+        shutil.rmtree(old) if old.is_dir() else old.unlink()
 
     texts = [p.read_text(encoding="utf-8") for p in train_files]
     if s["train_chars"]:
@@ -59,7 +70,6 @@ def build_reference(work: Path, train_files: list[Path], s: dict, seed: int) -> 
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, decoder_start_token_id=tok.eos_token_id,
         forced_eos_token_id=tok.eos_token_id)
     torch.manual_seed(seed)
-    init, ref = work / "init", work / "reference"
     transformers.BartForConditionalGeneration(config).save_pretrained(init)
     tok.save_pretrained(init)
     print(f"pretraining the reference BART ({s['layers']}+{s['layers']} layers x {s['width']}, vocab {len(tok)}, "
@@ -70,8 +80,10 @@ def build_reference(work: Path, train_files: list[Path], s: dict, seed: int) -> 
         lr=s["pretrain_lr"], schedule="cosine", batch_size=8, seed=seed, overwrite=True, eval_sequences=32,
         progress=lambda step, total, loss, tps: step % max(1, total // 5) == 0
         and print(f"  step {step}/{total}: loss {loss:.3f} ({tps:,.0f} tok/s)", flush=True))
-    return ref, {"seconds": time.perf_counter() - t0, "held_out_perplexity": report.after.perplexity,
-                 "first_loss": report.losses[0], "last_loss": report.losses[-1], "vocab": len(tok)}
+    info = {"seconds": time.perf_counter() - t0, "held_out_perplexity": report.after.perplexity,
+            "first_loss": report.losses[0], "last_loss": report.losses[-1], "vocab": len(tok)}
+    (ref / "reference.json").write_text(json.dumps({**info, "key": key}))
+    return ref, {**info, "reused": False}
 
 
 def ranges(report, old: int, new: int) -> dict[str, float]:
@@ -95,7 +107,6 @@ def main() -> None:
     train_files = sorted(p for p in args.data.glob("*.txt") if p != held)
     if not held.is_file() or not train_files:
         raise SystemExit(f"--data needs {args.heldout} and at least one other .txt file")
-    shutil.rmtree(args.workdir, ignore_errors=True)
     start = time.perf_counter()
     ref, info = build_reference(args.workdir, train_files, s, args.seed)
     old, new = s["length"], s["length"] * args.factor
@@ -104,17 +115,19 @@ def main() -> None:
     rows = {f"source at its own length ({old}-token windows)": {"near": own.perplexity, "far": own.perplexity,
                                                                 "all": own.perplexity}}
     seconds = {}
-    for strategy in ("tile", "interpolate"):
+    recipes = [("tile", {}), ("tile", {"anchor": 1.0}), ("interpolate", {})]
+    for strategy, extra in recipes:
         resized = args.workdir / f"{strategy}-{new}"
-        posextend.resize_checkpoint(ref, resized, new, strategy, seed=args.seed)
-        rows[f"{strategy}, untrained"] = ranges(posextend.evaluate(resized, [held], length=new, **score), old, new)
+        if f"{strategy}, untrained" not in rows:
+            posextend.resize_checkpoint(ref, resized, new, strategy, seed=args.seed, overwrite=True)
+            rows[f"{strategy}, untrained"] = ranges(posextend.evaluate(resized, [held], length=new, **score), old, new)
+        label = f"{strategy} + seq2seq fine-tune ({'defaults' if not extra else ', '.join(f'{k} {v:g}' for k, v in extra.items())})"
         t0 = time.perf_counter()
-        tuned = args.workdir / f"{strategy}-{new}-ft"
-        posextend.finetune(ref, tuned, train_files, length=new, strategy=strategy, seed=args.seed,
-                           **({"steps": s["steps"]} if s["steps"] else {}))
-        seconds[strategy] = time.perf_counter() - t0
-        rows[f"{strategy} + seq2seq fine-tune (defaults)"] = ranges(
-            posextend.evaluate(tuned, [held], length=new, **score), old, new)
+        tuned = args.workdir / f"{strategy}-{new}-ft{len(seconds)}"
+        posextend.finetune(ref, tuned, train_files, length=new, strategy=strategy, seed=args.seed, overwrite=True,
+                           **({"steps": s["steps"]} if s["steps"] else {}), **extra)
+        seconds[label] = time.perf_counter() - t0
+        rows[label] = ranges(posextend.evaluate(tuned, [held], length=new, **score), old, new)
     reference = rows[f"source at its own length ({old}-token windows)"]["all"]
     print(f"\n### BART {s['layers']}+{s['layers']}x{s['width']}, {old} -> {new} positions; held-out "
           f"{args.heldout}, masked-sentence perplexity by source position\n")

@@ -389,7 +389,7 @@ def finetune_cmd(
     steps: Annotated[int | None, typer.Option(help="Optimizer steps (default: 200 for language models, 60 for contrastive).")] = None,
     train: Annotated[str, typer.Option(help="all (every parameter; best in our benchmark), positions (the table), or new-rows (only rows beyond the old length).")] = "all",
     lr: Annotated[float | None, typer.Option(help="Learning rate (default: new-rows 3e-3, positions 1e-3; all: causal 1e-3 x min(1, 192/width), masked 1e-4, contrastive 5e-5).")] = None,
-    anchor: Annotated[float | None, typer.Option(help="Weight of the term keeping the source's outputs on inputs within the old length (causal: default 1; contrastive: default 2; 0 turns it off and saves a copy of the model in memory).")] = None,
+    anchor: Annotated[float | None, typer.Option(help="Weight of the term keeping the source's outputs on inputs within the old length (causal: default 1; contrastive: default 2; seq2seq: default 0, off; 0 turns it off and saves a copy of the model in memory).")] = None,
     source: Annotated[str | None, typer.Option("--source", help="The original model the anchor holds to, for a SRC resized earlier (default: the original SRC's provenance records, when it is still there).")] = None,
     schedule: Annotated[str | None, typer.Option(help="Learning rate after a 10% warm-up: constant, or cosine down to 10% (default: cosine for causal LMs and contrastive with --train all, else constant).")] = None,
     batch_size: Annotated[int, typer.Option(help="Sequences per micro-batch (per process).")] = 4,

@@ -59,7 +59,7 @@ class FinetuneConfig:
     - ``objective``: ``causal``, ``masked``, ``contrastive`` or a plug-in (default: ``contrastive`` for a
       sentence-transformers folder, else the family's LM head).
     - ``anchor``: weight of the objective's term that keeps the source's outputs on inputs within the
-      old length (causal 1, contrastive 2; 0 turns it off).
+      old length (causal 1, contrastive 2, seq2seq 0; 0 turns it off).
     - ``source``: the original model the anchor holds to, for a checkpoint extended earlier.
     - ``eval_sequences``, ``buckets``: the held-out evaluation's size and position buckets.
     - ``overwrite``: replace DST if it exists.

@@ -32,6 +32,9 @@ GAP_RATIO = 0.15  # the share of the source's tokens masked, PEGASUS's
 SENTENCE_TOKENS = 24  # a typical sentence, to set the number of gaps
 MAX_SENTENCE = 96  # longer sentences are not masked (their target would dominate); Austen's run ~50 tokens
 ENDS = (".", "!", "?")  # a token whose text ends so (closing quotes aside) ends a sentence
+# the anchor's default weight: off. On the small BART of benchmarks/seq2seq.py (256 -> 1024, tile, 200 steps) anchor 1
+# left the original range where anchor 0 did (631.0 both) and the far range worse (626.8 vs 621.7); --anchor 1 turns it on
+ANCHOR = 0.0
 HELD_OUT = 10**9  # held-out window i draws its gaps from sample HELD_OUT + i's generator (no training sample's)
 
 
@@ -113,6 +116,7 @@ class GapSentences(Objective):
     strategy = {"new-rows": "tile", "positions": "tile", "all": "tile"}  # LED's copies
     lr = {"new-rows": 3e-3, "positions": 1e-3, "all": 1e-4}
     schedule = {"new-rows": "constant", "positions": "constant", "all": "cosine"}
+    anchor = ANCHOR
 
     def load(self, directory: Path, *, init_head: bool) -> Loaded:
         loaded = load_language_model(directory, "seq2seq", init_head=init_head)
@@ -120,6 +124,8 @@ class GapSentences(Objective):
             raise TrainingError(f"The tokenizer of {directory} has no mask token, which gap-sentence generation "
                                 "puts where each sentence was; add one (tokenizer.add_special_tokens) and save it.")
         without_dropout(loaded.model)
+        if self.anchor:  # the source model, frozen, before its table is extended
+            loaded.extras["source"] = self.copy_reference(loaded)
         return loaded
 
     def samples(self, tokenizer, documents: Sequence[str], length: int) -> torch.Tensor:
@@ -129,24 +135,24 @@ class GapSentences(Objective):
         before, after = framing(tokenizer)
         return pack(tokenizer, documents, raw_tokens(length - len(before) - len(after)))
 
-    def batch(self, run: RunContext, rows: torch.Tensor, generators: list[torch.Generator]
+    def batch(self, run: RunContext, rows: torch.Tensor, generators: list[torch.Generator], length: int | None = None
               ) -> tuple[dict[str, torch.Tensor], list[list[int]]]:
-        """The model's inputs (sources of exactly the run's length, targets padded with -100) and, per
-        target token, its mask's position in the source (special tokens counted)."""
+        """The model's inputs (sources of exactly ``length`` tokens, default the run's; targets padded with
+        -100) and, per target token, its mask's position in the source (special tokens counted)."""
         tok = run.tokenizer
         if "ends" not in run.cache:
             run.cache["ends"], run.cache["framing"] = sentence_ends(tok), framing(tok)
         before, after = run.cache["framing"]
         sources, targets, wheres = [], [], []
+        inner = (length or run.length) - len(before) - len(after)  # BART's decoder reads as many positions
         for row, g in zip(rows.tolist(), generators):
-            inner = run.length - len(before) - len(after)  # BART's decoder reads as many positions
             source, target, where = gaps(row, run.cache["ends"], inner, tok.mask_token_id, g, target_tokens=inner)
             sources.append(before + source + after)
             targets.append(before + target + after)
             lead = len(before)
             wheres.append([-1] * lead + [w + lead for w in where] + [-1] * len(after))
         width = max(map(len, targets))
-        if run.unwrapped.training:
+        if run.unwrapped.training and length is None:
             run.cache["longest_target"] = max(run.cache.get("longest_target", 0), width)
         labels = torch.full((len(targets), width), -100, dtype=torch.long)
         for i, t in enumerate(targets):
@@ -155,8 +161,26 @@ class GapSentences(Objective):
         return {"input_ids": torch.tensor(sources, device=device), "labels": labels.to(device)}, wheres
 
     def loss(self, run: RunContext, positions: range, batch: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """The masked sentences' loss, plus (when set: off by default) ``anchor`` × the KL divergence of the model's predictions from the
+        frozen source's on a second sample of each window cut to the old length (inputs the source reads as
+        it was trained to), so that training the new range keeps the old one."""
         inputs, _ = self.batch(run, batch, [run.generator(p) for p in positions])
-        return run.model(**inputs).loss, int((inputs["labels"] != -100).sum())
+        loss = run.model(**inputs).loss
+        if "source" in run.cache and not run.short_inputs_fixed and run.old_length < run.length:
+            short, _ = self.batch(run, batch, [run.generator(p) for p in positions], length=run.old_length)
+            loss = loss + self.anchor * self.source_kl(run, short)
+        return loss, int((inputs["labels"] != -100).sum())
+
+    @staticmethod
+    def source_kl(run: RunContext, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Mean KL divergence, over the target tokens, of the model's predictions from the frozen source's."""
+        source = run.cache["source"].to(run.accelerator.device)
+        logits = run.model(**inputs).logits.float()
+        with torch.no_grad():
+            target = source(**inputs).logits.float().log_softmax(-1)
+        kl = torch.nn.functional.kl_div(logits.log_softmax(-1), target, log_target=True, reduction="none").sum(-1)
+        keep = (inputs["labels"] != -100).float()
+        return (kl * keep).sum() / keep.sum().clamp(min=1)
 
     def notes(self, run: RunContext) -> list[str]:
         """How far the decoder's positions were trained: BART-like families have one length for both

@@ -373,7 +373,7 @@ def finetune(
     schedule by ``train``: with ``all``, causal LMs 1e-3 × min(1, 192 / width) from
     ``interpolate``, contrastive 5e-5, both with a cosine decay; ``tile`` and a constant lr
     otherwise). ``anchor``: the weight of the objective's term that keeps the source model's
-    outputs on inputs within the old length (causal 1, contrastive 2; 0 turns it off and saves
+    outputs on inputs within the old length (causal 1, contrastive 2, seq2seq 0; 0 turns it off and saves
     the frozen copy of the source it needs).
     ``source``: the original model the anchor holds to, for a checkpoint extended earlier (its
     outputs on inputs within the old length are the ones to keep). Default: the original its

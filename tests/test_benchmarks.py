@@ -157,8 +157,8 @@ def test_seq2seq_quick(tmp_path):
     result = json.loads((tmp_path / "s.json").read_text())
     rows = result["rows"]
     assert list(rows) == ["source at its own length (64-token windows)", "tile, untrained",
-                          "tile + seq2seq fine-tune (defaults)", "interpolate, untrained",
-                          "interpolate + seq2seq fine-tune (defaults)"]
+                          "tile + seq2seq fine-tune (defaults)", "tile + seq2seq fine-tune (anchor 1)",
+                          "interpolate, untrained", "interpolate + seq2seq fine-tune (defaults)"]
     assert all(math.isfinite(v) and v > 1 for r in rows.values() for v in r.values())
     assert result["reference"]["last_loss"] < result["reference"]["first_loss"]  # pretraining learned
     assert "| model | near (0-63) | far (192-255) | far / source |" in out

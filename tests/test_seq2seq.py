@@ -84,3 +84,28 @@ def test_sentence_ends_are_read_off_each_tokens_text(bart):
     ids = tok('She smiled. "Really?" he asked! Then', add_special_tokens=False)["input_ids"]
     marked = [tok.decode([i]) for i in ids if i in ends]
     assert marked == [".", '?"', "!"]  # a closing quote after the mark still ends the sentence
+
+
+def test_the_anchor_keeps_old_length_inputs_near_the_source(bart, corpus, tmp_path):
+    """With its anchor on (off by default), the seq2seq fine-tune keeps what the model predicts for inputs
+    within the old length closer to the source's than the same run without it."""
+    kwargs = dict(length=2 * OLD, steps=6, batch_size=2, lr=3e-3, eval_sequences=2, seed=0)
+    anchored = posextend.finetune(bart, tmp_path / "anchored", [corpus], anchor=1, **kwargs)
+    plain = posextend.finetune(bart, tmp_path / "plain", [corpus], **kwargs)
+    assert (anchored.anchor, plain.anchor) == (1.0, 0.0)
+    tok = transformers.AutoTokenizer.from_pretrained(bart)
+    text = corpus.read_text()[:3000]
+    ids = tok(text, truncation=True, max_length=OLD, return_tensors="pt").input_ids  # within the old length
+    labels = tok(text[:200], return_tensors="pt").input_ids
+
+    def log_probs(path):
+        model = transformers.BartForConditionalGeneration.from_pretrained(path).eval()
+        with torch.no_grad():
+            return model(input_ids=ids, labels=labels).logits.log_softmax(-1)
+
+    source = log_probs(bart)
+
+    def kl(path):
+        return float(torch.nn.functional.kl_div(log_probs(path), source, log_target=True, reduction="batchmean"))
+
+    assert 0 < kl(tmp_path / "anchored") < kl(tmp_path / "plain")
