@@ -96,7 +96,7 @@ def test_the_anchor_keeps_old_length_inputs_near_the_source(bart, corpus, tmp_pa
     tok = transformers.AutoTokenizer.from_pretrained(bart)
     text = corpus.read_text()[:3000]
     ids = tok(text, truncation=True, max_length=OLD, return_tensors="pt").input_ids  # within the old length
-    labels = tok(text[:200], return_tensors="pt").input_ids
+    labels = tok(text[:200], truncation=True, max_length=OLD // 2, return_tensors="pt").input_ids  # what the decoder reads
 
     def log_probs(path):
         model = transformers.BartForConditionalGeneration.from_pretrained(path).eval()
