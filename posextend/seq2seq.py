@@ -13,7 +13,6 @@ One file, registered through the ``posextend.objectives`` entry point as a third
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Container, Sequence
 from pathlib import Path
@@ -25,8 +24,6 @@ from .errors import TrainingError
 from .evaluation import EvalReport, bucket_edges, report_from
 from .loading import Loaded, load_language_model
 from .objectives import Objective, register_objective, without_dropout
-
-log = logging.getLogger(__name__)
 
 GAP_RATIO = 0.15  # the share of the source's tokens masked, PEGASUS's
 SENTENCE_TOKENS = 24  # a typical sentence, to set the number of gaps

@@ -394,7 +394,6 @@ def finetune(
     """
     directory = resolve_source(src)
     given = FinetuneConfig.of(options)
-    given.check()
     chosen = get_objective(given.objective or default_objective(directory))
     if given.anchor is not None:
         chosen = chosen.with_anchor(given.anchor)
