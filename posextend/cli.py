@@ -32,7 +32,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 # The library's messages name its arguments (``length=N``, ``overwrite=True``); the CLI shows its own flags.
-_FLAGS = {"allow_shrink": "--shrink", "data": "--data", "init_head": "--init-head", "length": "--length", "lr": "--lr",
+_FLAGS = {"allow_shrink": "--shrink", "data": "--data", "decoder_length": "--decoder-length", "init_head": "--init-head", "length": "--length", "lr": "--lr",
           "mixed_precision": "--mixed-precision", "old_length": "--old-length", "overwrite": "--overwrite",
           "resume": "--resume"}
 
@@ -385,6 +385,7 @@ def finetune_cmd(
     dst: Annotated[Path, typer.Argument(help="Where the fine-tuned model is written (atomically).")],
     data: Data,
     length: Annotated[int | None, typer.Option("--length", "-n", help="Extend to this many usable positions first.")] = None,
+    decoder_length: Annotated[int | None, typer.Option("--decoder-length", help="Encoder-decoders with a length per stack (LED): extend the decoder's table to this many positions too (--length sizes the encoder's).")] = None,
     strategy: Annotated[str | None, typer.Option("--strategy", "-s", help="How --length fills the new rows: see `posextend strategies` (default: interpolate for causal LMs with --train all, else tile; from the quality grid).")] = None,
     steps: Annotated[int | None, typer.Option(help="Optimizer steps (default: 200 for language models, 60 for contrastive).")] = None,
     train: Annotated[str, typer.Option(help="all (every parameter; best in our benchmark), positions (the table), or new-rows (only rows beyond the old length).")] = "all",
@@ -421,7 +422,7 @@ def finetune_cmd(
     task = progress.add_task("Training", total=steps or 1, loss=float("nan"), tps=0.0)
     with progress:
         report = finetune(
-            src, dst, data, length=length, strategy=strategy, steps=steps, train=train, lr=lr, schedule=schedule, batch_size=batch_size,
+            src, dst, data, length=length, decoder_length=decoder_length, strategy=strategy, steps=steps, train=train, lr=lr, schedule=schedule, batch_size=batch_size,
             grad_accum=grad_accum, mixed_precision=mixed_precision, gradient_checkpointing=gradient_checkpointing,
             eval_every=eval_every, save_every=save_every, resume=resume, seed=seed, old_length=old_length,
             init_head=init_head, objective=objective, anchor=anchor, source=source, buckets=buckets, overwrite=overwrite,

@@ -34,7 +34,8 @@ class RunContext:
     - ``config``: the run's options, resolved (:class:`~posextend.options.FinetuneConfig`: ``seed``,
       ``batch_size``, ``buckets``, ``lr`` …); ``spec``: the family's position tables.
     - ``train_seqs`` / ``eval_seqs``: the samples the objective cut (:meth:`Objective.samples`).
-    - ``length`` / ``old_length``: the run's number of positions, and the source's.
+    - ``length`` / ``old_length``: the run's number of positions, and the source's; ``decoder_length``: an
+      encoder-decoder's decoder positions where it has a length of its own (LED; None: ``length``).
     - ``short_inputs_fixed``: only new rows train, so outputs on inputs within the old length never change.
     - ``cache``: the objective's per-run objects (its loss module; ``"source"``, the frozen model its
       anchor holds to, when kept: :attr:`source`).
@@ -50,6 +51,7 @@ class RunContext:
     eval_seqs: torch.Tensor
     length: int
     old_length: int
+    decoder_length: int | None = None
     short_inputs_fixed: bool = False
     cache: dict[str, Any] = field(default_factory=dict)
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -14,6 +15,7 @@ from .errors import DataError
 log = logging.getLogger(__name__)
 
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".text", ".jsonl", ".json")
+PAIR_FIELDS = ("source", "target")  # a JSON Lines record of supervised sequence-to-sequence data
 
 
 def _files(paths: Iterable[str | Path]) -> list[Path]:
@@ -32,31 +34,65 @@ def _files(paths: Iterable[str | Path]) -> list[Path]:
     return files
 
 
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8", errors="replace")
+    except OSError as exc:
+        raise DataError(f"Cannot read {path}: {exc}") from None
+
+
+def _records(path: Path) -> Iterator[tuple[int, Any]]:
+    """``(line number, record)`` of each non-empty line of a JSON Lines file."""
+    for i, line in enumerate(_read(path).splitlines(), 1):
+        if line.strip():
+            try:
+                yield i, json.loads(line)
+            except ValueError:
+                raise DataError(f"{path}:{i} is not JSON.") from None
+
+
 def read_documents(paths: Sequence[str | Path], *, text_field: str = "text") -> list[str]:
     """Documents from plain-text files, directories of them, and JSON Lines (``text_field``)."""
     if not paths:
         raise DataError("No data given: pass data=PATH (a text file, a directory, or JSON Lines).")
     docs: list[str] = []
     for path in _files(paths):
-        try:
-            content = path.read_text(encoding="utf-8", errors="replace")
-        except OSError as exc:
-            raise DataError(f"Cannot read {path}: {exc}") from None
-        if path.suffix.lower() == ".jsonl":
-            for i, line in enumerate(content.splitlines(), 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                    docs.append(str(record[text_field]))
-                except (ValueError, KeyError, TypeError):
-                    raise DataError(f"{path}:{i} is not a JSON object with a {text_field!r} field.") from None
-        else:
-            docs.append(content)
+        if path.suffix.lower() != ".jsonl":
+            docs.append(_read(path))
+            continue
+        for i, record in _records(path):
+            if not isinstance(record, dict) or text_field not in record:
+                raise DataError(f"{path}:{i} is not a JSON object with a {text_field!r} field.")
+            docs.append(str(record[text_field]))
     docs = [d for d in docs if d.strip()]
     if not docs:
         raise DataError(f"The data ({', '.join(map(str, paths))}) holds no text.")
     return docs
+
+
+def read_pairs(paths: Sequence[str | Path]) -> list[tuple[str, str]] | None:
+    """``(source, target)`` pairs (a document and its summary) when the data is JSON Lines whose records
+    hold both :data:`PAIR_FIELDS`; None when no file's first record does (plain text). A mix is refused."""
+    files = _files(paths) if paths else []
+    paired = [f for f in files if f.suffix.lower() == ".jsonl"
+              and isinstance(first := next((r for _, r in _records(f)), None), dict) and set(PAIR_FIELDS) <= first.keys()]
+    if not paired:
+        return None
+    if len(paired) != len(files):
+        other = next(f for f in files if f not in paired)
+        raise DataError(f"{paired[0]} holds {'/'.join(PAIR_FIELDS)} pairs but {other} does not: give pairs only, "
+                        "or plain text only.")
+    pairs = []
+    for path in paired:
+        for i, record in _records(path):
+            if not isinstance(record, dict) or not set(PAIR_FIELDS) <= record.keys():
+                raise DataError(f"{path}:{i} is not a JSON object with {' and '.join(map(repr, PAIR_FIELDS))} fields, "
+                                "which every record of a file of pairs needs.")
+            pairs.append((str(record[PAIR_FIELDS[0]]), str(record[PAIR_FIELDS[1]])))
+    pairs = [(a, b) for a, b in pairs if a.strip() and b.strip()]
+    if not pairs:
+        raise DataError(f"The data ({', '.join(map(str, paths))}) holds no pair with text on both sides.")
+    return pairs
 
 
 def pack(tokenizer, documents: Sequence[str], length: int) -> torch.Tensor:

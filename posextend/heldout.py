@@ -52,11 +52,9 @@ def evaluate(
         >>> report = posextend.evaluate("gpt2-4k", ["held_out.txt"], buckets=4)
         >>> [round(b.perplexity, 1) for b in report.buckets]
     """
-    from .data import read_documents
-
-    docs = read_documents(data)
     directory = resolve_source(model_path)
     chosen = get_objective(objective or default_objective(directory))
+    docs = chosen.documents(data)
     if chosen.anchor:
         chosen = chosen.with_anchor(0)  # no frozen copy of the model: nothing trains
     loaded = chosen.load(directory, init_head=False)
@@ -74,6 +72,7 @@ def evaluate(
         config=FinetuneConfig(batch_size=batch_size, buckets=buckets, seed=seed, objective=chosen.name),
         spec=loaded.spec, train_seqs=samples[:0], eval_seqs=samples, length=length,
         old_length=loaded.old_length or length, cache=dict(loaded.extras),
+        decoder_length=loaded.decoder.usable if loaded.decoder else None,
     )
     report = chosen.evaluate(run)
     if json_path:

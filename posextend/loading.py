@@ -13,7 +13,7 @@ import torch
 from .checkpoint import MODULES, TOKENIZER_FILES, read_config, resolve_source, transformer_dir
 from .errors import PosExtendError, SourceError, TrainingError
 from .io import SAFE_INDEX, read_header
-from .lookup import spec_for
+from .lookup import all_specs, spec_for
 from .specs import ArchitectureSpec
 
 log = logging.getLogger(__name__)
@@ -35,6 +35,18 @@ class Loaded:
     tables: tuple[str, ...]
     old_length: int | None  # from posextend provenance, when the checkpoint was extended by it
     extras: dict[str, Any] = field(default_factory=dict)  # the objective's own objects for the run (a frozen source)
+    decoder: Stack | None = None  # an encoder-decoder's decoder with a length of its own (LED); ``spec`` is the encoder's
+
+
+@dataclass(frozen=True)
+class Stack:
+    """A table group with a length of its own beside the run's: its spec, its tables (named as in the
+    trained model), and its usable and reserved rows as loaded."""
+
+    spec: ArchitectureSpec
+    tables: tuple[str, ...]
+    usable: int
+    reserved: int
 
 
 def provenance(directory: Path) -> dict[str, str]:
@@ -67,12 +79,27 @@ def load_tokenizer(directory: Path):
 def loaded(model: torch.nn.Module, hf_model: torch.nn.Module, tokenizer, objective: str, directory: Path) -> Loaded:
     """Locate the table(s) of ``hf_model`` (inside ``model``) and read the old length from provenance."""
     config = hf_model.config.to_dict()
-    spec = spec_for(config, cls=type(hf_model))  # the loaded class's own names
-    layout = spec.locate({n: tuple(p.shape) for n, p in hf_model.named_parameters()}, config)
+    spec, decoder = stack_specs(config, type(hf_model))  # the loaded class's own names
+    shapes = {n: tuple(p.shape) for n, p in hf_model.named_parameters()}
     prefix = next((f"{n}." for n, m in model.named_modules() if m is hf_model and n), "")
+    encoder, decoder = (None if s is None else _stack(s, shapes, config, prefix) for s in (spec, decoder))
     old = provenance(directory).get("posextend.old_length")
-    return Loaded(model, hf_model, tokenizer, spec, objective, layout.usable, layout.reserved,
-                  tuple(prefix + t for t in layout.tables), int(old) if old else None)
+    return Loaded(model, hf_model, tokenizer, spec, objective, encoder.usable, encoder.reserved, encoder.tables,
+                  int(old) if old else None, decoder=decoder)
+
+
+def stack_specs(config: dict[str, Any], cls: type | None = None) -> tuple[ArchitectureSpec, ArchitectureSpec | None]:
+    """The spec of the tables a fine-tune's length sizes, and the decoder's where an encoder-decoder has a
+    length per stack (LED: the run's length is the encoder's; the decoder's is its own option)."""
+    groups = {s.group: s for s in all_specs(config, cls=cls) if s.rank == 1}
+    if set(groups) == {"encoder", "decoder"}:
+        return groups["encoder"], groups["decoder"]
+    return spec_for(config, cls=cls), None
+
+
+def _stack(spec: ArchitectureSpec, shapes: dict[str, tuple[int, ...]], config: dict[str, Any], prefix: str) -> Stack:
+    layout = spec.locate(shapes, config)
+    return Stack(spec, tuple(prefix + t for t in layout.tables), layout.usable, layout.reserved)
 
 
 def load_language_model(src: str | Path, objective: str, *, init_head: bool = False) -> Loaded:
@@ -111,7 +138,7 @@ def model_directory(directory: Path) -> Path:
 
 def config_head(directory: Path) -> str:
     """The language-model head of a checkpoint's family (its spec's): ``causal``, ``masked``, ``seq2seq`` or ``other``."""
-    return spec_for(read_config(model_directory(directory))).head
+    return stack_specs(read_config(model_directory(directory)))[0].head
 
 
 # ------------------------------------------------------------------------------ the anchor's reference

@@ -93,6 +93,12 @@ class Objective:
         changed.anchor = float(weight)
         return changed
 
+    def documents(self, paths: Sequence[str | Path]) -> Sequence[Any]:
+        """What :meth:`samples` cuts, read from the data files: their texts (:func:`posextend.data.read_documents`)."""
+        from .data import read_documents
+
+        return read_documents(paths)
+
     def samples(self, tokenizer, documents: Sequence[str], length: int) -> torch.Tensor:
         """``[n, length]`` token windows: documents joined with EOS/SEP and packed."""
         from .data import pack

@@ -42,6 +42,8 @@ class FinetuneConfig:
     """Every option of a fine-tune. ``None``: the objective's default (see :meth:`resolved`).
 
     - ``length``: extend to this many usable positions first (None: train at the checkpoint's length).
+    - ``decoder_length``: an encoder-decoder with a length per stack (LED): extend the decoder's table to
+      this many positions too (None: as it is; ``length`` sizes the encoder's).
     - ``strategy``: how ``length`` fills the new rows (objective's default: ``interpolate`` for causal LMs
       with ``train="all"``, else ``tile``).
     - ``steps``: optimizer steps (200 for language models, 60 for ``contrastive``).
@@ -66,6 +68,7 @@ class FinetuneConfig:
     """
 
     length: int | None = None
+    decoder_length: int | None = None
     strategy: str | None = None
     steps: int | None = None
     train: TrainMode = "all"
@@ -127,7 +130,7 @@ class FinetuneConfig:
             raise TrainingError(f"The schedule must be constant or cosine, got {self.schedule!r}.")
         if self.mixed_precision not in PRECISIONS:
             raise TrainingError(f"Mixed precision must be one of {', '.join(PRECISIONS)}, got {self.mixed_precision!r}.")
-        for name in ("steps", "batch_size", "grad_accum"):
+        for name in ("steps", "batch_size", "grad_accum", "length", "decoder_length"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise TrainingError(f"{name} must be at least 1, got {value}.")

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import twin
 from .errors import UnsupportedArchitectureError, VerificationError
-from .specs import ArchitectureSpec, BufferRule
+from .specs import ArchitectureSpec, BufferRule, table_rows
 
 if TYPE_CHECKING:
     import torch
@@ -62,9 +62,15 @@ def _head(config: Mapping[str, Any], cls: type) -> str:
         return "causal"
     if name.endswith("ForMaskedLM"):
         return "masked"
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_MASKED_LM_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+        MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
+    )
 
     model_type = config.get("model_type", "")
+    if config.get("is_encoder_decoder") and model_type in MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES:
+        return "seq2seq"
     if model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES:
         return "masked"
     if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not config.get("is_encoder_decoder"):
@@ -375,7 +381,8 @@ def verify_grid(
     small = twin.shrink(config)
     try:
         model = twin.build(small, cls=cls)
-        found = {n: t.shape[-2] for n, t in [*model.named_parameters(), *model.named_buffers()] if n in tables}
+        found = {n: table_rows(tuple(t.shape)) for n, t in [*model.named_parameters(), *model.named_buffers()]
+                 if n in tables and not spec.is_relative(n)}  # relative companions: checked by the shapes
         if any(r != rows for r in found.values()) or not found:
             raise RuntimeError(f"its tables have {sorted(set(found.values()))} rows, not {rows}")
         twin.run_pixels(model, tables, image_size, twin.num_channels(small))

@@ -8,6 +8,10 @@ replaced by one mask token, and the decoder generates them in order. So every en
 ones included, holds text the loss depends on. Evaluated by position: each masked sentence's loss, binned
 by where its mask sat in the source.
 
+With data of supervised pairs instead (JSON Lines of ``source`` and ``target`` fields: a document and its
+summary), the decoder learns to generate each target from its source, cut to the run's length; evaluated
+by each target's loss, binned by its source's length.
+
 One file, registered through the ``posextend.objectives`` entry point as a third-party objective is.
 """
 
@@ -32,6 +36,7 @@ ENDS = (".", "!", "?")  # a token whose text ends so (closing quotes aside) ends
 # the anchor's default weight: off. On the small BART of benchmarks/seq2seq.py (256 -> 1024, tile, 200 steps) anchor 1
 # left the original range where anchor 0 did (631.0 both) and the far range worse (626.8 vs 621.7); --anchor 1 turns it on
 ANCHOR = 0.0
+METRICS = {False: "masked-sentence perplexity", True: "target perplexity by source length"}  # raw text, pairs
 HELD_OUT = 10**9  # held-out window i draws its gaps from sample HELD_OUT + i's generator (no training sample's)
 
 
@@ -104,6 +109,19 @@ def gaps(row: Sequence[int], ends: Container[int], source_tokens: int, mask: int
     return source[:source_tokens], target, where
 
 
+def _collate(sources: list[list[int]], targets: list[list[int]], pad: int | None, device) -> dict[str, torch.Tensor]:
+    """Sources padded with ``pad`` (with an attention mask where their lengths differ) and targets as labels
+    padded with -100."""
+    ids = torch.full((len(sources), max(map(len, sources))), pad if pad is not None else 0, dtype=torch.long)
+    labels = torch.full((len(targets), max(map(len, targets))), -100, dtype=torch.long)
+    for i, (s, t) in enumerate(zip(sources, targets)):
+        ids[i, : len(s)], labels[i, : len(t)] = torch.tensor(s), torch.tensor(t)
+    inputs = {"input_ids": ids.to(device), "labels": labels.to(device)}
+    if len(set(map(len, sources))) > 1:
+        inputs["attention_mask"] = (torch.arange(ids.shape[1]) < torch.tensor([[len(s)] for s in sources])).long().to(device)
+    return inputs
+
+
 @register_objective("seq2seq", description="Encoder-decoders: masked sentences spread over the source are generated "
                                            "(gap-sentence generation, as PEGASUS).")
 class GapSentences(Objective):
@@ -125,37 +143,57 @@ class GapSentences(Objective):
             loaded.extras["source"] = self.copy_reference(loaded)
         return loaded
 
-    def samples(self, tokenizer, documents: Sequence[str], length: int) -> torch.Tensor:
-        """``[n, raw]`` token windows, enough text for a source of ``length`` tokens once its gaps are masked."""
+    def documents(self, paths: Sequence[str | Path]) -> Sequence[str] | list[tuple[str, str]]:
+        """Supervised ``(source, target)`` pairs where the data is JSON Lines holding them, else raw texts."""
+        from .data import read_documents, read_pairs
+
+        return read_pairs(paths) or read_documents(paths)
+
+    def samples(self, tokenizer, documents: Sequence[str] | Sequence[tuple[str, str]], length: int) -> torch.Tensor:
+        """Raw text: ``[n, raw]`` token windows, enough for a source of ``length`` tokens once its gaps are
+        masked. Pairs: ``[n, 2, length]``, each pair's source and target ids (cut to ``length``, -1 after)."""
         from .data import pack
 
         before, after = framing(tokenizer)
-        return pack(tokenizer, documents, raw_tokens(length - len(before) - len(after)))
+        inner = length - len(before) - len(after)
+        if not (documents and isinstance(documents[0], tuple)):
+            return pack(tokenizer, documents, raw_tokens(inner))
+        rows = torch.full((len(documents), 2, inner), -1, dtype=torch.long)
+        for i, pair in enumerate(documents):
+            for j, text in enumerate(pair):
+                ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"][:inner]
+                rows[i, j, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        return rows
 
     def batch(self, run: RunContext, rows: torch.Tensor, generators: list[torch.Generator], length: int | None = None
               ) -> tuple[dict[str, torch.Tensor], list[list[int]]]:
-        """The model's inputs (sources of exactly ``length`` tokens, default the run's; targets padded with
-        -100) and, per target token, its mask's position in the source (special tokens counted)."""
+        """The model's inputs (sources of at most ``length`` tokens, default the run's; targets of at most
+        the decoder's, padded with -100) and, per target token, the source position it is scored at: its
+        mask's (raw text), or the source's last (pairs: binned by how long a source was read)."""
         tok = run.tokenizer
-        if "ends" not in run.cache:
-            run.cache["ends"], run.cache["framing"] = sentence_ends(tok), framing(tok)
+        if "framing" not in run.cache:
+            run.cache["framing"] = framing(tok)
         before, after = run.cache["framing"]
-        sources, targets, wheres = [], [], []
-        inner = (length or run.length) - len(before) - len(after)  # BART's decoder reads as many positions
-        for row, g in zip(rows.tolist(), generators):
-            source, target, where = gaps(row, run.cache["ends"], inner, tok.mask_token_id, g, target_tokens=inner)
-            sources.append(before + source + after)
-            targets.append(before + target + after)
-            lead = len(before)
-            wheres.append([-1] * lead + [w + lead for w in where] + [-1] * len(after))
-        width = max(map(len, targets))
-        if run.unwrapped.training and length is None:
-            run.cache["longest_target"] = max(run.cache.get("longest_target", 0), width)
-        labels = torch.full((len(targets), width), -100, dtype=torch.long)
-        for i, t in enumerate(targets):
-            labels[i, : len(t)] = torch.tensor(t)
-        device = run.accelerator.device
-        return {"input_ids": torch.tensor(sources, device=device), "labels": labels.to(device)}, wheres
+        length = length or run.length
+        inner = length - len(before) - len(after)
+        room = min(length, run.decoder_length or length) - len(before) - len(after)  # what the decoder reads
+        if rows.dim() == 3:
+            pairs = [([t for t in source if t >= 0][:inner], [t for t in target if t >= 0][:room])
+                     for source, target in rows.tolist()]
+            wheres = [[-1] * len(before) + [len(before) + len(s) + len(after) - 1] * len(t) + [-1] * len(after)
+                      for s, t in pairs]
+        else:
+            if "ends" not in run.cache:
+                run.cache["ends"] = sentence_ends(tok)
+            cut = [gaps(row, run.cache["ends"], inner, tok.mask_token_id, g, target_tokens=room)
+                   for row, g in zip(rows.tolist(), generators)]
+            pairs = [(source, target) for source, target, _ in cut]
+            wheres = [[-1] * len(before) + [w + len(before) for w in where] + [-1] * len(after) for _, _, where in cut]
+        sources = [before + s + after for s, _ in pairs]
+        targets = [before + t + after for _, t in pairs]
+        if run.unwrapped.training and length == run.length:
+            run.cache["longest_target"] = max(run.cache.get("longest_target", 0), max(map(len, targets)))
+        return _collate(sources, targets, tok.pad_token_id, run.accelerator.device), wheres
 
     def loss(self, run: RunContext, positions: range, batch: torch.Tensor) -> tuple[torch.Tensor, int]:
         """The masked sentences' loss, plus (when set: off by default) ``anchor`` × the KL divergence of the model's predictions from the
@@ -181,17 +219,18 @@ class GapSentences(Objective):
 
     def notes(self, run: RunContext) -> list[str]:
         """How far the decoder's positions were trained: BART-like families have one length for both
-        stacks, so the decoder's table grew too, but its targets (the masked sentences) are short."""
+        stacks, so the decoder's table grew too, but its targets (masked sentences, summaries) are short."""
         longest = run.cache.get("longest_target")
         if not longest:
             return []
-        return [f"decoder: positions 0-{longest - 1} of {run.length} trained (the targets, masked sentences, are "
-                f"at most {longest} tokens); the rest of its table is as extended"]
+        return [f"decoder: positions 0-{longest - 1} of {run.decoder_length or run.length} trained (its targets are at "
+                f"most {longest} tokens); the rest of its table is as extended"]
 
     @torch.no_grad()
     def evaluate(self, run: RunContext) -> EvalReport:
         """Each masked sentence's loss, binned by the source position of its mask (the same gaps every time:
-        held-out window ``i`` draws them from its own generator)."""
+        held-out window ``i`` draws them from its own generator); for pairs, each target's loss binned by
+        its source's length (the position of its last token)."""
         was_training = run.model.training
         run.model.eval()
         total = torch.zeros(run.length, dtype=torch.float64)
@@ -212,7 +251,7 @@ class GapSentences(Objective):
         old = run.old_length if run.old_length < run.length else None
         edges = bucket_edges(run.length, run.config.buckets, old_length=old)
         report = report_from(total, count, edges, objective="seq2seq", sequences=len(run.eval_seqs), old_length=old,
-                             metric="masked-sentence perplexity")
+                             metric=METRICS[run.eval_seqs.dim() == 3])
         if not math.isfinite(report.loss):
             raise TrainingError("No masked sentence in the held-out text: give more text, or text with sentences.")
         return report

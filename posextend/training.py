@@ -123,8 +123,7 @@ class _Run(RunContext):
     optimizer: Any
     scheduler: Any
     tables: list[torch.nn.Parameter]
-    keep_rows: int  # new-rows: rows below this never change
-    saved_rows: list[torch.Tensor]
+    saved_rows: list[torch.Tensor]  # new-rows: each table's rows that never change
     state_dir: Path
     fingerprint: str
     extended: bool = False  # the table was extended by this run (not by an earlier resize)
@@ -176,10 +175,11 @@ def _setup(directory: Path, dst: Path, data: Sequence[str | Path], config: Finet
     schedule. ``config`` is resolved (:meth:`FinetuneConfig.resolved`); its ``lr`` is set here when None."""
     from accelerate.utils import set_seed
 
-    from .data import read_documents, split
+    from .data import split
 
-    docs = read_documents(data)
+    docs = chosen.documents(data)
     loaded, length, old_len, extended, anchor = _load(chosen, directory, config)
+    decoder_length = _extend_decoder(loaded, config) or length
     model, tokenizer = loaded.model, loaded.tokenizer
     if config.train == "new-rows" and old_len >= length:
         raise TrainingError(
@@ -194,22 +194,18 @@ def _setup(directory: Path, dst: Path, data: Sequence[str | Path], config: Finet
             "Training only the new rows edits one table's gradients in place, which sharded training (FSDP, "
             "DeepSpeed) does not allow; train the positions or every parameter, or use data parallel training."
         )
-    tables = [dict(model.named_parameters())[n] for n in loaded.tables]
+    tables, keep = _trained_tables(loaded, old_len, decoder_length)
     config = config.with_lr(chosen, tables[0].shape[-1])
     # the run is a function of the global batch, so a resume may use another number of processes
     fingerprint = config.fingerprint(src=directory, data=[str(d) for d in data], processes=accelerator.num_processes,
                                      anchor_source=anchor.path)
     if anchor.note and accelerator.is_main_process:
         (log.info if anchor.exact else log.warning)("%s", anchor.note)
-    keep_rows = old_len + loaded.reserved
     for p in model.parameters():
         p.requires_grad_(config.train == "all")
     for t in tables:
         t.requires_grad_(True)
-    saved_rows = [t.detach()[:keep_rows].clone() for t in tables] if config.train == "new-rows" else []
-    if config.train == "new-rows":
-        for t in tables:
-            t.register_hook(lambda g: torch.cat([torch.zeros_like(g[:keep_rows]), g[keep_rows:]]))
+    saved_rows = _new_rows_only(tables, keep) if config.train == "new-rows" else []
     if config.gradient_checkpointing:
         loaded.hf_model.gradient_checkpointing_enable()
     set_seed(config.seed)
@@ -221,7 +217,7 @@ def _setup(directory: Path, dst: Path, data: Sequence[str | Path], config: Finet
                tokenizer=tokenizer, config=config, spec=loaded.spec, train_seqs=train_seqs,
                eval_seqs=eval_seqs[: config.eval_sequences], length=length, old_length=old_len,
                short_inputs_fixed=config.train == "new-rows", cache=dict(loaded.extras), objective=chosen,
-               optimizer=optimizer, scheduler=scheduler, tables=tables, keep_rows=keep_rows, saved_rows=saved_rows,
+               optimizer=optimizer, scheduler=scheduler, tables=tables, saved_rows=saved_rows, decoder_length=decoder_length,
                state_dir=dst.with_name(dst.name + ".state"), fingerprint=fingerprint, extended=extended,
                reference=anchor)
     return run, loaded
@@ -253,8 +249,47 @@ def _load(chosen: Objective, directory: Path, config: FinetuneConfig) -> tuple[L
     elif may_swap:  # no original to hold to: the checkpoint as loaded, before it is extended
         loaded.extras["source"] = chosen.copy_reference(loaded)
     if extended:
-        extend_model(loaded.hf_model, length, config.strategy, seed=config.seed, allow_shrink=False)
+        extend_model(loaded.hf_model, length, config.strategy, seed=config.seed, allow_shrink=False,
+                     table=loaded.spec.group if loaded.decoder else None)
     return loaded, length, old_len, extended, anchor
+
+
+def _trained_tables(loaded: Loaded, old_length: int, decoder_length: int) -> tuple[list[torch.nn.Parameter], list[int]]:
+    """The tables that train beside (or instead of) every parameter, and each one's rows below the new
+    ones: the run's, and an extended decoder's of its own length (LED)."""
+    named = dict(loaded.model.named_parameters())
+    tables = [named[n] for n in loaded.tables]
+    keep = [old_length + loaded.reserved] * len(tables)
+    decoder = loaded.decoder
+    if decoder is not None and decoder_length > decoder.usable:
+        tables += [named[n] for n in decoder.tables]
+        keep += [decoder.usable + decoder.reserved] * len(decoder.tables)
+    return tables, keep
+
+
+def _new_rows_only(tables: list[torch.nn.Parameter], keep: list[int]) -> list[torch.Tensor]:
+    """Let only each table's rows from ``keep`` on learn (their gradient above is zeroed); the kept rows,
+    which the loop writes back after each step (an optimizer may still move a row with zero gradient)."""
+    for t, k in zip(tables, keep):
+        t.register_hook(lambda g, k=k: torch.cat([torch.zeros_like(g[:k]), g[k:]]))
+    return [t.detach()[:k].clone() for t, k in zip(tables, keep)]
+
+
+def _extend_decoder(loaded: Loaded, config: FinetuneConfig) -> int | None:
+    """Extend the decoder's own table to ``config.decoder_length`` (LED); the decoder's length after, or
+    None for a family whose stacks share one length (the run's)."""
+    from .model import extend_model
+
+    want, decoder = config.decoder_length, loaded.decoder
+    if decoder is None:
+        if want is not None:
+            raise TrainingError(
+                f"{loaded.hf_model.config.model_type} has no decoder with a length of its own (its stacks share one, "
+                "or it has one stack): leave the decoder's length unset; length=N sizes every table.")
+        return None
+    if want is not None and want != decoder.usable:
+        extend_model(loaded.hf_model, want, config.strategy, seed=config.seed, allow_shrink=False, table=decoder.spec.group)
+    return want or decoder.usable
 
 
 def _adamw(params: list[torch.nn.Parameter], lr: float) -> torch.optim.Optimizer:
@@ -284,7 +319,7 @@ def _micro_loss(run: _Run, k: int) -> tuple[torch.Tensor, int]:
     if acc.num_processes > 1:
         total = int(acc.reduce(torch.tensor([count], device=acc.device), "sum").item())
         loss = loss * (count * acc.num_processes / max(total, 1)) if count else loss * 0.0
-    return loss, batch.numel()
+    return loss, int((batch >= 0).sum())  # the tokens it holds (samples of pairs pad with -1)
 
 
 def _loop(
@@ -323,7 +358,7 @@ def _loop(
             if run.saved_rows:
                 with torch.no_grad():
                     for t, rows in zip(run.tables, run.saved_rows):
-                        t[: run.keep_rows] = rows
+                        t[: len(rows)] = rows
             losses.append(step_loss)
             if progress and acc.is_main_process:
                 progress(step + 1, steps, step_loss, tokens / max(time.perf_counter() - t0, 1e-9))

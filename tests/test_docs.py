@@ -122,9 +122,13 @@ def placeholders(tmp_path_factory, gpt, minilm, corpus) -> dict[str, str]:
     data = root / "corpus"
     data.mkdir()
     shutil.copy(corpus, data / "text.txt")
+    paragraphs = [" ".join(p.split()) for p in re.split(r"\n\s*\n", corpus.read_text()) if len(p) > 300]
+    (root / "summaries.jsonl").write_text("".join(json.dumps({"source": p, "target": p[:200]}) + "\n" for p in paragraphs[:40]))
     return {
         "path/to/gpt2": str(gpt),
         "path/to/bart": str(tiny_bart(root / "bart")),
+        "path/to/led": str(tiny_bart(root / "led", model_type="led")),
+        "summaries.jsonl": str(root / "summaries.jsonl"),
         "all-MiniLM-L6-v2": str(minilm),
         "vit-base-patch16-224": str(_vit(root)),
         "clip-vit-base-patch16": str(_clip(root)),
@@ -148,7 +152,8 @@ PAGE_SUBSTITUTIONS: dict[str, list[tuple[str, str]]] = {
     ],
     # the tiny BART has 64 positions: 4x is 256, 2 steps of 2 windows
     "guides/encoder-decoder.md": [(r"(posextend finetune .*?)--length 4096", r"\1--length 256 --steps 2 --batch-size 2"),
-                                  (r"--length 4096 --objective", "--length 256 --objective")],
+                                  (r"--length 4096 --objective", "--length 256 --objective"),
+                                  (r"--length 16384 --decoder-length 2048", "--length 256 --decoder-length 128 --steps 2")],
     # two CPU processes (gloo) on the tiny GPT-2, 2 steps
     "guides/distributed.md": [(r"\bSRC\b", "path/to/gpt2"), (r"\bDST\b", "dst"),
                               (r"--length 2048 --batch-size 1", "--length 64 --batch-size 1 --steps 2")],

@@ -109,3 +109,84 @@ def test_the_anchor_keeps_old_length_inputs_near_the_source(bart, corpus, tmp_pa
         return float(torch.nn.functional.kl_div(log_probs(path), source, log_target=True, reduction="batchmean"))
 
     assert 0 < kl(tmp_path / "anchored") < kl(tmp_path / "plain")
+
+
+@pytest.mark.parametrize("model_type", ["mbart", "plbart", "mvp", "blenderbot", "blenderbot-small", "bigbird_pegasus"])
+def test_every_bart_like_family_finetunes_at_twice_its_length(model_type, corpus, tmp_path):
+    """The families of the issue (and BigBird-Pegasus, probed): one step at 2x through the API, and the output
+    loads in its own class with both stacks' tables at the new length."""
+    from tiny import SEQ2SEQ, bart as build
+
+    src = build(tmp_path / "src", OLD, model_type=model_type)
+    report = posextend.finetune(src, tmp_path / "out", [corpus], length=2 * OLD, steps=1, batch_size=2,
+                                eval_sequences=2, seed=0)
+    assert (report.objective, report.new_length) == ("seq2seq", 2 * OLD) and torch.isfinite(torch.tensor(report.losses)).all()
+    model = getattr(transformers, SEQ2SEQ[model_type][1]).from_pretrained(tmp_path / "out")
+    assert model.config.max_position_embeddings == 2 * OLD
+    rows = {model.get_encoder().embed_positions.weight.shape[0], model.get_decoder().embed_positions.weight.shape[0]}
+    assert rows == {2 * OLD + (2 if model_type in ("mbart", "plbart", "mvp") else 0)}
+
+
+@pytest.mark.parametrize("decoder_length", [None, 2 * OLD])
+def test_led_extends_its_encoder_and_its_decoder_only_when_asked(decoder_length, corpus, tmp_path):
+    """LED has a length per stack: the run's length sizes the encoder; decoder_length the decoder. With
+    new-rows, the old rows of both stay bit-identical and the new ones train."""
+    from tiny import bart as build
+
+    src = build(tmp_path / "src", OLD, model_type="led")
+    report = posextend.finetune(src, tmp_path / "out", [corpus], length=4 * OLD, decoder_length=decoder_length,
+                                train="new-rows", steps=2, batch_size=2, eval_sequences=2, seed=0)
+    model = transformers.LEDForConditionalGeneration.from_pretrained(tmp_path / "out")
+    before = transformers.LEDForConditionalGeneration.from_pretrained(src)
+    decoder = decoder_length or OLD
+    assert (model.config.max_encoder_position_embeddings, model.config.max_decoder_position_embeddings) == (4 * OLD, decoder)
+    for stack, rows in ((model.led.encoder, 4 * OLD), (model.led.decoder, decoder)):
+        table = stack.embed_positions.weight
+        old = getattr(before.led, "encoder" if stack is model.led.encoder else "decoder").embed_positions.weight
+        assert table.shape[0] == rows and torch.equal(table[:OLD], old)
+        assert rows == OLD or not torch.equal(table[OLD : 2 * OLD], old)  # tiled, then trained
+    assert f"of {decoder} trained" in report.notes[0]
+
+
+def test_decoder_length_is_refused_where_both_stacks_share_one_length(bart, corpus, tmp_path):
+    r = CliRunner().invoke(app, ["finetune", str(bart), str(tmp_path / "out"), "--data", str(corpus), "--length",
+                                 str(2 * OLD), "--decoder-length", str(2 * OLD), "--steps", "1"])
+    assert r.exit_code == 1 and "no decoder with a length of its own" in r.output and "--length N sizes" in r.output
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.fixture()
+def pairs(corpus, tmp_path):
+    """Lead-sentence summaries: each paragraph of the corpus and its first sentence, as JSON Lines."""
+    import re
+
+    paragraphs = [" ".join(p.split()) for p in re.split(r"\n\s*\n", corpus.read_text()) if len(p) > 300]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps({"source": p, "target": re.split(r"(?<=[.!?])\s", p)[0][:300]}) + "\n"
+                            for p in paragraphs[:40]))
+    return path
+
+
+def test_supervised_pairs_train_and_are_scored_by_source_length(bart, pairs, tmp_path):
+    r = CliRunner().invoke(app, ["finetune", str(bart), str(tmp_path / "out"), "--data", str(pairs), "--length",
+                                 str(2 * OLD), "--steps", "2", "--batch-size", "2"])
+    assert r.exit_code == 0, r.output
+    saved = json.loads((tmp_path / "out" / "posextend_eval.json").read_text())
+    after = saved["after"]
+    assert after["metric"] == "target perplexity by source length" and after["tokens"] > 0
+    lengths = [min(len(transformers.AutoTokenizer.from_pretrained(bart)(json.loads(line)["source"])["input_ids"]), 2 * OLD)
+               for line in pairs.read_text().splitlines()]
+    scored = [b for b in after["buckets"] if b["tokens"]]
+    assert all(any(b["start"] <= n - 1 < b["end"] for n in lengths) for b in scored)  # binned where sources end
+    model = transformers.BartForConditionalGeneration.from_pretrained(tmp_path / "out")
+    assert model.config.max_position_embeddings == 2 * OLD
+
+
+def test_pairs_and_plain_text_are_not_mixed(bart, pairs, corpus, tmp_path):
+    r = CliRunner().invoke(app, ["finetune", str(bart), str(tmp_path / "out"), "--data", str(pairs), "--data",
+                                 str(corpus), "--steps", "1"])
+    assert r.exit_code == 1 and "holds source/target pairs but" in r.output
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text(pairs.read_text().splitlines()[0] + "\n" + json.dumps({"source": "only a source"}) + "\n")
+    with pytest.raises(posextend.DataError, match="broken.jsonl:2 .*'source' and 'target'"):
+        posextend.finetune(bart, tmp_path / "out", [broken], steps=1)

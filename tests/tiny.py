@@ -153,16 +153,34 @@ def copy_tree(src: Path, dst: Path) -> Path:
     return dst
 
 
-def bart(path: Path, positions: int = 64, seed: int = 0) -> Path:
-    """A tiny BART for training at ``path``: the real GPT-2 BPE with BART's special tokens (``<mask>``
-    included) and a vocabulary that holds them, ``positions`` positions."""
+# Encoder-decoders with a generation head, each with its length fields (LED has one per stack).
+SEQ2SEQ = {
+    "bart": ("BartConfig", "BartForConditionalGeneration", ("max_position_embeddings",)),
+    "mbart": ("MBartConfig", "MBartForConditionalGeneration", ("max_position_embeddings",)),
+    "plbart": ("PLBartConfig", "PLBartForConditionalGeneration", ("max_position_embeddings",)),
+    "mvp": ("MvpConfig", "MvpForConditionalGeneration", ("max_position_embeddings",)),
+    "blenderbot": ("BlenderbotConfig", "BlenderbotForConditionalGeneration", ("max_position_embeddings",)),
+    "blenderbot-small": ("BlenderbotSmallConfig", "BlenderbotSmallForConditionalGeneration", ("max_position_embeddings",)),
+    "bigbird_pegasus": ("BigBirdPegasusConfig", "BigBirdPegasusForConditionalGeneration", ("max_position_embeddings",)),
+    "led": ("LEDConfig", "LEDForConditionalGeneration",
+            ("max_encoder_position_embeddings", "max_decoder_position_embeddings")),
+}
+
+
+def bart(path: Path, positions: int = 64, seed: int = 0, model_type: str = "bart") -> Path:
+    """A tiny encoder-decoder of ``model_type`` (:data:`SEQ2SEQ`, BART by default) for training at ``path``:
+    the real GPT-2 BPE with BART's special tokens (``<mask>`` included) and a vocabulary that holds them,
+    ``positions`` positions in each stack."""
+    config_name, model_name, lengths = SEQ2SEQ[model_type]
     tok = transformers.BartTokenizerFast.from_pretrained(_gpt2_files(), model_max_length=positions)
-    config = transformers.BartConfig(
+    extra = {"attention_type": "original_full"} if model_type == "bigbird_pegasus" else (
+        {"attention_window": [16]} if model_type == "led" else {})
+    config = getattr(transformers, config_name)(
         vocab_size=len(tok), d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
-        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=positions,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, **dict.fromkeys(lengths, positions),
         pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-        decoder_start_token_id=tok.eos_token_id, forced_eos_token_id=tok.eos_token_id)
+        decoder_start_token_id=tok.eos_token_id, forced_eos_token_id=tok.eos_token_id, **extra)
     torch.manual_seed(seed)
-    transformers.BartForConditionalGeneration(config).save_pretrained(path)
+    getattr(transformers, model_name)(config).save_pretrained(path)
     tok.save_pretrained(path)
     return path
