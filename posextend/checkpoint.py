@@ -419,18 +419,9 @@ def resize_checkpoint(
     with _opened(src) as (directory, config, reader, shapes):
         plans = plan_resize(config, shapes, new_length=new_length, image_size=image_size, strategy=strategy,
                             params=params, table=table, allow_shrink=allow_shrink)
-        for plan in plans:
-            if plan.spec.covered_by == "probed":
-                log.info("No spec for model type %r: observed on a twin: %s", plan.spec.model_type, ", ".join(plan.spec.tables))
         check_destination(directory, dst, overwrite=overwrite)
-        if st_max_seq_length is not None and (new_length is None or not 0 < st_max_seq_length <= new_length):
-            raise InvalidLengthError(
-                f"The sentence-transformers max_seq_length must be between 1 and the new length {new_length}, "
-                f"got {st_max_seq_length}."
-            )
+        _check_request(reader, plans, new_length, st_max_seq_length)
         seed = secrets.randbits(63) if seed is None else seed
-        for plan in plans:
-            _check_source_tables(reader, plan.layout)
         changed = {name: made for plan in plans for name, made in _changed_tensors(reader, config, plan, seed).items()}
         report = _report(directory, dst, plans, config, seed)
         with atomic_output(dst, overwrite=overwrite) as tmp:
@@ -448,6 +439,22 @@ def resize_checkpoint(
         log.info("Resized %s: %d -> %d positions (%s) in %.2fs", directory, report.old_length, report.new_length,
                  report.strategy, report.seconds)
         return report
+
+
+def _check_request(reader: CheckpointReader, plans: list[GroupPlan], new_length: int | None,
+                   st_max_seq_length: int | None) -> None:
+    """Refuse a sentence-transformers length beyond the new one, and source tables that are not as the
+    config says; log the families observed on a twin."""
+    for plan in plans:
+        if plan.spec.covered_by == "probed":
+            log.info("No spec for model type %r: observed on a twin: %s", plan.spec.model_type, ", ".join(plan.spec.tables))
+    if st_max_seq_length is not None and (new_length is None or not 0 < st_max_seq_length <= new_length):
+        raise InvalidLengthError(
+            f"The sentence-transformers max_seq_length must be between 1 and the new length {new_length}, "
+            f"got {st_max_seq_length}."
+        )
+    for plan in plans:
+        _check_source_tables(reader, plan.layout)
 
 
 def _changed_tensors(
@@ -555,51 +562,15 @@ def _write_weights(
     progress: Callable[[int, int], None] | None,
 ) -> None:
     """Write every tensor: those in ``changed`` (tables, buffers) with their new shape, the rest copied."""
-
-    def plan(entry: Entry) -> tuple[Entry, Source]:
-        """The output entry and how to make it (None: copy the source bytes)."""
-        name = entry.name
-        if name in changed:  # same dtype, new shape
-            shape, make = changed[name]
-            return dataclasses.replace(entry, shape=shape), make
-        if reader.format == "bin":
-            return entry, lambda: reader.get(name)
-        return entry, None
-
-    dropped = set(report.dropped)
     sources = dict(reader.by_file())
-    # Within a file, copied bytes come first and new tensors last (safetensors allows any order),
-    # so the copy runs while torch is still being imported.
-    plans = {
-        path: sorted((plan(e) for e in entries if e.name not in dropped), key=lambda item: callable(item[1]))
-        for path, entries in sources.items()
-    }
+    plans = _file_plans(reader, sources, changed, set(report.dropped))
     if any(callable(make) for items in plans.values() for _, make in items):
         prefetch_torch()  # a tensor is computed: import torch while the unchanged bytes are copied
     whole = {p: len(items) == len(sources[p]) and all(make is None for _, make in items) for p, items in plans.items()}
     total = sum(e.nbytes for items in plans.values() for e, _ in items)
-    done = 0
-    lock, cancelled = threading.Lock(), threading.Event()
-
-    def advance(n: int) -> None:  # called from the copying threads too
-        nonlocal done
-        if cancelled.is_set():
-            raise _Cancelled
-        with lock:
-            done += n
-            report.bytes_written = done
-            if progress:
-                progress(done, total)
-
+    advance = _Advance(report, total, progress)
     provenance = report.provenance()
-    weight_map: dict[str, str] = {}
-    out_names = {}
-    for number, (path, items) in enumerate(plans.items(), start=1):
-        if reader.format == "bin":
-            out_names[path] = SAFE_SINGLE if not reader.sharded else f"model-{number:05d}-of-{len(plans):05d}.safetensors"
-        else:
-            out_names[path] = path.name
-        weight_map.update({e.name: out_names[path] for e, _ in items})
+    out_names = _out_names(reader, plans)
     # Files without a changed tensor are copied whole (or linked) by a few threads, while this one
     # rewrites the others: the kernel's copy is CPU-bound (page cache to page cache), so copies
     # of several files at once use every core, and the rewrite meanwhile waits for torch's import.
@@ -616,13 +587,58 @@ def _write_weights(
             future.result()
             report.files_copied.append(out_names[path])
     except BaseException:
-        cancelled.set()  # the copying threads stop at their next chunk, before the output is removed
+        advance.cancelled.set()  # the copying threads stop at their next chunk, before the output is removed
         raise
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
     if reader.sharded:
+        weight_map = {e.name: out_names[path] for path, items in plans.items() for e, _ in items}
         index = {"metadata": {"total_size": total, **provenance}, "weight_map": dict(sorted(weight_map.items()))}
         (out_dir / SAFE_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _file_plans(reader: CheckpointReader, sources: Mapping[Path, list[Entry]],
+                changed: Mapping[str, tuple[tuple[int, ...], Source]], dropped: set[str]
+                ) -> dict[Path, list[tuple[Entry, Source]]]:
+    """Per source file, each kept tensor's output entry and how to make it (None: copy its bytes). Within
+    a file, copied bytes come first and new tensors last (safetensors allows any order), so the copy runs
+    while torch is still being imported."""
+
+    def plan(entry: Entry) -> tuple[Entry, Source]:
+        if entry.name in changed:  # same dtype, new shape
+            shape, make = changed[entry.name]
+            return dataclasses.replace(entry, shape=shape), make
+        if reader.format == "bin":
+            return entry, lambda: reader.get(entry.name)
+        return entry, None
+
+    return {path: sorted((plan(e) for e in entries if e.name not in dropped), key=lambda item: callable(item[1]))
+            for path, entries in sources.items()}
+
+
+def _out_names(reader: CheckpointReader, plans: Mapping[Path, list]) -> dict[Path, str]:
+    """The output file of each source file: its own name, or safetensors names for a ``.bin`` checkpoint."""
+    if reader.format != "bin":
+        return {path: path.name for path in plans}
+    return {path: SAFE_SINGLE if not reader.sharded else f"model-{number:05d}-of-{len(plans):05d}.safetensors"
+            for number, path in enumerate(plans, start=1)}
+
+
+class _Advance:
+    """The writer's progress callback, called from the copying threads too: counts the bytes written into
+    the report and ``progress``; raises once ``cancelled`` is set, so a copy stops at its next chunk."""
+
+    def __init__(self, report: ResizeReport, total: int, progress: Callable[[int, int], None] | None):
+        self.report, self.total, self.progress = report, total, progress
+        self.lock, self.cancelled = threading.Lock(), threading.Event()
+
+    def __call__(self, n: int) -> None:
+        if self.cancelled.is_set():
+            raise _Cancelled
+        with self.lock:
+            self.report.bytes_written += n
+            if self.progress:
+                self.progress(self.report.bytes_written, self.total)
 
 
 def processor_config(data: Mapping[str, Any], old: ImageSize, new: ImageSize,

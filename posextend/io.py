@@ -426,58 +426,85 @@ def write_safetensors(
     ranges, those bytes (they must add up to the entry's size); otherwise ``source()`` is
     called when the tensor's turn comes and must return that dtype and shape.
     """
+    blob = _header(items, metadata)
+    with open(path, "wb") as out, _RangeCopier(out, progress) as copier:
+        out.write(struct.pack("<Q", len(blob)) + blob)
+        for entry, make in items:
+            if callable(make):
+                copier.flush()
+                _write_tensor(out, entry, make(), progress)
+                continue
+            pieces = ((entry.file, entry.start, entry.end),) if make is None else make
+            if sum(end - start for _, start, end in pieces) != entry.nbytes:
+                raise RuntimeError(f"{entry.name}: byte ranges do not add up to {entry.nbytes} bytes")
+            for piece in pieces:
+                copier.add(*piece)
+
+
+def _header(items: list[tuple[Entry, Source]], metadata: Mapping[str, str]) -> bytes:
+    """The safetensors header of ``items`` in order, padded to 8 bytes."""
     header: dict[str, object] = {"__metadata__": dict(metadata)} if metadata else {}
     offset = 0
     for entry, _ in items:
         header[entry.name] = {"dtype": entry.dtype, "shape": list(entry.shape), "data_offsets": [offset, offset + entry.nbytes]}
         offset += entry.nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)
-    source: tuple[Path, int] | None = None  # keep one source file open at a time
-    run: tuple[Path, int, int] | None = None  # adjacent source bytes, copied in one go
+    return blob + b" " * (-len(blob) % 8)
 
-    def flush_run(out) -> None:
-        nonlocal source, run
-        if run is None:
+
+def _write_tensor(out, entry: Entry, tensor, progress: Progress | None) -> None:
+    """A computed tensor's bytes, after checking it has the dtype and shape its entry declares."""
+    import torch
+
+    if dtype_code(tensor.dtype) != entry.dtype or tuple(tensor.shape) != entry.shape:
+        raise RuntimeError(f"{entry.name}: produced {tensor.dtype} {tuple(tensor.shape)}, declared {entry.dtype} {entry.shape}")
+    data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+    out.write(memoryview(data.numpy()))
+    if progress:
+        progress(data.numel())
+
+
+class _RangeCopier:
+    """Copies source byte ranges into ``out``, joining adjacent ones into one copy and keeping one source
+    file open at a time."""
+
+    def __init__(self, out, progress: Progress | None):
+        self.out, self.progress = out, progress
+        self.source: tuple[Path, int] | None = None  # the open source file
+        self.run: tuple[Path, int, int] | None = None  # adjacent source bytes, not copied yet
+
+    def add(self, file: Path, start: int, end: int) -> None:
+        if self.run is not None and self.run[0] == file and self.run[2] == start:
+            self.run = (file, self.run[1], end)
             return
-        path, start, end = run
-        if source is None or source[0] != path:
-            if source is not None:
-                os.close(source[1])
+        self.flush()
+        self.run = (file, start, end)
+
+    def flush(self) -> None:
+        if self.run is None:
+            return
+        path, start, end = self.run
+        if self.source is None or self.source[0] != path:
+            self._close()
             with reading(path):
-                source = (path, os.open(path, os.O_RDONLY))
-        _copy_range(source[1], out, start, end - start, progress, path)
-        run = None
+                self.source = (path, os.open(path, os.O_RDONLY))
+        _copy_range(self.source[1], self.out, start, end - start, self.progress, path)
+        self.run = None
 
-    try:
-        with open(path, "wb") as out:
-            out.write(struct.pack("<Q", len(blob)) + blob)
-            for entry, make in items:
-                if not callable(make):
-                    pieces = ((entry.file, entry.start, entry.end),) if make is None else make
-                    if sum(end - start for _, start, end in pieces) != entry.nbytes:
-                        raise RuntimeError(f"{entry.name}: byte ranges do not add up to {entry.nbytes} bytes")
-                    for file, start, end in pieces:
-                        if run is not None and run[0] == file and run[2] == start:
-                            run = (file, run[1], end)
-                        else:
-                            flush_run(out)
-                            run = (file, start, end)
-                    continue
-                flush_run(out)
-                tensor = make()
-                if dtype_code(tensor.dtype) != entry.dtype or tuple(tensor.shape) != entry.shape:
-                    raise RuntimeError(f"{entry.name}: produced {tensor.dtype} {tuple(tensor.shape)}, declared {entry.dtype} {entry.shape}")
-                import torch
+    def _close(self) -> None:
+        if self.source is not None:
+            os.close(self.source[1])
+            self.source = None
 
-                data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-                out.write(memoryview(data.numpy()))
-                if progress:
-                    progress(data.numel())
-            flush_run(out)
-    finally:
-        if source is not None:
-            os.close(source[1])
+    def __enter__(self) -> _RangeCopier:
+        return self
+
+    def __exit__(self, kind, *_) -> None:
+        try:
+            if kind is None:
+                self.flush()
+        finally:
+            self._close()
 
 
 # --------------------------------------------------------------------- atomic output

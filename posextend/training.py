@@ -444,24 +444,32 @@ def finetune(
                                                  fail_at_step=fail_at_step)
     after = run.evaluate()
     run.accelerator.wait_for_everyone()
-    report = FinetuneReport(
-        dst=str(dst.resolve()), train=config.train, objective=run.objective.name, steps=config.steps,
-        old_length=run.old_length, new_length=run.length, lr=config.lr,
-        batch_size=config.batch_size, grad_accum=config.grad_accum, tokens=tokens, seconds=seconds,
-        tokens_per_second=tokens / max(seconds, 1e-9), losses=losses,
-        eval_losses=([(0, before.loss)] if before else []) + eval_losses + [(config.steps, after.loss)],
-        before=before, after=after, processes=run.accelerator.num_processes,
-        main_process=run.accelerator.is_main_process, strategy=config.strategy if run.extended else None,
-        anchor=chosen.anchor or 0.0, schedule=config.schedule,
-        anchor_source=str(run.reference.path) if run.reference.path else None, anchor_note=run.reference.note,
-        notes=chosen.notes(run),
-    )
+    report = _report(run, dst, (before, after), (losses, eval_losses), tokens, seconds)
     state_dict = run.accelerator.get_state_dict(run.model)  # every process takes part (sharded weights)
     if run.accelerator.is_main_process:
         _save(run, dst, report, directory, loaded, state_dict)
         shutil.rmtree(run.state_dir, ignore_errors=True)
     run.accelerator.wait_for_everyone()
     return report
+
+
+def _report(run: _Run, dst: Path, evaluations: tuple[EvalReport | None, EvalReport],
+            losses: tuple[list[float], list[tuple[int, float]]], tokens: int, seconds: float) -> FinetuneReport:
+    """The fine-tune's report: its options, throughput, losses (held-out ones at steps 0 and the last
+    included) and the before/after evaluations."""
+    (before, after), (train_losses, eval_losses), config = evaluations, losses, run.config
+    return FinetuneReport(
+        dst=str(dst.resolve()), train=config.train, objective=run.objective.name, steps=config.steps,
+        old_length=run.old_length, new_length=run.length, lr=config.lr,
+        batch_size=config.batch_size, grad_accum=config.grad_accum, tokens=tokens, seconds=seconds,
+        tokens_per_second=tokens / max(seconds, 1e-9), losses=train_losses,
+        eval_losses=([(0, before.loss)] if before else []) + eval_losses + [(config.steps, after.loss)],
+        before=before, after=after, processes=run.accelerator.num_processes,
+        main_process=run.accelerator.is_main_process, strategy=config.strategy if run.extended else None,
+        anchor=run.objective.anchor or 0.0, schedule=config.schedule,
+        anchor_source=str(run.reference.path) if run.reference.path else None, anchor_note=run.reference.note,
+        notes=run.objective.notes(run),
+    )
 
 
 def _save(run: _Run, dst: Path, report: FinetuneReport, src: Path, loaded: Loaded,
