@@ -577,7 +577,9 @@ def run_pixels(model: nn.Module, tables: list[str], image_size: tuple[int, int],
         if isinstance(out, torch.Tensor):
             return out
         named = [getattr(out, k, None) for k in ("last_hidden_state", "logits")]  # else the first tensor (FLAVA)
-        return next(v for v in [*named, *(out.values() if hasattr(out, "values") else out)] if isinstance(v, torch.Tensor))
+        values = [v[0] if isinstance(v, (tuple, list)) and v else v  # MGP-STR's logits: one tensor per head
+                  for v in [*named, *(out.values() if hasattr(out, "values") else out)]]
+        return next(v for v in values if isinstance(v, torch.Tensor))
     raise RuntimeError("; ".join(failures[-3:]) or "no module around the table takes pixel_values")
 
 
