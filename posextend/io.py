@@ -441,6 +441,21 @@ def write_safetensors(
                 copier.add(*piece)
 
 
+def add_metadata(directory: Path, metadata: Mapping[str, str]) -> None:
+    """Add ``metadata`` (posextend's provenance) to every safetensors file and index under ``directory``,
+    where a model saved by other code (``save_pretrained``) left none: each file is rewritten through
+    :func:`write_safetensors`, its bytes copied, then renamed over the old one."""
+    for path in sorted(directory.rglob("*.safetensors")):
+        entries, old = read_header(path)
+        rewritten = path.with_suffix(".posextend-tmp")
+        write_safetensors(rewritten, [(e, None) for e in entries], {**old, **metadata})
+        rewritten.replace(path)
+    for path in sorted(directory.rglob(SAFE_INDEX)):
+        index = json.loads(path.read_text())
+        index["metadata"] = {**index.get("metadata", {}), **metadata}
+        path.write_text(json.dumps(index, indent=2) + "\n")
+
+
 def _header(items: list[tuple[Entry, Source]], metadata: Mapping[str, str]) -> bytes:
     """The safetensors header of ``items`` in order, padded to 8 bytes."""
     header: dict[str, object] = {"__metadata__": dict(metadata)} if metadata else {}

@@ -33,7 +33,7 @@ from .checkpoint import check_destination, model_card, resolve_source
 from .context import RunContext
 from .errors import TrainingError
 from .evaluation import EvalReport
-from .io import atomic_output, output_errors, read_header, write_file, write_safetensors
+from .io import add_metadata, atomic_output, output_errors, write_file
 from .loading import AnchorSource, Loaded, anchor_source, provenance
 from .objectives import Objective, default_objective, get_objective
 from .options import FinetuneConfig
@@ -494,11 +494,7 @@ def _save(run: _Run, dst: Path, report: FinetuneReport, src: Path, loaded: Loade
     }
     with atomic_output(dst, overwrite=overwrite) as tmp:
         run.objective.save(run, tmp, state_dict)
-        for f in sorted(tmp.glob("*.safetensors")):  # add provenance to each header
-            entries, metadata = read_header(f)
-            rewritten = f.with_suffix(".tmp")
-            write_safetensors(rewritten, [(e, None) for e in entries], {**metadata, **provenance})
-            rewritten.replace(f)
+        add_metadata(tmp, provenance)  # every header and index: the one a loader reads (sharded, ST subfolders)
         lines = [model_card(card, trained=True).rstrip(), "", "## Fine-tune", "",
                  f"- Trained: `{report.train}` for {report.steps} steps ({report.tokens} tokens, lr {report.lr})"]
         for label, ev in (("before", report.before), ("after", report.after)):
