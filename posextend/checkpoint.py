@@ -652,7 +652,12 @@ def processor_config(data: Mapping[str, Any], old: ImageSize, new: ImageSize,
     new (see :func:`with_counts`).
     """
     out = with_counts(data, counts or {})
-    for key in ("size", "crop_size"):
+    for key in ("mask_size", "mask_pad_size"):  # SAM's masks, a quarter of the image a side: they scale with it
+        if isinstance(out.get(key), Mapping):
+            scale = {"height": new[0] / old[0], "width": new[1] / old[1]}
+            out[key] = {k: round(v * scale.get(k, new[0] / old[0])) if type(v) is int else v
+                        for k, v in out[key].items()}
+    for key in ("size", "crop_size", "pad_size"):  # SAM pads every image to pad_size
         value = out.get(key)
         if isinstance(value, int) and not isinstance(value, bool):
             out[key] = round(value * new[0] / old[0]) if new[0] == new[1] else {"height": new[0], "width": new[1]}

@@ -144,7 +144,10 @@ def _value(old: Any, size: tuple[int, int]) -> Any:
 
 
 def _is_grid_table(old: tuple[int, ...], new: tuple[int, ...] | None, cells: int, new_cells: int) -> bool:
-    """``[1, rows, D]`` / ``[rows, D]`` whose rows are ``prefix + cells`` at both sizes, same prefix."""
+    """``[1, rows, D]`` / ``[rows, D]`` whose rows are ``prefix + cells`` at both sizes, same prefix; or
+    ``[1, H, W, D]`` (SAM's ``pos_embed``) whose ``H * W`` are the cells at both sizes."""
+    if new is not None and len(old) == len(new) == 4 and old[0] == new[0] == 1 and old[-1] == new[-1]:
+        return old[1] * old[2] == cells and new[1] * new[2] == new_cells
     if new is None or len(new) != len(old) or old[:-2] != new[:-2] or old[-1] != new[-1]:
         return False
     rows, new_rows = table_rows(old), table_rows(new)
@@ -170,16 +173,20 @@ def _observe_field(
         return None
     params = _param_names(config, cls)
     cells, up_cells = (h // ph) * (w // pw), (up[0] // ph) * (up[1] // pw)
-    tables, buffers, odd = [], [], []
+    tables, buffers, odd, relative = [], [], [], []
     for name, (old, new) in changed.items():
         if name in params and _is_grid_table(old, new, cells, up_cells):
             tables.append(name)
+        elif name in params and _is_relative_table(old, new, (h // ph, w // pw), (up[0] // ph, up[1] // pw)):
+            relative.append(name)  # a global-attention layer's rel_pos_h / rel_pos_w (windowed ones keep their size)
         elif name not in params and new is not None:
             buffers.append(name)
         else:
             odd.append(f"{name} {list(old)} -> {new and list(new)}")
     odd += [f"{n} (only at the larger size) {list(moved[n])}" for n in added]
     grid_text = f"prefix rows + {h // ph}x{w // pw} patches"
+    if relative and not tables:
+        odd += [f"{n} {list(changed[n][0])} -> {list(changed[n][1])}" for n in relative]
     if not tables:
         if odd:
             raise UnsupportedArchitectureError(
@@ -194,7 +201,7 @@ def _observe_field(
             f"of {grid_text} (e.g. relative position tables, or a table whose prefix changes with the size); "
             "resizing the grid alone would leave it at the old size."
         )
-    rows = {shapes[t][-2] for t in tables}
+    rows = {table_rows(shapes[t]) for t in tables}
     if len(rows) != 1:
         raise UnsupportedArchitectureError(
             f"{model_type}: the grids {image_key} sizes have different rows ({sorted(rows)}) for one patch grid: "
@@ -205,11 +212,15 @@ def _observe_field(
     rules, derived = _buffer_rules(small, cls, image_key, old_value, up, buffers, saved, cells + prefix,
                                    up_cells + prefix, base, model_type)
     probe = _Probe(small, cls, image_key, (h, w), (ph, pw), tables, prefix, rules, source, model_type)
-    strategy, antialias, reference, square = probe.method(square)
+    probe.follow = _follow_fields(config, image_key, (h, w), (ph, pw))
+    probe.relative = _relative_tables(small, cls, image_key, (h, w), (ph, pw)) if relative else ()
+    strategy, antialias, reference, square = probe.method(square or bool(relative))
+    reference = _check_relative(probe, reference) if relative else reference
     if derived:
         log.debug("%s: buffers computed from the config follow %s: %s", model_type, image_key, derived)
     grid = GridSpec(image_key, patch_key, square=square, antialias=antialias, strategy=strategy, reference=reference,
-                    counts=_counts(config, cells, prefix))
+                    counts=_counts(config, cells, prefix), relative=tuple(_relative(r, base) for r in relative),
+                    follow=probe.follow)
     return ArchitectureSpec(
         model_type=model_type, prefix=base, tables=tuple(_relative(t, base) for t in tables),
         length_keys=(image_key,), reserved=prefix, buffers=tuple(BufferRule(_name_pattern(n, base), k, o)
@@ -217,6 +228,116 @@ def _observe_field(
         head="other", note="probed", group=group_name(image_key), grid=grid,
     )
 
+
+
+def _is_relative_table(old: tuple[int, ...], new: tuple[int, ...] | None, grid: tuple[int, int],
+                       up: tuple[int, int]) -> bool:
+    """``[2 * side - 1, D]`` at both sizes, for the grid's side (square: SAM's global ``rel_pos_h`` / ``_w``)."""
+    return (new is not None and len(old) == len(new) == 2 and old[1] == new[1] and grid[0] == grid[1]
+            and old[0] == 2 * grid[0] - 1 and new[0] == 2 * up[0] - 1)
+
+
+# Fields of other sub-configs that hold the image size or its grid's side (SAM's prompt encoder)
+_FOLLOW = (("image_size", "image"), ("image_embedding_size", "side"))
+
+
+def _follow_fields(config: Mapping[str, Any], image_key: str, size: tuple[int, int],
+                   patch: tuple[int, int]) -> tuple[tuple[str, str], ...]:
+    """``(field, kind)`` of the fields outside ``image_key``'s config named as an image size (holding ``size``)
+    or an image embedding size (holding the grid's side): they follow the image (checked on the twin)."""
+    side = (size[0] // patch[0], size[1] // patch[1])
+    found = []
+    for path, sub in twin.sub_configs(config):
+        for key, kind in _FOLLOW:
+            if path + key != image_key and key in sub and _pair(sub[key]) == (size if kind == "image" else side):
+                found.append((path + key, kind))
+    return tuple(found)
+
+
+def _relative_tables(small: dict[str, Any], cls: type, image_key: str, size: tuple[int, int],
+                     patch: tuple[int, int]) -> tuple[str, ...]:
+    """The relative-position tables of the tiny twin ``small`` that follow ``image_key`` (its global layers)."""
+    grid = (size[0] // patch[0], size[1] // patch[1])
+    up = (size[0] + STEP * patch[0], size[1] + STEP * patch[1])
+    old = twin.meta_shapes(small, cls, saved=False)
+    new = _shapes_at(small, cls, image_key, _value(twin.get_path(small, image_key), up))
+    return tuple(n for n, s in old.items() if new.get(n) != s
+                 and _is_relative_table(s, new.get(n), grid, (up[0] // patch[0], up[1] // patch[1])))
+
+
+def _check_relative(probe: _Probe, reference: str) -> str:
+    """The relative tables' linear resizing, checked against the family's run time: at a larger size, a twin
+    holding the source's relative tables as they are (resampled on every forward) must compute what one holding
+    them resized computes, every hidden state within :data:`TOLERANCE`, where the tables move those states
+    (zeroing them changes them by more than a thousand times that). Returns the reference the spec reports."""
+    import torch
+
+    if not probe.relative:
+        raise UnsupportedArchitectureError(
+            f"{probe.model_type}: relative-position tables follow its image size, but a tiny twin holds none of "
+            "them, so their resizing cannot be checked against its run time.")
+    with torch.no_grad():  # SAM starts them at zeros, its twin's layers near zero: make every weight count
+        gen = torch.Generator().manual_seed(2)
+        for name, param in probe.source.named_parameters():
+            if name in probe.relative or (param.dim() > 1 and name not in probe.tables):
+                scale = 1.0 if name in probe.relative else param[0].numel() ** -0.5
+                param.copy_(torch.randn(param.shape, generator=gen) * scale)
+    # the innermost module around the grid that takes pixels (SAM's vision encoder: its states, not the masks)
+    path = next((p for p in reversed(twin._paths_around(probe.tables))
+                 if twin._accepts(probe.source.get_submodule(p) if p else probe.source, "pixel_values")), "")
+    size = probe.sizes(True)[0]  # the larger size (shrinking runs the same interpolation)
+    model = probe.resized(size, "bicubic", False)
+    got = _states(model, path, size, probe.channels)
+    want = _with_tables(model, {n: probe.state[n] for n in probe.relative}, path, size, probe.channels)
+    zeroed = _with_tables(model, {n: torch.zeros_like(probe.state[n]) for n in probe.relative}, path, size,
+                          probe.channels)
+    diff, moved = _largest_difference(got, want), _largest_difference(got, zeroed)
+    if not diff <= TOLERANCE or not moved > 1e3 * TOLERANCE:
+        raise UnsupportedArchitectureError(
+            f"{probe.model_type}: its relative-position tables {', '.join(probe.relative[:2])} resized linearly "
+            + (f"compute other values than its own run-time resampling at {size[0]}x{size[1]} (off by {diff:.2g})."
+               if not diff <= TOLERANCE else f"do not move a tiny twin's states ({moved:.2g}), so whether they "
+                                             "compute what its run-time resampling does is not observed."))
+    return f"{reference}; relative tables: run-time"
+
+
+def _with_tables(model: nn.Module, tables: Mapping[str, torch.Tensor], path: str, size: tuple[int, int],
+                 channels: int) -> list[torch.Tensor]:
+    """:func:`_states` of ``model`` holding ``tables`` (any shape) in place of its own, which are put back."""
+    import torch
+
+    kept = {}
+    for name, value in tables.items():
+        owner, _, attr = name.rpartition(".")
+        module = model.get_submodule(owner)
+        kept[name] = getattr(module, attr)
+        setattr(module, attr, torch.nn.Parameter(value.clone()))
+    try:
+        return _states(model, path, size, channels)
+    finally:
+        for name, value in kept.items():
+            owner, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(owner), attr, value)
+
+
+def _largest_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    if len(a) != len(b) or not a:
+        return float("inf")
+    return max(float((x - y).abs().max()) if x.shape == y.shape else float("inf") for x, y in zip(a, b))
+
+
+def _states(model: nn.Module, path: str, size: tuple[int, int], channels: int) -> list[torch.Tensor]:
+    """The main output and every hidden state of ``model``'s module ``path`` on one random image of ``size``."""
+    import torch
+
+    module = model.get_submodule(path) if path else model
+    pixels = torch.randn(1, channels, *size, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), twin._quiet():
+        try:
+            out = module(pixel_values=pixels, output_hidden_states=True)
+        except TypeError:  # a forward without the option
+            out = module(pixel_values=pixels)
+    return [_main(out), *(getattr(out, "hidden_states", None) or ())]
 
 
 def _counts(config: Mapping[str, Any], cells: int, prefix: int) -> tuple[tuple[str, int], ...]:
@@ -308,6 +429,9 @@ class _Probe:
     """The family's own resampling, observed: a tiny twin with distinct random rows, its run-time
     output at new sizes, and twins built at those sizes with the table resized by each candidate."""
 
+    relative: tuple[str, ...] = ()  # relative-position companions, resized linearly with the grid's side
+    follow: tuple[tuple[str, str], ...] = ()  # other config fields that follow the image (GridSpec.follow)
+
     def __init__(self, small: dict[str, Any], cls: type, image_key: str, size: tuple[int, int],
                  patch: tuple[int, int], tables: list[str], prefix: int, rules: list[tuple[str, str, int]],
                  source: nn.Module, model_type: str):
@@ -343,10 +467,15 @@ class _Probe:
         """A twin built at ``size`` holding the source's weights, its tables resized by the candidate."""
         from .strategies import resize_grid
 
+        from .strategies import resize_relative
+
         model = self.built.get(size)
         if model is None:
-            model = self.built[size] = twin.build(twin.set_path(self.small, self.image_key, _value(self.old_value, size)),
-                                                  cls=self.cls)
+            config = twin.set_path(self.small, self.image_key, _value(self.old_value, size))
+            for key, kind in self.follow:
+                config = twin.set_path(config, key, _value(twin.get_path(config, key), size if kind == "image" else
+                                                           self.grid(size)))
+            model = self.built[size] = twin.build(config, cls=self.cls)
         new_rows = self.prefix + self.grid(size)[0] * self.grid(size)[1]
         merged = {}
         for name, tensor in model.state_dict().items():
@@ -355,6 +484,8 @@ class _Probe:
             if name in self.tables:
                 merged[name] = resize_grid(old, self.grid(self.size), self.grid(size), strategy, reserved=self.prefix,
                                            params={"antialias": antialias})
+            elif name in self.relative:
+                merged[name] = resize_relative(old, tensor.shape[0])
             elif rule is not None:
                 merged[name] = BufferRule("", rule[1], rule[2]).rebuild(old, new_rows)
             else:

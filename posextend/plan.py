@@ -14,10 +14,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .errors import InvalidLengthError, StrategyError
+from .errors import InvalidLengthError, StrategyError, UnsupportedArchitectureError
 from .lookup import spec_for
 from .specs import ArchitectureSpec, Layout
-from .strategies import DEFAULTS, check_params, check_rank, get_strategy, resize_grid
+from .strategies import DEFAULTS, check_params, check_rank, get_strategy, resize_grid, resize_relative
 
 if TYPE_CHECKING:
     import torch
@@ -64,8 +64,23 @@ class GroupPlan:
         return self.new_usable + self.layout.reserved
 
     def table_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
-        """A table's written shape: ``[rows, D]`` or ``[1, rows, D]`` with the new rows."""
+        """A table's written shape: ``[rows, D]`` or ``[1, rows, D]`` with the new rows, ``[1, H, W, D]`` with the
+        new grid, or a relative-position companion's ``[2 * side - 1, D]`` with the new side."""
+        if len(shape) == 4:
+            return (1, *self.new_grid, shape[-1])
+        if self._is_relative(shape):
+            return (2 * self.new_grid[0] - 1, shape[-1])
         return (*shape[:-2], self.new_rows, shape[-1])
+
+    def _is_relative(self, shape: tuple[int, ...]) -> bool:
+        """Whether a table of ``shape`` is one of the layout's relative-position companions (told apart from the
+        grid's own tables by its rows; :meth:`ArchitectureSpec.locate` checked both)."""
+        if not self.layout.relative or len(shape) != 2 or shape[0] != 2 * self.layout.grid[0] - 1:
+            return False
+        if shape[0] == self.layout.usable + self.layout.reserved:
+            raise StrategyError(f"A {self.layout.grid[0]}x{self.layout.grid[1]} grid's table and its relative-position "
+                                "tables have the same rows: which is which is ambiguous; nothing was changed.")
+        return True
 
     def buffer_value(self, config: Mapping[str, Any]) -> int:
         """The value length-dependent buffers are rebuilt for (see :meth:`ArchitectureSpec.config_value`)."""
@@ -75,6 +90,10 @@ class GroupPlan:
         return self.spec.config_updates(config, self.target)
 
     def resize(self, table: torch.Tensor, *, seed: int | None, context: Mapping[str, Any]) -> torch.Tensor:
+        """``table`` resized: a grid's table by the plan's strategy, a relative-position companion linearly, as
+        the family resamples it at run time."""
+        if self._is_relative(tuple(table.shape)):
+            return resize_relative(table, 2 * self.new_grid[0] - 1)
         return resize_grid(table, self.layout.grid, self.new_grid, self.strategy, reserved=self.layout.reserved,
                            seed=seed, params=self.params, context=context)
 
@@ -116,6 +135,15 @@ def plan_resize(
             target = image_size_pair(image_size)
             new_grid = spec.grid.grid(config, target)
             _check_grid(new_grid, layout.grid, target, allow_shrink=allow_shrink)
+            if cls is not None and spec.grid.follow:  # in memory (only extend_model passes the model's class)
+                raise UnsupportedArchitectureError(
+                    f"{spec.model_type}: {', '.join(k for k, _ in spec.grid.follow)} follow the image size, and its "
+                    "modules copy them when built, which a model in memory keeps; save the model, resize the saved "
+                    "checkpoint and load that instead.")
+            if layout.relative and new_grid[0] != new_grid[1]:
+                raise InvalidLengthError(
+                    f"This model's relative-position tables follow a square grid: give one image size (e.g. "
+                    f"{target[0]}), not {target[0]}x{target[1]}.")
         default = spec.grid.strategy if rank == 2 and spec.grid.strategy else DEFAULTS[rank]
         name = strategy if strategy is not None and rank in get_strategy(strategy).ranks else default
         own = dict(params or {}) if name == strategy or strategy is None else {}

@@ -10,6 +10,7 @@ position ever uses directly (RoBERTa's padding rows, OPT/BART's offset of 2).
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -103,6 +104,7 @@ class Layout:
     usable: int
     grid: tuple[int, ...] = ()
     headed: bool = False  # the tables carry the base model's prefix (``mpnet.``); bare when False
+    relative: tuple[str, ...] = ()  # of ``tables``: relative-position companions of a grid (SAM's rel_pos_h/w)
 
     @property
     def kind(self) -> str:
@@ -131,6 +133,11 @@ class GridSpec:
       ``load-and-run`` (no run-time path: the resized twin loads and runs at the new size); ``""`` when written.
     - ``counts``: other config fields that count the image's patches, ``(field, extra)``: the field holds
       ``patches + extra`` (LLaVA's ``image_seq_length``) and follows the new grid.
+    - ``relative``: relative-position tables ``[2 * side - 1, head_dim]`` that follow the grid's side (SAM's
+      global-attention ``rel_pos_h`` / ``rel_pos_w``; names relative to the base model), resized linearly as the
+      family resamples them at run time (:func:`.strategies.resize_relative`); square grids only.
+    - ``follow``: other config fields that follow the image, ``(field, "image" | "side")``: the field holds the
+      image size (SAM's ``prompt_encoder_config.image_size``) or the grid's side (``image_embedding_size``).
     """
 
     image_key: str = "image_size"
@@ -140,6 +147,8 @@ class GridSpec:
     strategy: str | None = None
     reference: str = ""
     counts: tuple[tuple[str, int], ...] = ()
+    relative: tuple[str, ...] = ()
+    follow: tuple[tuple[str, str], ...] = ()
 
     def sizes(self, config: Mapping[str, Any]) -> tuple[tuple[int, int], tuple[int, int]]:
         """``((height, width), (patch_h, patch_w))`` from ``config``."""
@@ -170,12 +179,21 @@ class GridSpec:
         return h // ph, w // pw
 
     def config_updates(self, config: Mapping[str, Any], image_size: tuple[int, int]) -> dict[str, Any]:
-        """The image-size field for ``image_size``: an int when square and the field was an int."""
+        """The image-size field for ``image_size`` (an int when square and the field was an int), the counts
+        and the fields that follow the image or its grid's side, each in its own form."""
         h, w = image_size
-        old = get_path(config, self.image_key)
         (ph, pw) = self.sizes(config)[1]
         counts = {key: (h // ph) * (w // pw) + extra for key, extra in self.counts}
-        return {self.image_key: h if h == w and isinstance(old, int) else [h, w], **counts}
+        follow = {key: (h, w) if kind == "image" else (h // ph, w // pw) for key, kind in self.follow}
+        fields = {self.image_key: (h, w), **follow}
+        return {**{key: _same_form(get_path(config, key), v) for key, v in fields.items()}, **counts}
+
+
+def _same_form(old: Any, value: tuple[int, int]) -> int | list[int]:
+    """``value`` as an int when square and ``old`` was an int, else ``[height, width]``."""
+    return value[0] if value[0] == value[1] and isinstance(old, int) else [value[0], value[1]]
+
+
 
 
 def _missing_table(model_type: str, options: tuple[str, ...], names: frozenset[str] | set[str],
@@ -186,8 +204,10 @@ def _missing_table(model_type: str, options: tuple[str, ...], names: frozenset[s
 
     looked = " or ".join(repr(o) for o in options)
     tail = ".".join(options[0].split(".")[-2:])  # position_embeddings.weight
+    leaf = options[0].rpartition(".")[2]  # pos_embed: a table named by itself (not .weight), renamed around it
     near = sorted(n for n in names if n.endswith("." + tail))[:3] or difflib.get_close_matches(
-        options[0], sorted(names), n=3, cutoff=0.75)
+        options[0], sorted(names), n=3, cutoff=0.75) or (
+        sorted(n for n in names if n.endswith("." + leaf))[:3] if leaf not in ("weight", "bias") else [])
     if near:
         return (f"This {model_type} checkpoint has no position table {looked}; its nearest names are "
                 f"{', '.join(repr(n) for n in near)}. The file names its tensors otherwise than the model's modules "
@@ -224,9 +244,12 @@ def _pair(value: Any) -> tuple[int, int] | None:
 
 
 def table_rows(shape: tuple[int, ...]) -> int | None:
-    """The rows of a table stored as ``[rows, dim]`` or ``[1, rows, dim]`` (ViT's Parameter); else None."""
+    """The rows of a table stored as ``[rows, dim]``, ``[1, rows, dim]`` (ViT's Parameter) or ``[1, H, W, dim]``
+    (SAM's grid, ``H * W`` rows); else None."""
     if len(shape) == 2 or (len(shape) == 3 and shape[0] == 1):
         return shape[-2]
+    if len(shape) == 4 and shape[0] == 1:
+        return shape[1] * shape[2]
     return None
 
 
@@ -331,8 +354,9 @@ class ArchitectureSpec:
         tables = self.table_names(frozenset(shapes), config)
         reserved = self.reserved_rows(config)
         rows = self.usable_from_config(config) + reserved
+        grid = self.grid_shape(config)
         for name in tables:
-            if table_rows(shapes[name]) != rows:
+            if table_rows(shapes[name]) != rows or (len(shapes[name]) == 4 and tuple(shapes[name][1:3]) != grid):
                 source = (f"{self.grid.image_key}={get_path(config, self.grid.image_key)}, "
                           f"{self.grid.patch_key}={get_path(config, self.grid.patch_key)}" if self.grid
                           else f"{self.length_keys[0]}={self.config_length(config)}")
@@ -343,8 +367,31 @@ class ArchitectureSpec:
         buffers = tuple(n for n in sorted(shapes) if any(rule.matches(n) for rule in self.buffers))
         dropped = tuple(n for n in sorted(shapes) if any(re.search(p, n) for p in self.dropped))
         headed = bool(self.prefix) and tables[0].startswith(self.prefix + ".")
-        return Layout(tuple(tables), buffers, dropped, reserved=reserved, usable=rows - reserved,
-                      grid=self.grid_shape(config), headed=headed)
+        relative = self._relative_tables(shapes, grid)
+        return Layout((*tables, *relative), buffers, dropped, reserved=reserved, usable=rows - reserved,
+                      grid=grid, headed=headed, relative=relative)
+
+    def _relative_tables(self, shapes: Mapping[str, tuple[int, ...]], grid: tuple[int, ...]) -> tuple[str, ...]:
+        """The grid's relative-position companions among ``shapes``, each ``[2 * side - 1, dim]``."""
+        if not self.grid or not self.grid.relative:
+            return ()
+        spec = dataclasses.replace(self, tables=self.grid.relative, optional=())
+        names = tuple(spec.table_names(frozenset(shapes)))
+        if grid[0] != grid[1]:
+            raise CorruptCheckpointError(
+                f"This {self.model_type} checkpoint has a {grid[0]}x{grid[1]} grid with relative-position tables "
+                "that follow its side: only square grids are known; resize a square checkpoint.")
+        wrong = [f"{n} {list(shapes[n])}" for n in names if len(shapes[n]) != 2 or shapes[n][0] != 2 * grid[0] - 1]
+        if wrong:
+            raise CorruptCheckpointError(
+                f"{', '.join(wrong[:3])}: the config's {grid[0]}x{grid[1]} grid implies relative-position tables of "
+                f"{2 * grid[0] - 1} rows; the config and the weights disagree.")
+        return names
+
+    def is_relative(self, name: str) -> bool:
+        """Whether tensor ``name`` (bare, headed, or under a class's own prefix) is one of the grid's
+        relative-position companions."""
+        return bool(self.grid) and any(name == r or name.endswith("." + r) for r in self.grid.relative)
 
     def buffer_rule(self, name: str) -> BufferRule:
         return next(rule for rule in self.buffers if rule.matches(name))
@@ -396,12 +443,10 @@ def _seq2seq(model_type: str, offset: int) -> ArchitectureSpec:
     )
 
 
-def _vision(model_type: str, prefix: str, table: str, reserved: int, *, square: bool = False, group: str = "model",
-            config: str = "", buffers: tuple[BufferRule, ...] = (), antialias: bool = False,
-            strategy: str | None = None, optional: tuple[str, ...] = ()) -> ArchitectureSpec:
-    """An image-patch grid after ``reserved`` prefix tokens, sized by ``<config>image_size / patch_size``."""
-    grid = GridSpec(f"{config}image_size", f"{config}patch_size", square=square, antialias=antialias,
-                    strategy=strategy)
+def _vision(model_type: str, prefix: str, table: str, reserved: int, *, grid: GridSpec = GridSpec(),
+            group: str = "model", buffers: tuple[BufferRule, ...] = (),
+            optional: tuple[str, ...] = ()) -> ArchitectureSpec:
+    """An image-patch grid after ``reserved`` prefix tokens, sized by ``grid`` (``image_size / patch_size``)."""
     return ArchitectureSpec(model_type, prefix, (table,), length_keys=(grid.image_key,), reserved=reserved,
                             buffers=buffers, head="other", group=group, grid=grid, optional=optional)
 
@@ -411,8 +456,9 @@ def _vision_tower(model_type: str, reserved: int, *, group: str = "model", confi
     ``vision_model.`` (in a composite model; a bare tower saves its tensors without it)."""
     inner = "vision_model." if config else ""
     ids = BufferRule(rf"(^|\.){re.escape(inner)}embeddings\.position_ids$", "arange")
+    grid = GridSpec(f"{config}image_size", f"{config}patch_size", square=True)
     return _vision(model_type, "" if config else "vision_model", f"{inner}embeddings.position_embedding.weight",
-                   reserved, square=True, group=group, config=config, buffers=(ids,))
+                   reserved, grid=grid, group=group, buffers=(ids,))
 
 
 # Image-patch grids, one written spec per family (kept apart from the text families' SPECS).
@@ -424,15 +470,15 @@ GRID_SPECS: dict[str, ArchitectureSpec] = {
         _vision("vit_msn", "vit", "embeddings.position_embeddings", 1),
         _vision("deit", "deit", "embeddings.position_embeddings", 2),
         # DINOv2 interpolates whenever height != width: square only (registers follow the table, not in it)
-        _vision("dinov2", "dinov2", "embeddings.position_embeddings", 1, square=True),
+        _vision("dinov2", "dinov2", "embeddings.position_embeddings", 1, grid=GridSpec(square=True)),
         # ... and with registers, its run-time interpolation antialiases (plain DINOv2's does not)
-        _vision("dinov2_with_registers", "dinov2_with_registers", "embeddings.position_embeddings", 1, square=True,
-                antialias=True),
+        _vision("dinov2_with_registers", "dinov2_with_registers", "embeddings.position_embeddings", 1,
+                grid=GridSpec(square=True, antialias=True)),
         # MAE: a fixed 2-D sin-cos table, resampled as MAE's own fine-tuning code and transformers do;
         # the pre-training head's decoder holds a second grid of the same patches
         _vision("vit_mae", "vit", "embeddings.position_embeddings", 1, optional=("decoder.decoder_pos_embed",)),
         # DPT resamples its table to every input (bilinear, from a square grid): square only, bilinear
-        _vision("dpt", "dpt", "embeddings.position_embeddings", 1, square=True, strategy="bilinear"),
+        _vision("dpt", "dpt", "embeddings.position_embeddings", 1, grid=GridSpec(square=True, strategy="bilinear")),
         _vision_tower("clip_vision_model", 1),
         _vision_tower("siglip_vision_model", 0),
     ]

@@ -226,11 +226,12 @@ def resize_grid(
     params: Mapping[str, Any] | None = None,
     context: Mapping[str, Any] | None = None,
 ) -> torch.Tensor:
-    """Return ``table`` (``[rows, D]`` or ``[1, rows, D]``) with its usable rows, a ``grid``, resized
-    to ``new_grid``; the ``reserved`` leading rows (prefix tokens) are kept bit-exact.
+    """Return ``table`` (``[rows, D]``, ``[1, rows, D]`` or ``[1, H, W, D]``) with its usable rows, a ``grid``,
+    resized to ``new_grid``; the ``reserved`` leading rows (prefix tokens) are kept bit-exact.
 
     The usable rows are reshaped to the grid (row-major, as ViT flattens patches), given to the
     strategy in float32, checked (shape, finiteness), flattened back and cast to the table's dtype.
+    A ``[1, H, W, D]`` table (SAM's ``pos_embed``, no prefix tokens) is written in the same layout.
 
     Example::
 
@@ -238,8 +239,6 @@ def resize_grid(
         >>> resize_grid(t, (14, 14), (28, 28), "bicubic", reserved=1).shape
         torch.Size([1, 785, 768])
     """
-    import math
-
     import torch
 
     rank = len(grid)
@@ -249,22 +248,7 @@ def resize_grid(
     for key in CONTEXT_PARAMS:
         if key in strat.params and key not in params and context and context.get(key) is not None:
             params[key] = context[key]
-    lead = tuple(table.shape[:-2])
-    rows = table.shape[-2] if table.dim() >= 2 else 0
-    if table.dim() not in (2, 3) or any(d != 1 for d in lead) or rows != reserved + math.prod(grid) or len(new_grid) != rank:
-        raise StrategyError(
-            f"Expected a table of {reserved} reserved rows and a {'x'.join(map(str, grid))} grid "
-            f"([rows, dim] or [1, rows, dim]), got shape {tuple(table.shape)}; new grid {new_grid}."
-        )
-    if any(not isinstance(n, int) or n <= 0 for n in new_grid):
-        raise StrategyError(f"A new grid size must be positive integers, got {new_grid}.")
-    flat = table.reshape(rows, table.shape[-1])
-    bad = int((~torch.isfinite(flat.detach().float())).sum())
-    if bad:
-        raise CorruptCheckpointError(
-            f"The position table already holds {bad} NaN/Inf value(s) before resizing: the source model is "
-            "damaged (no strategy can repair it). Re-download or re-save it; nothing was changed."
-        )
+    flat = _grid_rows(table, grid, new_grid, reserved)
     generator = torch.Generator(device="cpu")
     generator.manual_seed(seed if seed is not None else torch.seed())
     dim = flat.shape[1]
@@ -282,7 +266,64 @@ def resize_grid(
         raise StrategyError(f"Strategy {strategy!r} produced non-finite values; the table was not changed.")
     out = out.reshape(-1, dim).to(device=table.device, dtype=table.dtype)
     out = torch.cat([flat[:reserved].detach(), out]) if reserved else out.contiguous()
-    return out.reshape(*lead, out.shape[0], dim)
+    if table.dim() == 4:  # [1, H, W, D]: the grid in place of the rows
+        return out.reshape(1, *new_grid, dim)
+    return out.reshape(*table.shape[:-2], out.shape[0], dim)
+
+
+def _grid_rows(table: torch.Tensor, grid: tuple[int, ...], new_grid: tuple[int, ...], reserved: int) -> torch.Tensor:
+    """``table``'s rows as ``[rows, D]``, once its shape is known to hold ``reserved`` rows and ``grid`` (a
+    ``[1, H, W, D]`` table: exactly the grid) and ``new_grid`` a grid of the same rank; its values finite."""
+    import math
+
+    import torch
+
+    four = table.dim() == 4 and table.shape[0] == 1 and tuple(table.shape[1:3]) == tuple(grid) and not reserved
+    lead = tuple(table.shape[:-2])
+    rows = table.shape[-2] if table.dim() in (2, 3) else math.prod(table.shape[1:3]) if four else 0
+    if not four and (table.dim() not in (2, 3) or any(d != 1 for d in lead)) or rows != reserved + math.prod(grid) \
+            or len(new_grid) != len(grid):
+        raise StrategyError(
+            f"Expected a table of {reserved} reserved rows and a {'x'.join(map(str, grid))} grid "
+            f"([rows, dim], [1, rows, dim] or [1, H, W, dim]), got shape {tuple(table.shape)}; new grid {new_grid}."
+        )
+    if any(not isinstance(n, int) or n <= 0 for n in new_grid):
+        raise StrategyError(f"A new grid size must be positive integers, got {new_grid}.")
+    flat = table.reshape(rows, table.shape[-1])
+    bad = int((~torch.isfinite(flat.detach().float())).sum())
+    if bad:
+        raise CorruptCheckpointError(
+            f"The position table already holds {bad} NaN/Inf value(s) before resizing: the source model is "
+            "damaged (no strategy can repair it). Re-download or re-save it; nothing was changed."
+        )
+    return flat
+
+
+def resize_relative(table: torch.Tensor, new_len: int) -> torch.Tensor:
+    """A relative-position table ``[2 * side - 1, head_dim]`` (SAM's ``rel_pos_h`` / ``rel_pos_w``) resampled to
+    ``new_len`` rows exactly as SAM's ``get_rel_pos`` resamples it at run time (linear, ``align_corners=False``,
+    no antialias), in float32 and cast back: a model holding the result computes what the source computes on
+    inputs of the new size.
+
+    Example::
+
+        >>> resize_relative(torch.randn(127, 64), 159).shape   # 64x64 patches -> 80x80
+        torch.Size([159, 64])
+    """
+    import torch
+    import torch.nn.functional as F
+
+    if table.dim() != 2 or table.shape[0] < 1 or not isinstance(new_len, int) or new_len < 1:
+        raise StrategyError(f"Expected a [rows, dim] relative-position table and a positive length, got shape "
+                            f"{tuple(table.shape)} and {new_len!r}.")
+    if not torch.isfinite(table.detach().float()).all():
+        raise CorruptCheckpointError("A relative-position table already holds NaN/Inf values: the source model is "
+                                     "damaged. Re-download or re-save it; nothing was changed.")
+    x = table.detach().to("cpu", torch.float32)
+    with torch.no_grad():
+        out = F.interpolate(x.reshape(1, x.shape[0], -1).transpose(1, 2), size=new_len, mode="linear")
+    out = out.reshape(-1, new_len).permute(1, 0)
+    return out.to(device=table.device, dtype=table.dtype).contiguous()
 
 
 # ---------------------------------------------------------------------------- built-ins

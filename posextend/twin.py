@@ -99,6 +99,7 @@ def shrink(config: Mapping[str, Any], *, widths: bool = True) -> dict[str, Any]:
         for name, value in list(out.items()):
             if isinstance(value, list) and len(value) == old and name not in ("architectures",):
                 out[name] = value[:TINY_LAYERS]
+        _keep_global_layers(out, config.get("global_attn_indexes"), old)
     if isinstance(out.get("vocab_size"), int) and out["vocab_size"] > TINY_VOCAB:
         out["vocab_size"] = max([TINY_VOCAB, *(i + 1 for i in _token_ids(out))])
     if not widths:
@@ -117,6 +118,16 @@ def shrink(config: Mapping[str, Any], *, widths: bool = True) -> dict[str, Any]:
         if isinstance(out.get(key), int) and out[key] > TINY_HEADS:
             out[key] = TINY_HEADS
     return out
+
+
+def _keep_global_layers(config: dict[str, Any], indexes: Any, old_layers: int) -> None:
+    """After cutting ``old_layers`` to :data:`TINY_LAYERS`: keep a global-attention layer (SAM's
+    ``global_attn_indexes`` of the original config; the others attend in windows) and, where the config had
+    one, a windowed layer, so a tiny twin still holds the tables each kind of layer sizes."""
+    if not isinstance(indexes, (list, tuple)) or not indexes or not all(isinstance(i, int) for i in indexes):
+        return
+    windowed = len(set(indexes) & set(range(old_layers))) < old_layers
+    config["global_attn_indexes"] = [TINY_LAYERS - 1] if windowed else list(range(TINY_LAYERS))
 
 
 # ----------------------------------------------------------------------------- building
