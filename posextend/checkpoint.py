@@ -31,7 +31,7 @@ from .io import (
 )
 from .lookup import all_specs, spec_for
 from .plan import GroupPlan, ImageSize, plan_resize
-from .specs import IMAGE_COUNT_FIELD, Layout, table_rows as rows_of
+from .specs import IMAGE_COUNT_FIELD, Layout, names_on_load, table_rows as rows_of
 from .strategies import get_strategy
 from .twin import get_path, layout_class, set_path
 
@@ -520,14 +520,29 @@ def _verify(out_dir: Path, plan: GroupPlan, reader: CheckpointReader) -> None:
     with CheckpointReader(out_dir) as written:
         names = frozenset(written.entries)
         # the twin is of the class the written names belong to; bare names of a headed-only family get its prefix
-        cls, add = layout_class(read_config(out_dir), names)
-        shapes = {add + n: e.shape for n, e in written.entries.items()}
-    source = {add + n: e.shape for n, e in reader.entries.items()}
-    tables = [add + t for t in plan.layout.tables]
+        config = read_config(out_dir)
+        cls, add = layout_class(config, names)
+        model_name = _model_names(names | frozenset(reader.entries), config, cls, add)
+        shapes = {model_name[n]: e.shape for n, e in written.entries.items()}
+    source = {model_name[n]: e.shape for n, e in reader.entries.items()}
+    tables = [model_name[t] for t in plan.layout.tables]
     if plan.spec.grid:
         verify_grid(out_dir, plan.spec, tables, shapes, source, plan.target, plan.new_rows, cls)
     else:
         verify(out_dir, plan.spec, tables, shapes, source, plan.new_usable, plan.layout.reserved, cls)
+
+
+def _model_names(names: frozenset[str], config: Mapping[str, Any], cls: type | None, add: str) -> dict[str, str]:
+    """Each file name under the name a twin of ``cls`` gives its tensor: ``add`` before it, or the name
+    transformers' own conversion mapping loads it as, where the family renames on loading."""
+    from .twin import meta_shapes
+
+    out = {n: add + n for n in names}
+    renamed = names_on_load(names, config)
+    if renamed:
+        expected = meta_shapes(config, cls)
+        out.update({file: model for model, file in renamed.items() if model in expected})
+    return out
 
 
 COPY_THREADS = 4  # whole-file copies at once: the kernel's copy of a file runs on one core

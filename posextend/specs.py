@@ -11,6 +11,7 @@ position ever uses directly (RoBERTa's padding rows, OPT/BART's offset of 2).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -194,6 +195,45 @@ def _same_form(old: Any, value: tuple[int, int]) -> int | list[int]:
     return value[0] if value[0] == value[1] and isinstance(old, int) else [value[0], value[1]]
 
 
+def names_on_load(names: set[str] | frozenset[str], config: Mapping[str, Any]) -> dict[str, str]:
+    """``{name transformers loads it as: file name}`` for each of a file's tensors that the family's own
+    conversion mapping renames on loading (and back on saving: Step3p7's and Qianfan-OCR's vision towers),
+    with and without the base model's prefix; empty when it renames none."""
+    import json
+
+    rules = _conversion_rules(json.dumps(dict(config), sort_keys=True, default=str))
+    if not rules:
+        return {}
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    renamings = [r for r in rules[1] if isinstance(r, WeightRenaming)]
+    converters = [r for r in rules[1] if isinstance(r, WeightConverter)]
+    out: dict[str, str] = {}
+    for name in names:
+        new, converted = rename_source_key(name, renamings, converters)
+        if new != name and converted is None:  # renamed only: a converter splits or merges the tensor
+            out[new] = name
+            if rules[0] and new.startswith(rules[0] + "."):
+                out[new.removeprefix(rules[0] + ".")] = name
+    return out
+
+
+@functools.lru_cache(maxsize=16)
+def _conversion_rules(config_json: str) -> tuple[str, tuple] | None:
+    """The base model prefix and the weight conversions transformers applies when loading a model of this
+    config (observed on a meta twin); None when there are none or no twin builds."""
+    import json
+
+    from transformers.conversion_mapping import get_model_conversion_mapping
+
+    from .twin import build
+
+    try:
+        model = build(json.loads(config_json), device="meta")
+        rules = tuple(get_model_conversion_mapping(model))
+    except Exception:  # a foreign constructor: nothing is renamed that posextend can know
+        return None
+    return (model.base_model_prefix, rules) if rules else None
 
 
 def _missing_table(model_type: str, options: tuple[str, ...], names: frozenset[str] | set[str],
@@ -316,6 +356,9 @@ class ArchitectureSpec:
         for table in (*self.tables, *self.optional):
             options = (table, f"{self.prefix}.{table}") if self.prefix else (table,)
             candidates = [n for n in options if n in names]
+            if not candidates and config is not None:  # a file whose names transformers renames on loading
+                loaded = names_on_load(names, config)
+                candidates = [loaded[n] for n in options if n in loaded]
             if not candidates and table in self.optional:
                 continue
             if not candidates:
