@@ -521,8 +521,10 @@ def num_channels(config: Mapping[str, Any]) -> int:
 def absolute_position_tables(model: nn.Module) -> Iterator[tuple[str, torch.nn.Parameter]]:
     """``(name, parameter)`` of the parameters named for positions that could be absolute tables:
     an ``nn.Embedding``'s weight or a bare parameter, not a relative table (Swin's
-    ``relative_position_bias_table``, SAM's ``rel_pos_h``) and no layer's weight (a Linear named
-    ``..._pos_proj``, or sitting under ``post_attention_layernorm``)."""
+    ``relative_position_bias_table``, SAM's ``rel_pos_h``), no table of a box's coordinates (LayoutLM's and
+    UDOP's ``x_position_embeddings``, ``h_position_embeddings``: indexed by a bounding box's 0-1000 scale, not
+    by position) and no layer's weight (a Linear named ``..._pos_proj``, or sitting under
+    ``post_attention_layernorm``)."""
     from torch import nn
 
     layers = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.LayerNorm)
@@ -533,7 +535,8 @@ def absolute_position_tables(model: nn.Module) -> Iterator[tuple[str, torch.nn.P
             full = f"{module_name}.{name}" if module_name else name
             lowered = full.lower()
             if ("pos" in lowered or full.endswith("wpe.weight")) and not any(
-                    word in lowered for word in ("relative", "rel_pos", "bias")):
+                    word in lowered for word in ("relative", "rel_pos", "bias", "x_position", "y_position", "h_position",
+                                                 "w_position")):
                 yield full, p
 
 
