@@ -410,16 +410,17 @@ class ArchitectureSpec:
         buffers = tuple(n for n in sorted(shapes) if any(rule.matches(n) for rule in self.buffers))
         dropped = tuple(n for n in sorted(shapes) if any(re.search(p, n) for p in self.dropped))
         headed = bool(self.prefix) and tables[0].startswith(self.prefix + ".")
-        relative = self._relative_tables(shapes, grid)
+        relative = self._relative_tables(shapes, grid, config)
         return Layout((*tables, *relative), buffers, dropped, reserved=reserved, usable=rows - reserved,
                       grid=grid, headed=headed, relative=relative)
 
-    def _relative_tables(self, shapes: Mapping[str, tuple[int, ...]], grid: tuple[int, ...]) -> tuple[str, ...]:
+    def _relative_tables(self, shapes: Mapping[str, tuple[int, ...]], grid: tuple[int, ...],
+                         config: Mapping[str, Any]) -> tuple[str, ...]:
         """The grid's relative-position companions among ``shapes``, each ``[2 * side - 1, dim]``."""
         if not self.grid or not self.grid.relative:
             return ()
         spec = dataclasses.replace(self, tables=self.grid.relative, optional=())
-        names = tuple(spec.table_names(frozenset(shapes)))
+        names = tuple(spec.table_names(frozenset(shapes), config))
         if grid[0] != grid[1]:
             raise CorruptCheckpointError(
                 f"This {self.model_type} checkpoint has a {grid[0]}x{grid[1]} grid with relative-position tables "
