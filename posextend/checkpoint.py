@@ -30,7 +30,7 @@ from .io import (
     nonfinite_count, prefetch_torch, write_safetensors,
 )
 from .lookup import all_specs, spec_for
-from .plan import GroupPlan, ImageSize, plan_resize
+from .plan import GroupPlan, ImageSize, Request, plan_resize
 from .specs import IMAGE_COUNT_FIELD, Layout, names_on_load, table_rows as rows_of
 from .strategies import get_strategy
 from .twin import get_path, layout_class, set_path
@@ -417,8 +417,7 @@ def resize_checkpoint(
     start = time.perf_counter()
     dst = Path(dst).expanduser()
     with _opened(src) as (directory, config, reader, shapes):
-        plans = plan_resize(config, shapes, new_length=new_length, image_size=image_size, strategy=strategy,
-                            params=params, table=table, allow_shrink=allow_shrink)
+        plans = plan_resize(config, shapes, Request(new_length, image_size, strategy, params, table, allow_shrink))
         check_destination(directory, dst, overwrite=overwrite)
         _check_request(reader, plans, new_length, st_max_seq_length)
         seed = secrets.randbits(63) if seed is None else seed

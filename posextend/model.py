@@ -7,7 +7,7 @@ from typing import Any
 
 from torch import nn
 
-from .plan import plan_resize
+from .plan import Request, plan_resize
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +45,8 @@ def extend_model(
     """
     config = model.config.to_dict()
     shapes = {n: tuple(t.shape) for n, t in [*model.named_parameters(), *model.named_buffers()]}
-    plans = plan_resize(config, shapes, new_length=new_length, image_size=image_size, strategy=strategy,
-                        params=params, table=table, allow_shrink=allow_shrink, cls=type(model))
+    request = Request(new_length, image_size, strategy, params, table, allow_shrink)
+    plans = plan_resize(config, shapes, request, cls=type(model))
     # every new table is computed and checked before any is swapped in: a refusal changes nothing
     new_tables = {name: plan.resize(_tensor(model, name), seed=seed, context=config)
                   for plan in plans for name in plan.layout.tables}

@@ -98,60 +98,69 @@ class GroupPlan:
                            seed=seed, params=self.params, context=context)
 
 
-def plan_resize(
-    config: Mapping[str, Any],
-    shapes: Mapping[str, tuple[int, ...]],
-    *,
-    new_length: int | None = None,
-    image_size: int | ImageSize | None = None,
-    strategy: str | None = None,
-    params: Mapping[str, Any] | None = None,
-    table: str | None = None,
-    allow_shrink: bool = False,
-    cls: type | None = None,
-) -> list[GroupPlan]:
+@dataclass(frozen=True)
+class Request:
+    """What a resize asks for, as both doors take it: a new length and/or image size, the strategy and its
+    ``params``, the group of positions (``table``) in a model with several, and whether it may shrink."""
+
+    new_length: int | None = None
+    image_size: int | ImageSize | None = None
+    strategy: str | None = None
+    params: Mapping[str, Any] | None = None
+    table: str | None = None
+    allow_shrink: bool = False
+
+
+def plan_resize(config: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], request: Request, *,
+                cls: type | None = None) -> list[GroupPlan]:
     """The groups to resize (positions first, then the image grid), checked; nothing is computed yet.
 
-    ``strategy`` (with ``params``) applies to the groups whose grid rank it handles; the others
-    get their rank's default. ``table`` names the group of positions in a model with several
-    (``"decoder"``), or the grid's group when only an image size is given.
+    ``request.strategy`` (with its ``params``) applies to the groups whose grid rank it handles; the others
+    get their rank's default. ``request.table`` names the group of positions in a model with several
+    (``"decoder"``), or the grid's group when only an image size is given. ``cls``: the model's class, in memory.
     """
-    if new_length is None and image_size is None:
+    if request.new_length is None and request.image_size is None:
         raise InvalidLengthError("Give a new length (positions) or a new image size (image grids) to resize to.")
-    ranks = [r for r, v in ((1, new_length), (2, image_size)) if v is not None]
-    if params and strategy is None and len(ranks) > 1:
+    ranks = [r for r, v in ((1, request.new_length), (2, request.image_size)) if v is not None]
+    strategy = request.strategy
+    if request.params and strategy is None and len(ranks) > 1:
         raise StrategyError("Strategy parameters were given for a length and an image size: name the strategy they are for.")
     if strategy is not None and not any(r in get_strategy(strategy).ranks for r in ranks):
         check_rank(strategy, ranks[0])  # raises, naming the strategies that fit
     plans = []
     for rank in ranks:
-        spec = spec_for(config, cls=cls, table=table if rank == 1 or len(ranks) == 1 else None, rank=rank)
+        spec = spec_for(config, cls=cls, table=request.table if rank == 1 or len(ranks) == 1 else None, rank=rank)
         layout = spec.locate(shapes, config)
-        if rank == 1:
-            check_length(new_length, layout.usable, allow_shrink=allow_shrink)
-            target: int | ImageSize = new_length
-            new_grid: tuple[int, ...] = (new_length,)
-        else:
-            target = image_size_pair(image_size)
-            new_grid = spec.grid.grid(config, target)
-            _check_grid(new_grid, layout.grid, target, allow_shrink=allow_shrink)
-            if cls is not None and spec.grid.follow:  # in memory (only extend_model passes the model's class)
-                raise UnsupportedArchitectureError(
-                    f"{spec.model_type}: {', '.join(k for k, _ in spec.grid.follow)} follow the image size, and its "
-                    "modules copy them when built, which a model in memory keeps; save the model, resize the saved "
-                    "checkpoint and load that instead.")
-            if layout.relative and new_grid[0] != new_grid[1]:
-                raise InvalidLengthError(
-                    f"This model's relative-position tables follow a square grid: give one image size (e.g. "
-                    f"{target[0]}), not {target[0]}x{target[1]}.")
+        target, new_grid = _target(spec, layout, config, request, rank, in_memory=cls is not None)
         default = spec.grid.strategy if rank == 2 and spec.grid.strategy else DEFAULTS[rank]
         name = strategy if strategy is not None and rank in get_strategy(strategy).ranks else default
-        own = dict(params or {}) if name == strategy or strategy is None else {}
+        own = dict(request.params or {}) if name == strategy or strategy is None else {}
         if rank == 2 and spec.grid.antialias and "antialias" in get_strategy(name).params:
             own.setdefault("antialias", True)  # what the family's own run-time interpolation does
         check_params(name, own)
         plans.append(GroupPlan(spec, layout, new_grid, target, name, own))
     return plans
+
+
+def _target(spec: ArchitectureSpec, layout: Layout, config: Mapping[str, Any], request: Request, rank: int, *,
+            in_memory: bool) -> tuple[int | ImageSize, tuple[int, ...]]:
+    """The group's target (usable positions, or ``(height, width)`` pixels) and its new grid, checked."""
+    if rank == 1:
+        check_length(request.new_length, layout.usable, allow_shrink=request.allow_shrink)
+        return request.new_length, (request.new_length,)
+    target = image_size_pair(request.image_size)
+    new_grid = spec.grid.grid(config, target)
+    _check_grid(new_grid, layout.grid, target, allow_shrink=request.allow_shrink)
+    if in_memory and spec.grid.follow:
+        raise UnsupportedArchitectureError(
+            f"{spec.model_type}: {', '.join(k for k, _ in spec.grid.follow)} follow the image size, and its "
+            "modules copy them when built, which a model in memory keeps; save the model, resize the saved "
+            "checkpoint and load that instead.")
+    if layout.relative and new_grid[0] != new_grid[1]:
+        raise InvalidLengthError(
+            f"This model's relative-position tables follow a square grid: give one image size (e.g. "
+            f"{target[0]}), not {target[0]}x{target[1]}.")
+    return target, new_grid
 
 
 def _check_grid(new: tuple[int, ...], old: tuple[int, ...], size: ImageSize, *, allow_shrink: bool) -> None:
