@@ -8,7 +8,10 @@ twin at ``[h, w + 2p]`` shows whether non-square images are handled. Then the fa
 observed, not assumed: where the module around the table takes ``interpolate_pos_encoding``, a tiny
 twin's run-time output at new sizes must equal (within :data:`TOLERANCE`) that of a twin whose table
 was resized by exactly one of :data:`CANDIDATES`; a family without a run-time path must load and run
-with a resized table. Anything inconclusive is refused with the reason.
+with a resized table. Anything inconclusive is refused with the reason. A family that adapts one learned
+grid to each image on every forward (a tiny twin runs on two image sizes, fed pixels or patch sequences with
+their grid as Qwen-VL's ``grid_thw``, with one table that it uses) is refused with :class:`RunTimeGridError`:
+there is nothing on disk to resize.
 """
 
 from __future__ import annotations
@@ -17,11 +20,14 @@ import functools
 import json
 import logging
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from . import twin
 from .errors import RunTimeGridError, UnsupportedArchitectureError
-from .specs import IMAGE_COUNT_FIELD, ArchitectureSpec, BufferRule, GridSpec, _pair, table_rows
+from .specs import (
+    IMAGE_COUNT_FIELD, ArchitectureSpec, BufferRule, GridSpec, _pair, positions_kind_problem, table_rows,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -30,6 +36,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 STEP = 2  # patches added per side for the second twin
+PATCH_GRIDS = ((12, 12), (24, 24))  # patch grids of the two images a tower fed patch sequences gets
 TOLERANCE = 1e-5  # largest difference from the run-time interpolation a resized twin may show
 # (strategy, antialias): the resamplings a family's run-time interpolation is checked against
 CANDIDATES = (("bicubic", False), ("bicubic", True), ("bilinear", False), ("bilinear", True))
@@ -45,11 +52,12 @@ def image_fields(config: Mapping[str, Any]) -> list[tuple[str, str]]:
 def observe_grids(config: Mapping[str, Any], cls: type | None = None) -> tuple[ArchitectureSpec, ...]:
     """The specs of the image-patch grids of a family without a written grid spec, observed on twins.
 
-    Returns ``()`` at once for a config without an image and a patch size. Raises
-    :class:`UnsupportedArchitectureError` naming what was inconclusive when it has one but no grid
-    can be resized safely.
+    Returns ``()`` at once for a config without a patch size, and for one without an image size whose
+    twin shows no grid used at two image sizes. Raises :class:`RunTimeGridError` when the family adapts
+    its grid to each image on every forward, :class:`UnsupportedArchitectureError` naming what was
+    inconclusive when it has an image size but no grid can be resized safely.
     """
-    if not image_fields(config):
+    if not any("patch_size" in sub for _, sub in twin.sub_configs(config)):
         return ()
     name = f"{cls.__module__}.{cls.__qualname__}" if cls else None
     found = _cached(json.dumps(dict(config), sort_keys=True, default=str), name)
@@ -72,7 +80,6 @@ def _observe_grids(config_json: str, cls_name: str | None) -> tuple[Architecture
 
     config = json.loads(config_json)
     cls = twin._resolve(cls_name) or twin.model_class(config)
-    model_type = config.get("model_type", "?")
     base = twin.base_prefix(config, cls)
     specs, reasons, claimed = [], [], {}
     for image_key, patch_key in image_fields(config):
@@ -86,56 +93,165 @@ def _observe_grids(config_json: str, cls_name: str | None) -> tuple[Architecture
         claim(claimed, spec, image_key)
         specs.append(spec)
     if not specs:
-        adapted = None if reasons else _adapted_per_image(config, cls)
-        if adapted:
-            raise RunTimeGridError(
-                f"Model type {model_type!r} uses its learned position grid at any image size: {adapted}. It adapts "
-                "the grid to each image on every forward, so there is nothing on disk to resize; feed it larger "
-                "images instead (raise the image processor's size)."
-            )
-        why = "; ".join(reasons) if reasons else (
-            f"no image size ({', '.join(k for k, _ in image_fields(config))}) changes the rows of a learned table")
-        raise UnsupportedArchitectureError(
-            f"Model type {model_type!r} has no written grid spec, and its twin shows no image grid posextend can "
-            f"resize safely ({why})."
-        )
+        _refuse(config, cls, reasons)
     return tuple(specs)
 
 
-def _adapted_per_image(config: dict[str, Any], cls: type) -> str | None:
-    """What shows that the family uses one learned grid at any image size, or None: a tiny twin (image
-    and patch sizes kept) holds a table shaped as a grid that no image-size field sizes, runs on images of
-    its own size and of two patches more a side with finite outputs, and uses the table there (zeroing it
-    changes the output)."""
-    import torch
+def _refuse(config: dict[str, Any], cls: type, reasons: list[str]) -> None:
+    """No grid found to resize: raise :class:`RunTimeGridError` when the family adapts one to each image (for
+    grids refused for a reason of their own, seen through patch sequences only), else why no grid is resized;
+    return (nothing to say) for a config with a patch size but no image size and no adapted grid."""
+    model_type, failures = config.get("model_type", "?"), []
+    adapted = _adapted_per_image(config, cls, failures, pixels=not reasons)
+    if adapted:
+        raise RunTimeGridError(
+            f"Model type {model_type!r} uses {_rotary(config)}its learned position grid at any image size: "
+            f"{adapted}. It adapts the grid to each image on every forward, so there is nothing on disk to "
+            "resize; feed it larger images instead (raise the image processor's size)."
+        )
+    keys = [k for k, _ in image_fields(config)]
+    if not keys:
+        return
+    if not reasons:  # what else the twins showed: a table another field sizes, else why none ran on images
+        elsewhere = _sized_elsewhere(config, cls, keys)
+        reasons = [f"no image size ({', '.join(keys)}) changes the rows of a learned table",
+                   *([elsewhere] if elsewhere else failures[:1])]
+    why = "; ".join(reasons)
+    raise UnsupportedArchitectureError(
+        f"Model type {model_type!r} has no written grid spec, and its twin shows no image grid posextend can "
+        f"resize safely ({why})."
+    )
 
-    image_key, patch_key = image_fields(config)[0]
-    (h, w), (ph, pw) = GridSpec(image_key, patch_key).sizes(config)
-    sizes = [(h, w), (h + STEP * ph, w + STEP * pw)]
+
+def _sized_elsewhere(config: dict[str, Any], cls: type, image_keys: list[str]) -> str:
+    """What names a grid-shaped table that another length field sizes (Molmo2's ``num_position_embeddings``,
+    stated beside its ``image_size``), as meta twins with that field doubled show; ``""`` when none does."""
+    from .probe import length_fields
+
+    model = twin.build(config, device="meta", cls=cls)
+    grids = {n: tuple(p.shape) for n, p in twin.absolute_position_tables(model) if twin.is_grid_shape(tuple(p.shape))}
+    for key in (k for k in length_fields(config) if k not in image_keys):
+        try:
+            moved = twin.meta_shapes(twin.set_path(config, key, 2 * twin.get_path(config, key)), cls, saved=False)
+        except UnsupportedArchitectureError:
+            continue
+        name = next((n for n, shape in grids.items() if moved.get(n, shape) != shape), None)
+        if name is not None:
+            return (f"its table {name} {list(grids[name])} follows {key} instead, a field of its own beside the "
+                    "image size: posextend resizes a grid only where the image size sizes it")
+    return ""
+
+
+def grid_tables(config: Mapping[str, Any], cls: type | None = None) -> list[str]:
+    """The learned position tables shaped as an image grid (:func:`.twin.is_grid_shape`) that a meta twin of
+    ``config`` holds; none without a patch size, or when no twin builds."""
+    if not any("patch_size" in sub for _, sub in twin.sub_configs(config)):
+        return []
+    try:
+        model = twin.build(config, device="meta", cls=cls or twin.model_class(config))
+    except Exception:  # a foreign constructor, or no class: no grid to speak of
+        return []
+    return [n for n, p in twin.absolute_position_tables(model) if twin.is_grid_shape(tuple(p.shape))]
+
+
+def _rotary(config: Mapping[str, Any]) -> str:
+    """``"<rotary embeddings> for its attention positions (...) and "`` when the config or a sub-config's
+    positions are rotary (a RoPE language model or tower beside the grid), else ``""``."""
+    problem = next((p for _, sub in twin.sub_configs(config)
+                    if (p := positions_kind_problem(sub)) and "rotary" in p), None)
+    if problem is None:
+        return ""
+    return (f"{problem} for its attention positions, which posextend does not resize (for longer inputs, use its "
+            "own length scaling, e.g. rope_scaling), and ")
+
+
+def _adapted_per_image(config: dict[str, Any], cls: type, failures: list[str], *, pixels: bool = True) -> str | None:
+    """What shows that the family uses one learned grid at any image size, or None: a tiny twin (image
+    and patch sizes kept) holds a table shaped as a grid that no image-size field sizes, runs on two images
+    of different sizes with finite outputs (as pixels, or as patch sequences with their grid: Qwen-VL's
+    ``grid_thw``), and uses the table there (zeroing it changes the output). ``pixels=False``: patch
+    sequences only (a grid an image size sizes, refused for a reason of its own when fed pixels). Appends
+    to ``failures`` why a run failed."""
     for widths in (True, False):
         try:
             small = twin.shrink(config, widths=widths)
             model = twin.build(small, cls=cls)
-            params = dict(model.named_parameters())
-            tables = [n for n, p in twin.absolute_position_tables(model) if twin.is_grid_shape(tuple(p.shape))]
-            if not tables:
-                return None
-            channels = twin.num_channels(small)
-            outs = [twin.run_pixels(model, tables, size, channels, resampling=True) for size in sizes]
-            with torch.no_grad():
-                kept = params[tables[0]].detach().clone()
-                params[tables[0]].zero_()
-                zeroed = twin.run_pixels(model, tables, sizes[1], channels, resampling=True)
-                params[tables[0]].copy_(kept)
         except UnsupportedArchitectureError:
             return None
-        except Exception:  # a foreign forward: try a milder shrink
+        except Exception:  # a foreign constructor: try a milder shrink
             continue
-        if not all(torch.isfinite(o).all() for o in outs) or torch.equal(zeroed, outs[1]):
+        tables = [n for n, p in twin.absolute_position_tables(model) if twin.is_grid_shape(tuple(p.shape))]
+        if not tables:
             return None
-        return (f"a tiny twin ran on {sizes[0][0]}x{sizes[0][1]} and {sizes[1][0]}x{sizes[1][1]} images with one "
-                f"table {tables[0]} {list(params[tables[0]].shape)}, which no image-size field changes, and used it")
+        for runs in (_ImageRuns(small if pixels else {}, model, tables), _PatchRuns(model, tables)):
+            if not runs.sizes:
+                continue
+            try:
+                return _used_at_both(model, tables[0], runs)
+            except UnsupportedArchitectureError:
+                return None
+            except Exception as exc:  # a foreign forward: the other input form, or a milder shrink
+                failures.append(f"a tiny twin does not run on {runs.label()} ({str(exc)[:300]})")
     return None
+
+
+class _ImageRuns:
+    """Runs of a twin on images of its own size and of two patches more a side, as pixels."""
+
+    def __init__(self, small: dict[str, Any], model: nn.Module, tables: list[str]):
+        fields = image_fields(small)
+        self.model, self.tables, self.channels, self.sizes = model, tables, twin.num_channels(small), []
+        if fields:
+            (h, w), (ph, pw) = GridSpec(*fields[0]).sizes(small)
+            self.sizes = [(h, w), (h + STEP * ph, w + STEP * pw)]
+
+    def __call__(self, size: tuple[int, int]) -> torch.Tensor:
+        return twin.run_pixels(self.model, self.tables, size, self.channels, resampling=True)
+
+    def label(self) -> str:
+        (a, b), (c, d) = self.sizes
+        return f"{a}x{b} and {c}x{d} images"
+
+
+class _PatchRuns:
+    """Runs of a twin on two images given as patch sequences with their grids (:func:`.twin.run_patches`),
+    each in the module and layout the first one ran in."""
+
+    def __init__(self, model: nn.Module, tables: list[str]):
+        self.model, self.tables, self.sizes, self.where = model, tables, list(PATCH_GRIDS), None
+
+    def __call__(self, grid: tuple[int, int]) -> torch.Tensor:
+        out, self.where = twin.run_patches(self.model, self.tables, grid, self.where)
+        return out
+
+    def label(self) -> str:
+        (a, b), (c, d) = self.sizes
+        if self.where is None:
+            return f"images of {a}x{b} and {c}x{d} patches given as patch sequences with their grid"
+        module = self.where[0] or type(self.model).__name__
+        return f"images of {a}x{b} and {c}x{d} patches (given to {module} as patch sequences with their grid),"
+
+
+def _used_at_both(model: nn.Module, table: str, runs: _ImageRuns | _PatchRuns) -> str | None:
+    """What a twin showed when ``runs`` fed it both sizes with ``table`` made random, then zeroed at the
+    second; None when an output is not finite or zeroing changed nothing (the table is not used)."""
+    import torch
+
+    param = dict(model.named_parameters())[table]
+    with torch.no_grad():  # some families start their table at zeros: make it matter
+        param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(0)))
+    outs = [runs(size) for size in runs.sizes]
+    with torch.no_grad():
+        kept = param.detach().clone()
+        param.zero_()
+        try:
+            zeroed = runs(runs.sizes[1])
+        finally:
+            param.copy_(kept)
+    if not all(torch.isfinite(o).all() for o in outs) or torch.equal(zeroed, outs[1]):
+        return None
+    return (f"a tiny twin ran on {runs.label()} with one table {table} {list(param.shape)}, which no image-size "
+            "field changes, and used it")
 
 
 def _value(old: Any, size: tuple[int, int]) -> Any:
@@ -160,12 +276,9 @@ def _observe_field(
     """The spec of the grid ``image_key`` drives, or None when it drives no learned table."""
     from .probe import _name_pattern, _param_names, _relative, group_name
 
-    model_type = config.get("model_type", "?")
-    old_value = twin.get_path(config, image_key)
-    (h, w), (ph, pw) = GridSpec(image_key, patch_key).sizes(config)
-    up = (h + STEP * ph, w + STEP * pw)
-    shapes = twin.meta_shapes(config, cls, saved=False)
-    saved = twin.meta_shapes(config, cls)
+    facts = _Facts.of(config, cls, image_key, patch_key)
+    model_type, old_value, up, ((h, w), (ph, pw)) = facts.model_type, facts.old_value, facts.up, facts.sizes
+    shapes, saved = twin.meta_shapes(config, cls, saved=False), twin.meta_shapes(config, cls)
     moved = _shapes_at(config, cls, image_key, _value(old_value, up))
     changed = {n: (s, moved.get(n)) for n, s in shapes.items() if moved.get(n) != s}
     added = [n for n in moved if n not in shapes]
@@ -184,23 +297,11 @@ def _observe_field(
         else:
             odd.append(f"{name} {list(old)} -> {new and list(new)}")
     odd += [f"{n} (only at the larger size) {list(moved[n])}" for n in added]
-    grid_text = f"prefix rows + {h // ph}x{w // pw} patches"
     if relative and not tables:
         odd += [f"{n} {list(changed[n][0])} -> {list(changed[n][1])}" for n in relative]
+    _refuse_odd(facts, tables, odd)
     if not tables:
-        if odd:
-            raise UnsupportedArchitectureError(
-                f"{model_type}: {image_key} sizes {', '.join(odd[:3])}, but no learned table of {grid_text} "
-                f"(whose rows grow by {up_cells - cells} with two more patches a side); nothing posextend resizes "
-                "as a grid."
-            )
         return None  # only buffers follow the image size (a grid resampled on every forward, or none)
-    if odd:
-        raise UnsupportedArchitectureError(
-            f"{model_type}: {image_key} sizes the grid {tables[0]} and also {', '.join(odd[:3])}, which is no grid "
-            f"of {grid_text} (e.g. relative position tables, or a table whose prefix changes with the size); "
-            "resizing the grid alone would leave it at the old size."
-        )
     rows = {table_rows(shapes[t]) for t in tables}
     if len(rows) != 1:
         raise UnsupportedArchitectureError(
@@ -209,9 +310,8 @@ def _observe_field(
     prefix = rows.pop() - cells
     square = not _non_square_shapes(config, cls, image_key, (h, w), (ph, pw), tables, prefix)
     small, source = _tiny_twin(config, cls, tables, (h, w), model_type)
-    rules, derived = _buffer_rules(small, cls, image_key, old_value, up, buffers, saved, cells + prefix,
-                                   up_cells + prefix, base, model_type)
-    probe = _Probe(small, cls, image_key, (h, w), (ph, pw), tables, prefix, rules, source, model_type)
+    rules, derived = _buffer_rules(small, facts, buffers, saved, (cells + prefix, up_cells + prefix))
+    probe = _Probe(small, facts, tables, prefix, rules, source)
     probe.follow = _follow_fields(config, image_key, (h, w), (ph, pw))
     probe.relative = _relative_tables(small, cls, image_key, (h, w), (ph, pw)) if relative else ()
     strategy, antialias, reference, square = probe.method(square or bool(relative))
@@ -228,6 +328,47 @@ def _observe_field(
         head="other", note="probed", group=group_name(image_key), grid=grid,
     )
 
+
+
+@dataclass(frozen=True)
+class _Facts:
+    """What one image-size field of a config says: the family, its class, the field and its old value, the
+    image and patch sizes, and the larger image the second twin gets (two patches more a side)."""
+
+    model_type: str
+    cls: type
+    image_key: str
+    patch_key: str
+    old_value: Any
+    sizes: tuple[tuple[int, int], tuple[int, int]]
+    up: tuple[int, int]
+
+    @classmethod
+    def of(cls_, config: Mapping[str, Any], cls: type, image_key: str, patch_key: str) -> _Facts:
+        (h, w), (ph, pw) = sizes = GridSpec(image_key, patch_key).sizes(config)
+        return cls_(config.get("model_type", "?"), cls, image_key, patch_key, twin.get_path(config, image_key),
+                    sizes, (h + STEP * ph, w + STEP * pw))
+
+
+def _refuse_odd(facts: _Facts, tables: list[str], odd: list[str]) -> None:
+    """Refuse a field that sizes tensors that are no grid of its patches (``odd``): beside no grid table, or
+    beside the grid ``tables`` (resizing those alone would leave them at the old size)."""
+    if not odd:
+        return
+    (h, w), (ph, pw) = facts.sizes
+    cells, up_cells = (h // ph) * (w // pw), (facts.up[0] // ph) * (facts.up[1] // pw)
+    grid_text = f"prefix rows + {h // ph}x{w // pw} patches"
+    if not tables:
+        raise UnsupportedArchitectureError(
+            f"{facts.model_type}: {facts.image_key} sizes {', '.join(odd[:3])}, but no learned table of {grid_text} "
+            f"(whose rows grow by {up_cells - cells} with two more patches a side); nothing posextend resizes "
+            "as a grid."
+        )
+    raise UnsupportedArchitectureError(
+        f"{facts.model_type}: {facts.image_key} sizes the grid {tables[0]} and also {', '.join(odd[:3])}, which is "
+        f"no grid of {grid_text} (e.g. relative position tables, or a table whose prefix changes with the size); "
+        "resizing the grid alone would leave it at the old size."
+    )
 
 
 def _is_relative_table(old: tuple[int, ...], new: tuple[int, ...] | None, grid: tuple[int, int],
@@ -396,16 +537,18 @@ def _tiny_twin(config: dict[str, Any], cls: type, tables: list[str], size: tuple
 
 
 def _buffer_rules(
-    small: dict[str, Any], cls: type, image_key: str, old_value: Any, up: tuple[int, int], buffers: list[str],
-    saved: Mapping[str, Any], rows: int, up_rows: int, base: str, model_type: str,
+    small: dict[str, Any], facts: _Facts, buffers: list[str], saved: Mapping[str, Any], grid_rows: tuple[int, int],
 ) -> tuple[list[tuple[str, str, int]], list[str]]:
-    """``(name, kind, offset)`` for each buffer that follows the grid's rows (CLIP's ``position_ids``),
-    the one rule that reproduces a twin's; and the non-persistent buffers no rule rebuilds (computed from
-    the config at construction, as OWL-ViT's ``box_bias``: no file holds them)."""
+    """``(name, kind, offset)`` for each buffer that follows the grid's rows (CLIP's ``position_ids``; ``grid_rows``:
+    the table's rows at the field's size and at two patches more a side), the one rule that reproduces a twin's;
+    and the non-persistent buffers no rule rebuilds (computed from the config at construction, as OWL-ViT's
+    ``box_bias``: no file holds them)."""
     from .probe import _reproduces
 
     if not buffers:
         return [], []
+    cls, image_key, old_value, up, model_type = facts.cls, facts.image_key, facts.old_value, facts.up, facts.model_type
+    rows, up_rows = grid_rows
     a = dict(twin.build(small, cls=cls).named_buffers())
     b = dict(twin.build(twin.set_path(small, image_key, _value(old_value, up)), cls=cls).named_buffers())
     rules, derived = [], []
@@ -432,14 +575,13 @@ class _Probe:
     relative: tuple[str, ...] = ()  # relative-position companions, resized linearly with the grid's side
     follow: tuple[tuple[str, str], ...] = ()  # other config fields that follow the image (GridSpec.follow)
 
-    def __init__(self, small: dict[str, Any], cls: type, image_key: str, size: tuple[int, int],
-                 patch: tuple[int, int], tables: list[str], prefix: int, rules: list[tuple[str, str, int]],
-                 source: nn.Module, model_type: str):
+    def __init__(self, small: dict[str, Any], facts: _Facts, tables: list[str], prefix: int,
+                 rules: list[tuple[str, str, int]], source: nn.Module):
         import torch
 
-        self.small, self.cls, self.image_key, self.size, self.patch = small, cls, image_key, size, patch
-        self.tables, self.prefix, self.rules, self.model_type = tables, prefix, rules, model_type
-        self.old_value = twin.get_path(small, image_key)
+        self.small, self.cls, self.image_key, (self.size, self.patch) = small, facts.cls, facts.image_key, facts.sizes
+        self.tables, self.prefix, self.rules, self.model_type = tables, prefix, rules, facts.model_type
+        self.old_value = twin.get_path(small, facts.image_key)
         self.channels = twin.num_channels(small)
         self.source = source
         params = dict(source.named_parameters())

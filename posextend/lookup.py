@@ -24,16 +24,10 @@ def all_specs(config: Mapping[str, Any], *, cls: type | None = None) -> tuple[Ar
     """
     model_type = config.get("model_type")
     problem = positions_kind_problem(config)
+    if problem and "rotary" in problem:  # a rotary LM or tower may hold a learned image grid beside it
+        return _grids_beside(config, cls, problem)
     if problem:
-        advice = (
-            "use its own length scaling (e.g. rope_scaling) instead"
-            if "rotary" in problem
-            else "there is no learned table to extend"
-        )
-        raise NotLearnedPositionsError(
-            f"Model type {model_type!r} uses {problem}, not a learned absolute position "
-            f"table; posextend does not apply: {advice}."
-        )
+        raise NotLearnedPositionsError(_not_learned(config, problem))
     if model_type in SPECS:
         return (SPECS[model_type],)
     if model_type in GRID_SPECS:
@@ -51,6 +45,32 @@ def all_specs(config: Mapping[str, Any], *, cls: type | None = None) -> tuple[Ar
         raise grid_error or error
     groups = {s.group for s in specs}  # a grid named like a length of positions (both at the top): "image"
     return specs + tuple(replace(g, group="image") if g.group in groups else g for g in grids)
+
+
+def _not_learned(config: Mapping[str, Any], problem: str) -> str:
+    """Why posextend does not apply to positions that are ``problem`` (rotary, relative ...), and what to do."""
+    advice = "use its own length scaling (e.g. rope_scaling) instead" if "rotary" in problem else (
+        "there is no learned table to extend")
+    return (f"Model type {config.get('model_type')!r} uses {problem}, not a learned absolute position table; "
+            f"posextend does not apply: {advice}.")
+
+
+def _grids_beside(config: Mapping[str, Any], cls: type | None, problem: str) -> tuple[ArchitectureSpec, ...]:
+    """The learned image grids of a model whose other positions are ``problem`` (Phi-4-multimodal: a SigLIP
+    tower beside a rotary LM), observed; a grid it adapts to each image refused as such
+    (:class:`RunTimeGridError`, saying both); else refused for ``problem``, with why its grid (if any) cannot
+    be resized either."""
+    from .grid_probe import grid_tables
+
+    if not grid_tables(config, cls):  # no learned grid beside its rotary positions: nothing to observe
+        raise NotLearnedPositionsError(_not_learned(config, problem))
+    grids, error = _grids(config, cls)
+    if grids:
+        return grids
+    if isinstance(error, RunTimeGridError):
+        raise error
+    why = f" Its image grid cannot be resized either: {error}" if error else ""
+    raise NotLearnedPositionsError(_not_learned(config, problem) + why) from None
 
 
 def _grids(config: Mapping[str, Any], cls: type | None) -> tuple[tuple[ArchitectureSpec, ...], UnsupportedArchitectureError | None]:
@@ -85,6 +105,9 @@ def spec_for(
     every = all_specs(config, cls=cls)
     wanted = rank or (1 if any(s.rank == 1 for s in every) else 2)
     specs = tuple(s for s in every if s.rank == wanted or (rank is None and table is not None))
+    problem = positions_kind_problem(config)
+    if not specs and wanted == 1 and problem:  # its image grid is resizable, its other positions are not
+        raise NotLearnedPositionsError(_not_learned(config, problem))
     if not specs:
         what = "an image grid" if wanted == 2 else "a length of positions"
         if wanted == 2 and config.get("model_type") in RUN_TIME_GRIDS:

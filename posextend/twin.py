@@ -145,6 +145,8 @@ def config_object(config: Mapping[str, Any]):
             "know this model type; check config.json's model_type or upgrade transformers."
         )
     data = {k: v for k, v in config.items() if k != "model_type"}
+    decode = getattr(getattr(transformers, "PreTrainedConfig", None), "_decode_special_floats", None)
+    data = decode(data) if decode else data  # {"__float__": "Infinity"} as from_pretrained reads it (NemotronH)
     try:
         return AutoConfig.for_model(config.get("model_type", ""), **data)
     except (ValueError, KeyError, TypeError) as exc:
@@ -595,6 +597,113 @@ def run_pixels(model: nn.Module, tables: list[str], image_size: tuple[int, int],
                   for v in [*named, *(out.values() if hasattr(out, "values") else out)]]
         return next(v for v in values if isinstance(v, torch.Tensor))
     raise RuntimeError("; ".join(failures[-3:]) or "no module around the table takes pixel_values")
+
+
+# ----------------------------------------------------------------------------- patch sequences
+
+# What a tower's forward takes for an image of ``(h, w)`` patches, by parameter name: its grid as
+# ``[[t, h, w]]`` (Qwen-VL's grid_thw) or ``[[h, w]]``, and companions of the patch sequence.
+_GRID_THW = ("grid_thw", "image_grid_thw")
+_GRID_HW = ("image_grid_hw", "spatial_shapes", "target_sizes")
+# Config keys of one fact each: the pixels in a patch, its channels, frames per patch, patches merged a side.
+_PATCH_KEYS = ("patch_size",)
+_CHANNEL_KEYS = ("num_channels", "in_channels", "in_chans")
+_TEMPORAL_KEYS = ("temporal_patch_size", "patch_temporal")
+_MERGE_KEYS = ("spatial_merge_size", "merge_size", "merge_kernel_size")
+# How the patches of an image are laid out, as families take them: the shape for ``n`` patches of
+# ``c`` channels, ``t`` frames, ``p x q`` pixels, merged ``m`` a side; ``merged``: the grid counts merged tokens.
+PATCH_LAYOUTS = {
+    "flat": (lambda n, c, t, p, q, m: (n, c * t * p * q), False),  # Qwen-VL, GLM-4V: [patches, c*t*p*q]
+    "sequence": (lambda n, c, t, p, q, m: (1, n, c, p, q), False),  # PaddleOCR-VL: [1, patches, c, p, q]
+    "strip": (lambda n, c, t, p, q, m: (1, c, p, n * q), False),  # MiniCPM-V: patches side by side
+    "patches": (lambda n, c, t, p, q, m: (n, c, p, q), False),  # Kimi: [patches, c, p, q]
+    "tokens": (lambda n, c, t, p, q, m: (1, n, c * p * q), False),  # SigLIP2 (NaFlex): [1, patches, c*p*q]
+    "merged": (lambda n, c, t, p, q, m: (n // (m * m), m * p, m * q, c), True),  # one crop per merged token
+}
+
+
+def _config_value(config: Any, keys: tuple[str, ...], default: Any) -> Any:
+    """The first of ``keys`` a config object holds (not None), else ``default``."""
+    return next((v for k in keys if (v := getattr(config, k, None)) is not None), default)
+
+
+def patch_inputs(module: nn.Module, config: Any, grid: tuple[int, int], layout: str) -> dict[str, Any] | None:
+    """Keyword arguments that give ``module`` one random image of ``grid`` patches as a patch sequence in
+    ``layout`` (see :data:`PATCH_LAYOUTS`) with its grid; None when its forward takes no grid."""
+    import torch
+
+    params = inspect.signature(module.forward).parameters
+    if not any(k in params for k in (*_GRID_THW, *_GRID_HW, "pixel_position_ids")):
+        return None
+    p, q = _pair_of(_config_value(config, _PATCH_KEYS, 14))
+    merge = _pair_of(_config_value(config, _MERGE_KEYS, 1))[0]
+    shape, merged = PATCH_LAYOUTS[layout]
+    n = grid[0] * grid[1]
+    channels, frames = _config_value(config, _CHANNEL_KEYS, 3), _config_value(config, _TEMPORAL_KEYS, 1)
+    pixels = torch.randn(*shape(n, channels, frames, p, q, merge), generator=torch.Generator().manual_seed(0))
+    h, w = (grid[0] // merge, grid[1] // merge) if merged else grid
+    first = next(iter(params))
+    kwargs: dict[str, Any] = {"pixel_values" if "pixel_values" in params else first: pixels}
+    rows, cols = torch.meshgrid(torch.arange(grid[0]), torch.arange(grid[1]), indexing="ij")
+    companions = {
+        **{k: torch.tensor([[1, h, w]]) for k in _GRID_THW}, **{k: torch.tensor([[h, w]]) for k in _GRID_HW},
+        "pixel_attention_mask": torch.ones(1, n, dtype=torch.bool),
+        "pixel_position_ids": torch.stack([cols.flatten(), rows.flatten()], -1)[None],  # (x, y) of each patch
+        "padding_positions": torch.zeros(1, n, dtype=torch.bool),
+    }
+    kwargs.update({k: v for k, v in companions.items() if k in params})
+    return kwargs
+
+
+def _pair_of(value: Any) -> tuple[int, int]:
+    return (value[0], value[1]) if isinstance(value, (list, tuple)) else (value, value)
+
+
+def _config_around(model: nn.Module, path: str) -> Any:
+    """The config of the innermost module on ``path`` that holds one (the model's, at least)."""
+    parts = path.split(".") if path else []
+    for i in range(len(parts), 0, -1):
+        config = getattr(model.get_submodule(".".join(parts[:i])), "config", None)
+        if config is not None and not isinstance(config, Mapping):
+            return config
+    return model.config
+
+
+def run_patches(model: nn.Module, tables: list[str], grid: tuple[int, int],
+                where: tuple[str, str] | None = None) -> tuple[torch.Tensor, tuple[str, str]]:
+    """Run the outermost module around ``tables`` whose forward takes a patch sequence and its grid
+    (Qwen-VL's ``grid_thw``, SigLIP2's ``spatial_shapes`` ...) on one random image of ``grid`` patches, in
+    the first of :data:`PATCH_LAYOUTS` it runs on; ``where``: that ``(module, layout)`` only.
+
+    Returns the main output and ``(module, layout)``. Raises ``RuntimeError`` when none runs.
+    """
+    import torch
+
+    failures = []
+    for path in [where[0]] if where else _paths_around(tables):
+        module = model.get_submodule(path) if path else model
+        for layout in [where[1]] if where else PATCH_LAYOUTS:
+            kwargs = patch_inputs(module, _config_around(model, path), grid, layout)
+            if kwargs is None:
+                break
+            try:
+                with torch.no_grad(), _quiet():
+                    out = module(**kwargs)
+            except Exception as exc:  # another layout, or a module that needs more (input_ids): try the next
+                failures.append(f"{path or type(model).__name__} ({layout}): {_first_line(exc)}")
+                continue
+            return _main_tensor(out), (path, layout)
+    raise RuntimeError("; ".join(failures[-3:]) or "no module around the table takes a patch grid")
+
+
+def _main_tensor(out: Any) -> torch.Tensor:
+    """The main tensor of a forward's output: itself, its last hidden state or logits, else the first."""
+    import torch
+
+    if isinstance(out, torch.Tensor):
+        return out
+    named = [getattr(out, k, None) for k in ("last_hidden_state", "logits")]
+    return next(v for v in [*named, *(out.values() if hasattr(out, "values") else out)] if isinstance(v, torch.Tensor))
 
 
 def _paths_around(tables: list[str]) -> list[str]:

@@ -178,10 +178,10 @@ def test_bare_and_headed_files_match(tmp_path):
 
 
 def test_refusals_name_the_reason():
-    sam = transformers.SamConfig().to_dict()
-    sam["architectures"] = ["SamModel"]
-    with pytest.raises(posextend.PosExtendError, match="pos_embed .* no learned table of prefix rows"):
-        observe_grids(twin.shrink(sam))
+    """Hiera's table grows with the image, but not as prefix rows + the patch grid (its stride is not its patch)."""
+    hiera = transformers.HieraConfig().to_dict() | {"model_type": "hiera", "architectures": ["HieraModel"]}
+    with pytest.raises(posextend.PosExtendError, match="position_embeddings .* no learned table of prefix rows"):
+        observe_grids(twin.shrink(hiera))
     owl = tiny_config("owlvit", transformers.OwlViTModel)
     assert [s.group for s in all_specs(owl)] == ["text", "vision"]
 
@@ -304,9 +304,9 @@ def test_a_grid_used_at_any_image_size_is_refused_as_adapted_per_image(tmp_path,
 
 
 def test_a_grid_the_image_size_sizes_is_not_taken_for_an_adapted_one():
-    """SAM's ViT sizes its [1, H, W, D] grid by image_size and runs at that size only: the old refusal stands."""
+    """SAM's ViT sizes its [1, H, W, D] grid by image_size and runs at that size only: a grid to resize (its
+    image size sizes it), never one adapted per image, although its twin would also run at another size."""
     sam = twin.shrink(transformers.SamVisionConfig().to_dict() | {"model_type": "sam_vision_model",
                                                                   "architectures": ["SamVisionModel"]})
-    with pytest.raises(posextend.PosExtendError) as caught:
-        observe_grids(sam)
-    assert not isinstance(caught.value, posextend.RunTimeGridError) and "no learned table of prefix rows" in str(caught.value)
+    (spec,) = observe_grids(sam)
+    assert spec.tables == ("vision_encoder.pos_embed",) and spec.grid.image_key == "image_size"
