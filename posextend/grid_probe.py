@@ -530,6 +530,11 @@ def _tiny_twin(config: dict[str, Any], cls: type, tables: list[str], size: tuple
             failures.append(twin._first_line(exc) if not isinstance(exc, RuntimeError) else str(exc)[:300])
             continue
         return small, model
+    if isinstance(config.get("num_frames"), int):  # TimeSformer, ViViT: the forward takes frames
+        raise UnsupportedArchitectureError(
+            f"{model_type}: a video model (its config has num_frames={config['num_frames']}; the forward takes "
+            f"frames of images), whose grid {tables[0]} posextend does not resize: 3-D video grids are not "
+            "supported; feed it larger frames if its own code resamples its positions.")
     raise UnsupportedArchitectureError(
         f"{model_type}: a tiny twin does not run on an image of its own size {size[0]}x{size[1]} "
         f"({failures[-1] if failures else 'no twin'}), so the grid {tables[0]} cannot be checked."

@@ -129,3 +129,11 @@ def test_configs_with_infinite_floats_build_as_transformers_reads_them():
     config = transformers.AutoConfig.for_model("nemotron_h").to_dict() | {"model_type": "nemotron_h"}
     config["time_step_limit"] = [0.0, {"__float__": "Infinity"}]
     assert twin.config_object(config).time_step_limit[1] == float("inf")
+
+
+def test_a_video_model_is_refused_as_such():
+    """TimeSformer's grid sits beside its frames (pixel_values of [batch, frames, channels, H, W]): refused as a
+    video model, not as a twin that fails to run."""
+    config, cls = _config("timesformer")
+    with pytest.raises(posextend.PosExtendError, match="a video model .*num_frames=8.* 3-D video grids"):
+        all_specs(config, cls=cls)
