@@ -478,7 +478,7 @@ def _states(model: nn.Module, path: str, size: tuple[int, int], channels: int) -
             out = module(pixel_values=pixels, output_hidden_states=True)
         except TypeError:  # a forward without the option
             out = module(pixel_values=pixels)
-    return [_main(out), *(getattr(out, "hidden_states", None) or ())]
+    return [twin.main_tensor(out), *(getattr(out, "hidden_states", None) or ())]
 
 
 def _counts(config: Mapping[str, Any], cells: int, prefix: int) -> tuple[tuple[str, int], ...]:
@@ -739,21 +739,7 @@ class _Probe:
         torch.manual_seed(0)  # families that draw (ViT-MAE's patch order) draw the same
         with torch.no_grad(), twin._quiet():
             out = module(pixel_values=pixels, **kwargs)
-        return _main(out)
-
-
-def _main(out: Any) -> torch.Tensor:
-    """The main tensor of a forward's output: itself, its last hidden state or logits, else the first."""
-    import torch
-
-    if isinstance(out, torch.Tensor):
-        return out
-    for key in ("last_hidden_state", "logits", "image_embeds"):
-        value = getattr(out, key, None)
-        if isinstance(value, torch.Tensor):
-            return value
-    values = out.values() if hasattr(out, "values") else out
-    return next(v for v in values if isinstance(v, torch.Tensor))
+        return twin.main_tensor(out)
 
 
 def _label(candidate: tuple[str, bool]) -> str:

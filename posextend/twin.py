@@ -590,12 +590,7 @@ def run_pixels(model: nn.Module, tables: list[str], image_size: tuple[int, int],
             continue
         if Resampling.calls and not resampling:
             raise RuntimeError(f"{path or type(model).__name__} resamples its positions at its own image size")
-        if isinstance(out, torch.Tensor):
-            return out
-        named = [getattr(out, k, None) for k in ("last_hidden_state", "logits")]  # else the first tensor (FLAVA)
-        values = [v[0] if isinstance(v, (tuple, list)) and v else v  # MGP-STR's logits: one tensor per head
-                  for v in [*named, *(out.values() if hasattr(out, "values") else out)]]
-        return next(v for v in values if isinstance(v, torch.Tensor))
+        return main_tensor(out)
     raise RuntimeError("; ".join(failures[-3:]) or "no module around the table takes pixel_values")
 
 
@@ -692,18 +687,21 @@ def run_patches(model: nn.Module, tables: list[str], grid: tuple[int, int],
             except Exception as exc:  # another layout, or a module that needs more (input_ids): try the next
                 failures.append(f"{path or type(model).__name__} ({layout}): {_first_line(exc)}")
                 continue
-            return _main_tensor(out), (path, layout)
+            return main_tensor(out), (path, layout)
     raise RuntimeError("; ".join(failures[-3:]) or "no module around the table takes a patch grid")
 
 
-def _main_tensor(out: Any) -> torch.Tensor:
-    """The main tensor of a forward's output: itself, its last hidden state or logits, else the first."""
+def main_tensor(out: Any) -> torch.Tensor:
+    """The main tensor of a forward's output: itself, its last hidden state, logits or image embeddings, else
+    the first tensor (FLAVA); of a tuple of tensors (MGP-STR's logits, one per head), the first."""
     import torch
 
     if isinstance(out, torch.Tensor):
         return out
-    named = [getattr(out, k, None) for k in ("last_hidden_state", "logits")]
-    return next(v for v in [*named, *(out.values() if hasattr(out, "values") else out)] if isinstance(v, torch.Tensor))
+    named = [getattr(out, k, None) for k in ("last_hidden_state", "logits", "image_embeds")]
+    values = [v[0] if isinstance(v, (tuple, list)) and v else v
+              for v in [*named, *(out.values() if hasattr(out, "values") else out)]]
+    return next(v for v in values if isinstance(v, torch.Tensor))
 
 
 def _paths_around(tables: list[str]) -> list[str]:
