@@ -82,3 +82,30 @@ def test_the_seq2seq_objective_is_one_file_found_through_its_entry_point():
 
     package = Path(objectives.__file__).parent
     assert not [p.name for p in package.glob("*.py") if p.name != "seq2seq.py" and "seq2seq import" in p.read_text()]
+
+
+def test_an_objective_from_outside_the_package_runs_through_the_cli(gpt, corpus, tmp_path, monkeypatch):
+    """A plug-in objective (its own metric) installed by entry point: `finetune --objective NAME` trains with it
+    prints its metric in the before/after table and writes the plot, and `eval --objective NAME` scores with it."""
+    from typer.testing import CliRunner
+
+    from posextend.cli import app
+
+    monkeypatch.setattr(objectives._REGISTRY, "items", dict(objectives._REGISTRY.items))
+    monkeypatch.setattr(objectives._REGISTRY, "plugins_loaded", False)
+    _install_plugin(tmp_path, monkeypatch, "posextend.objectives", (
+        "import dataclasses\n"
+        "from posextend.objectives import CausalLM, register_objective\n"
+        "@register_objective('causal-renamed', description='The causal objective with its own metric (a test).')\n"
+        "class Renamed(CausalLM):\n"
+        "    def evaluate(self, run):\n"
+        "        return dataclasses.replace(super().evaluate(run), metric='renamed perplexity')\n"))
+    runner = CliRunner()
+    r = runner.invoke(app, ["finetune", str(gpt), str(tmp_path / "out"), "--data", str(corpus), "--steps", "2",
+                            "--batch-size", "2", "--objective", "causal-renamed", "--plot", str(tmp_path / "p.png")])
+    assert r.exit_code == 0, r.output
+    assert "renamed perplexity" in r.output and "(causal-renamed, all, 2 steps" in r.output
+    assert (tmp_path / "p.png").stat().st_size > 1000
+    r = runner.invoke(app, ["eval", str(tmp_path / "out"), "--data", str(corpus), "--objective", "causal-renamed",
+                            "--max-sequences", "2"])
+    assert r.exit_code == 0 and "renamed perplexity" in r.output, r.output
