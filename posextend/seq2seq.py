@@ -223,6 +223,14 @@ class GapSentences(Objective):
         longest = run.cache.get("longest_target")
         if not longest:
             return []
+        if run.short_inputs_fixed and run.decoder_length is not None:  # new rows only, a decoder of its own length
+            return [f"decoder: its targets are at most {longest} tokens; only its rows from its old length to "
+                    f"{longest - 1}, if any, trained (new rows only)"]
+        if run.short_inputs_fixed:  # new rows only, both stacks of one length
+            old = run.old_length
+            trained = "none of its new rows" if longest <= old else f"only rows {old}-{longest - 1} of its new rows"
+            return [f"decoder: its targets are at most {longest} tokens, so {trained} ({old}-{run.length - 1}) "
+                    "trained; the rest of its table is as extended"]
         return [f"decoder: positions 0-{longest - 1} of {run.decoder_length or run.length} trained (its targets are at "
                 f"most {longest} tokens); the rest of its table is as extended"]
 

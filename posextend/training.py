@@ -179,7 +179,7 @@ def _setup(directory: Path, dst: Path, data: Sequence[str | Path], config: Finet
 
     docs = chosen.documents(data)
     loaded, length, old_len, extended, anchor = _load(chosen, directory, config)
-    decoder_length = _extend_decoder(loaded, config) or length
+    decoder_length = _extend_decoder(loaded, config)  # None: the decoder shares the run's length
     model, tokenizer = loaded.model, loaded.tokenizer
     if config.train == "new-rows" and old_len >= length:
         raise TrainingError(
@@ -254,14 +254,15 @@ def _load(chosen: Objective, directory: Path, config: FinetuneConfig) -> tuple[L
     return loaded, length, old_len, extended, anchor
 
 
-def _trained_tables(loaded: Loaded, old_length: int, decoder_length: int) -> tuple[list[torch.nn.Parameter], list[int]]:
+def _trained_tables(loaded: Loaded, old_length: int, decoder_length: int | None
+                    ) -> tuple[list[torch.nn.Parameter], list[int]]:
     """The tables that train beside (or instead of) every parameter, and each one's rows below the new
     ones: the run's, and an extended decoder's of its own length (LED)."""
     named = dict(loaded.model.named_parameters())
     tables = [named[n] for n in loaded.tables]
     keep = [old_length + loaded.reserved] * len(tables)
     decoder = loaded.decoder
-    if decoder is not None and decoder_length > decoder.usable:
+    if decoder is not None and decoder_length is not None and decoder_length > decoder.usable:
         tables += [named[n] for n in decoder.tables]
         keep += [decoder.usable + decoder.reserved] * len(decoder.tables)
     return tables, keep

@@ -145,7 +145,7 @@ def test_led_extends_its_encoder_and_its_decoder_only_when_asked(decoder_length,
         old = getattr(before.led, "encoder" if stack is model.led.encoder else "decoder").embed_positions.weight
         assert table.shape[0] == rows and torch.equal(table[:OLD], old)
         assert rows == OLD or not torch.equal(table[OLD : 2 * OLD], old)  # tiled, then trained
-    assert f"of {decoder} trained" in report.notes[0]
+    assert "its targets are at most" in report.notes[0] and "only its rows from its old length to" in report.notes[0]
 
 
 def test_decoder_length_is_refused_where_both_stacks_share_one_length(bart, corpus, tmp_path):
@@ -190,3 +190,14 @@ def test_pairs_and_plain_text_are_not_mixed(bart, pairs, corpus, tmp_path):
     broken.write_text(pairs.read_text().splitlines()[0] + "\n" + json.dumps({"source": "only a source"}) + "\n")
     with pytest.raises(posextend.DataError, match="broken.jsonl:2 .*'source' and 'target'"):
         posextend.finetune(bart, tmp_path / "out", [broken], steps=1)
+
+
+def test_with_new_rows_only_the_note_says_which_decoder_rows_trained(bart, corpus, tmp_path):
+    """BART's decoder shares the run's length: with new rows only, its rows below the old length stay, so the
+    note names the new rows its targets reached (none when they are all shorter than the old length)."""
+    report = posextend.finetune(bart, tmp_path / "out", [corpus], length=2 * OLD, train="new-rows", steps=1,
+                                batch_size=2, eval_sequences=2, seed=0)
+    (note,) = report.notes
+    longest = int(note.split("at most ")[1].split(" ")[0])
+    reached = "none of its new rows" if longest <= OLD else f"only rows {OLD}-{longest - 1} of its new rows"
+    assert note.startswith("decoder: its targets are at most") and f"{reached} ({OLD}-{2 * OLD - 1}) trained" in note
