@@ -115,15 +115,18 @@ def set_config(model: nn.Module, updates: dict[str, Any]) -> None:
     """Set (dotted) config fields on the model's config and on every sub-module's copy of it.
 
     ``text_config.max_position_embeddings`` is set on ``model.config.text_config`` and on any
-    module whose ``config`` is another object of that class (a tower holding its own copy).
+    module whose ``config`` is a copy of it (a tower holding its own: equal to it before the update). Another
+    config of the same class is left alone (an EncoderDecoderModel's decoder, when its encoder's length changes).
     """
     for path, value in updates.items():
         *parents, leaf = path.split(".")
         target = model.config
         for part in parents:
             target = getattr(target, part)
+        before = target.to_dict()
         setattr(target, leaf, value)
         for module in model.modules():
             cfg = getattr(module, "config", None)
-            if cfg is not None and cfg is not target and type(cfg) is type(target) and hasattr(cfg, leaf):
+            if (cfg is not None and cfg is not target and type(cfg) is type(target) and hasattr(cfg, leaf)
+                    and cfg.to_dict() == before):
                 setattr(cfg, leaf, value)

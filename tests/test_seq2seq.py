@@ -201,3 +201,26 @@ def test_with_new_rows_only_the_note_says_which_decoder_rows_trained(bart, corpu
     longest = int(note.split("at most ")[1].split(" ")[0])
     reached = "none of its new rows" if longest <= OLD else f"only rows {OLD}-{longest - 1} of its new rows"
     assert note.startswith("decoder: its targets are at most") and f"{reached} ({OLD}-{2 * OLD - 1}) trained" in note
+
+
+def test_a_bert_to_bert_encoder_decoder_extends_its_encoder(corpus, tmp_path):
+    """transformers' EncoderDecoderModel (BERT to BERT): a length per stack, as LED's; the encoder's table grows
+    with the run's length, the decoder keeps its own, and the output loads in its class."""
+    from tiny import bert_tokenizer
+
+    tok = bert_tokenizer(OLD)
+    stack = dict(vocab_size=len(tok), hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+                 max_position_embeddings=OLD)
+    config = transformers.EncoderDecoderConfig.from_encoder_decoder_configs(
+        transformers.BertConfig(**stack), transformers.BertConfig(**stack, is_decoder=True, add_cross_attention=True))
+    config.decoder_start_token_id, config.pad_token_id = tok.cls_token_id, tok.pad_token_id
+    torch.manual_seed(0)
+    transformers.EncoderDecoderModel(config).save_pretrained(tmp_path / "src")
+    tok.save_pretrained(tmp_path / "src")
+    report = posextend.finetune(tmp_path / "src", tmp_path / "out", [corpus], length=2 * OLD, steps=1, batch_size=2,
+                                eval_sequences=2, seed=0)
+    assert report.objective == "seq2seq" and torch.isfinite(torch.tensor(report.losses)).all()
+    model = transformers.EncoderDecoderModel.from_pretrained(tmp_path / "out")
+    assert model.encoder.embeddings.position_embeddings.weight.shape[0] == 2 * OLD
+    assert model.decoder.bert.embeddings.position_embeddings.weight.shape[0] == OLD
+    assert (model.config.encoder.max_position_embeddings, model.config.decoder.max_position_embeddings) == (2 * OLD, OLD)
