@@ -521,7 +521,7 @@ def _verify(out_dir: Path, plan: GroupPlan, reader: CheckpointReader) -> None:
         # the twin is of the class the written names belong to; bare names of a headed-only family get its prefix
         config = read_config(out_dir)
         cls, add = layout_class(config, names)
-        model_name = _model_names(names | frozenset(reader.entries), config, cls, add)
+        model_name = _model_names(names | frozenset(reader.entries), plan.layout.tables, config, cls, add)
         shapes = {model_name[n]: e.shape for n, e in written.entries.items()}
     source = {model_name[n]: e.shape for n, e in reader.entries.items()}
     tables = [model_name[t] for t in plan.layout.tables]
@@ -531,16 +531,18 @@ def _verify(out_dir: Path, plan: GroupPlan, reader: CheckpointReader) -> None:
         verify(out_dir, plan.spec, tables, shapes, source, plan.new_usable, plan.layout.reserved, cls)
 
 
-def _model_names(names: frozenset[str], config: Mapping[str, Any], cls: type | None, add: str) -> dict[str, str]:
-    """Each file name under the name a twin of ``cls`` gives its tensor: ``add`` before it, or the name
-    transformers' own conversion mapping loads it as, where the family renames on loading."""
+def _model_names(names: frozenset[str], tables: tuple[str, ...], config: Mapping[str, Any], cls: type | None,
+                 add: str) -> dict[str, str]:
+    """Each file name under the name a twin of ``cls`` gives its tensor: ``add`` before it, or, where a table's
+    name is not the twin's (the family renames on loading), the name transformers' own conversion mapping
+    loads it as."""
     from .twin import meta_shapes
 
     out = {n: add + n for n in names}
-    renamed = names_on_load(names, config)
-    if renamed:
-        expected = meta_shapes(config, cls)
-        out.update({file: model for model, file in renamed.items() if model in expected})
+    expected = meta_shapes(config, cls)  # cached: the verification reads it too
+    if all(out[t] in expected for t in tables):
+        return out
+    out.update({file: model for model, file in names_on_load(names, config).items() if model in expected})
     return out
 
 

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from . import twin
 from .errors import RunTimeGridError, UnsupportedArchitectureError
 from .specs import (
-    IMAGE_COUNT_FIELD, ArchitectureSpec, BufferRule, GridSpec, _pair, positions_kind_problem, table_rows,
+    IMAGE_COUNT_FIELD, ArchitectureSpec, BufferRule, GridSpec, positions_kind_problem, table_rows,
 )
 
 if TYPE_CHECKING:
@@ -46,7 +46,7 @@ def image_fields(config: Mapping[str, Any]) -> list[tuple[str, str]]:
     """``(image_key, patch_key)`` of the config and every sub-config holding an int or ``[h, w]``
     ``image_size`` and ``patch_size`` (dotted: ``vision_config.image_size``)."""
     return [(f"{prefix}image_size", f"{prefix}patch_size") for prefix, sub in twin.sub_configs(config)
-            if _pair(sub.get("image_size")) and _pair(sub.get("patch_size"))]
+            if twin.pair(sub.get("image_size")) and twin.pair(sub.get("patch_size"))]
 
 
 def observe_grids(config: Mapping[str, Any], cls: type | None = None) -> tuple[ArchitectureSpec, ...]:
@@ -390,7 +390,7 @@ def _follow_fields(config: Mapping[str, Any], image_key: str, size: tuple[int, i
     found = []
     for path, sub in twin.sub_configs(config):
         for key, kind in _FOLLOW:
-            if path + key != image_key and key in sub and _pair(sub[key]) == (size if kind == "image" else side):
+            if path + key != image_key and key in sub and twin.pair(sub[key]) == (size if kind == "image" else side):
                 found.append((path + key, kind))
     return tuple(found)
 

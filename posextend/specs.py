@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from .errors import CorruptCheckpointError, InvalidLengthError
-from .twin import get_path
+from .twin import get_path, pair
 
 if TYPE_CHECKING:
     import torch
@@ -154,13 +154,13 @@ class GridSpec:
     def sizes(self, config: Mapping[str, Any]) -> tuple[tuple[int, int], tuple[int, int]]:
         """``((height, width), (patch_h, patch_w))`` from ``config``."""
         image, patch = get_path(config, self.image_key), get_path(config, self.patch_key)
-        pair = [_pair(image), _pair(patch)]
-        if pair[0] is None or pair[1] is None:
+        sizes = [pair(image), pair(patch)]
+        if sizes[0] is None or sizes[1] is None:
             raise CorruptCheckpointError(
                 f"config.json has no usable {self.image_key!r} ({image!r}) or {self.patch_key!r} ({patch!r}); "
                 "add the image and patch sizes the model was trained with."
             )
-        return pair[0], pair[1]
+        return sizes[0], sizes[1]
 
     def grid(self, config: Mapping[str, Any], image_size: tuple[int, int] | None = None) -> tuple[int, int]:
         """The patch grid of ``config``'s image size, or of ``image_size`` (checked to fit the family)."""
@@ -273,14 +273,6 @@ def _family_share(config: Mapping[str, Any], names: frozenset[str] | set[str]) -
     except UnsupportedArchitectureError:
         return 0.0
     return sum(add + n in expected for n in names) / max(1, len(names))
-
-
-def _pair(value: Any) -> tuple[int, int] | None:
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value, value
-    if isinstance(value, (list, tuple)) and len(value) == 2 and all(isinstance(v, int) for v in value):
-        return value[0], value[1]
-    return None
 
 
 def table_rows(shape: tuple[int, ...]) -> int | None:

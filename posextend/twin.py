@@ -630,8 +630,8 @@ def patch_inputs(module: nn.Module, config: Any, grid: tuple[int, int], layout: 
     params = inspect.signature(module.forward).parameters
     if not any(k in params for k in (*_GRID_THW, *_GRID_HW, "pixel_position_ids")):
         return None
-    p, q = _pair_of(_config_value(config, _PATCH_KEYS, 14))
-    merge = _pair_of(_config_value(config, _MERGE_KEYS, 1))[0]
+    p, q = pair(_config_value(config, _PATCH_KEYS, 14))
+    merge = pair(_config_value(config, _MERGE_KEYS, 1))[0]
     shape, merged = PATCH_LAYOUTS[layout]
     n = grid[0] * grid[1]
     channels, frames = _config_value(config, _CHANNEL_KEYS, 3), _config_value(config, _TEMPORAL_KEYS, 1)
@@ -650,8 +650,13 @@ def patch_inputs(module: nn.Module, config: Any, grid: tuple[int, int], layout: 
     return kwargs
 
 
-def _pair_of(value: Any) -> tuple[int, int]:
-    return (value[0], value[1]) if isinstance(value, (list, tuple)) else (value, value)
+def pair(value: Any) -> tuple[int, int] | None:
+    """``(h, w)`` of a size field: an int (square) or a pair of ints; None for anything else."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value, value
+    if isinstance(value, (list, tuple)) and len(value) == 2 and all(isinstance(v, int) for v in value):
+        return value[0], value[1]
+    return None
 
 
 def _config_around(model: nn.Module, path: str) -> Any:
