@@ -129,6 +129,11 @@ class ResizeReport:
     strategies: dict[str, str] = field(default_factory=dict)  # group -> strategy, when several groups
     transformer_dir: str = ""  # where the resized model sits in src and dst ("0_Transformer" in an older ST folder)
 
+    def record(self, written: Written) -> None:
+        """Take the writer's account of the files (:class:`Written`)."""
+        for f in dataclasses.fields(written):
+            setattr(self, f.name, getattr(written, f.name))
+
     def provenance(self) -> dict[str, str]:
         """String metadata recorded in the safetensors header and index."""
         return {
@@ -144,6 +149,39 @@ class ResizeReport:
                 "posextend.new_image_size": "x".join(map(str, self.new_image_size))} if self.new_image_size else {}),
             **({"posextend.strategies": json.dumps(self.strategies, sort_keys=True)} if len(self.strategies) > 1 else {}),
         }
+
+
+@dataclass
+class Written:
+    """What the checkpoint writer did: weight files rewritten, copied whole, left out (the source model in
+    other formats, which still holds the old table), bytes written, and the sentence-transformers
+    ``max_seq_length`` it set."""
+
+    files_rewritten: list[str] = field(default_factory=list)
+    files_copied: list[str] = field(default_factory=list)
+    files_skipped: list[str] = field(default_factory=list)
+    bytes_written: int = 0
+    st_max_seq_length: int | None = None
+
+
+@dataclass(frozen=True)
+class Change:
+    """What a checkpoint written from a source changes in it; every other byte is the source's.
+
+    - ``tensors``: by file name, the new shape and how to make it (a table, a buffer, a trained weight).
+    - ``added``: tensors the source lacks (a freshly initialised head), written after its own.
+    - ``dropped``: tensors left out (obsolete buffers).
+    - ``plans``: the resize that ``config.json``, the tokenizer's and processor's settings and a
+      sentence-transformers ``max_seq_length`` follow (none: they are copied as they are).
+    - ``metadata``: provenance, added to every rewritten header and the index.
+    """
+
+    tensors: Mapping[str, tuple[tuple[int, ...], Source]] = field(default_factory=dict)
+    added: tuple[tuple[Entry, Source], ...] = ()
+    dropped: frozenset[str] = frozenset()
+    plans: tuple[GroupPlan, ...] = ()
+    metadata: Mapping[str, str] = field(default_factory=dict)
+    st_max_seq_length: int | None = None
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -287,7 +325,7 @@ def st_config(model_dir: Path) -> Path | None:
 
 
 @contextlib.contextmanager
-def _opened(src: str | Path) -> Iterator[tuple[Path, dict[str, Any], CheckpointReader, dict[str, tuple[int, ...]]]]:
+def opened(src: str | Path) -> Iterator[tuple[Path, dict[str, Any], CheckpointReader, dict[str, tuple[int, ...]]]]:
     """Resolve, read the config, open the weights lazily; yields the tensors' shapes by name too.
 
     The directory yielded is the one given; the config and the weights are those of its model, in
@@ -308,7 +346,7 @@ def read_position_table(src: str | Path, table: str | None = None, *, grid: bool
 
     ``table`` names a group (``"vision"``); ``grid=True`` gives an image grid's rows as ``[H, W, D]``.
     """
-    with _opened(src) as (_, config, reader, shapes):
+    with opened(src) as (_, config, reader, shapes):
         layout = spec_for(config, table=table).locate(shapes, config)
         rows = reader.get(layout.tables[0])
         rows = rows.reshape(rows.shape[-2], rows.shape[-1])[layout.reserved :]
@@ -416,21 +454,21 @@ def resize_checkpoint(
     """
     start = time.perf_counter()
     dst = Path(dst).expanduser()
-    with _opened(src) as (directory, config, reader, shapes):
+    with opened(src) as (directory, config, reader, shapes):
         plans = plan_resize(config, shapes, Request(new_length, image_size, strategy, params, table, allow_shrink))
         check_destination(directory, dst, overwrite=overwrite)
         _check_request(reader, plans, new_length, st_max_seq_length)
         seed = secrets.randbits(63) if seed is None else seed
-        changed = {name: made for plan in plans for name, made in _changed_tensors(reader, config, plan, seed).items()}
-        report = _report(directory, dst, plans, config, seed)
+        changed = {name: made for plan in plans for name, made in changed_tensors(reader, config, plan, seed).items()}
+        report = resize_report(directory, dst, plans, config, seed)
+        change = Change(changed, dropped=frozenset(report.dropped), plans=tuple(plans), metadata=report.provenance(),
+                        st_max_seq_length=st_max_seq_length)
         with atomic_output(dst, overwrite=overwrite) as tmp:
-            model_out = tmp / report.transformer_dir  # the model's folder: tmp itself, or an older ST folder's 0_Transformer/
-            model_out.mkdir(exist_ok=True)
-            _write_weights(reader, model_out, changed, report, link, progress)
-            _copy_other_files(directory, tmp, reader, plans, config, report, st_max_seq_length)
+            written = write_checkpoint(directory, tmp, reader, config, change, link=link, progress=progress)
+            report.record(written)
             for plan in plans:
                 if verify or (verify is None and (plan.spec.covered_by == "probed" or plan.spec.grid)):
-                    _verify(model_out, plan, reader)
+                    _verify(tmp / report.transformer_dir, plan, reader)
                     report.verified = True
             card = directory / "README.md"
             (tmp / "README.md").write_text(model_card(report, card.read_text(errors="replace") if card.is_file() else ""))
@@ -456,7 +494,7 @@ def _check_request(reader: CheckpointReader, plans: list[GroupPlan], new_length:
         _check_source_tables(reader, plan.layout)
 
 
-def _changed_tensors(
+def changed_tensors(
     reader: CheckpointReader, config: Mapping[str, Any], plan: GroupPlan, seed: int,
 ) -> dict[str, tuple[tuple[int, ...], Source]]:
     """Each table and buffer of ``plan``: its written shape and how to make it."""
@@ -477,8 +515,9 @@ def _changed_tensors(
     return out
 
 
-def _report(directory: Path, dst: Path, plans: list[GroupPlan], config: Mapping[str, Any], seed: int) -> ResizeReport:
-    """The report of a resize: the first group's numbers (positions before an image grid) at the top."""
+def resize_report(directory: Path, dst: Path, plans: list[GroupPlan], config: Mapping[str, Any], seed: int) -> ResizeReport:
+    """The report of a resize of ``directory`` by ``plans`` (on disk, or in memory before a fine-tune): the
+    first group's numbers (positions before an image grid) at the top."""
     main = plans[0]
     report = ResizeReport(
         src=str(directory), dst=str(dst.resolve()), model_type=main.spec.model_type, strategy=main.strategy,
@@ -569,23 +608,43 @@ def table_rows(entry: Entry, reserved: int, rows: list[int], new_length: int) ->
     return tuple((entry.file, entry.start + a * row_bytes, entry.start + b * row_bytes) for a, b in pieces)
 
 
+def write_checkpoint(directory: Path, out: Path, reader: CheckpointReader, config: dict[str, Any], change: Change, *,
+                     link: bool = False, progress: Callable[[int, int], None] | None = None) -> Written:
+    """Write into ``out`` the checkpoint ``directory`` as ``change`` makes it: the one writer of ``resize-model``
+    and of the fine-tune's save.
+
+    The weights of the model's folder (``reader``'s) are written tensor by tensor: those ``change`` makes,
+    new ones after; every other tensor's bytes are copied, and files without a change are copied whole (or
+    hard-linked with ``link``). Every other file of the source follows, in the same layout: ``config.json``
+    (``config``, the source's) and the tokenizer's, processor's and sentence-transformers settings edited
+    by ``change.plans``. The model card is the caller's. ``progress(done_bytes, total_bytes)`` as in
+    :func:`resize_checkpoint`.
+    """
+    written = Written()
+    model_out = out / transformer_dir(directory)  # out itself, or an older ST folder's 0_Transformer/
+    model_out.mkdir(exist_ok=True)
+    _write_weights(reader, model_out, change, written, link, progress)
+    _copy_other_files(directory, out, reader, config, change, written)
+    return written
+
+
 def _write_weights(
     reader: CheckpointReader,
     out_dir: Path,
-    changed: Mapping[str, tuple[tuple[int, ...], Source]],
-    report: ResizeReport,
+    change: Change,
+    written: Written,
     link: bool,
     progress: Callable[[int, int], None] | None,
 ) -> None:
-    """Write every tensor: those in ``changed`` (tables, buffers) with their new shape, the rest copied."""
+    """Write every tensor: those ``change`` makes (tables, buffers, trained weights) with their new shape,
+    its added ones in the last file, the rest copied."""
     sources = dict(reader.by_file())
-    plans = _file_plans(reader, sources, changed, set(report.dropped))
+    plans = _file_plans(reader, sources, change)
     if any(callable(make) for items in plans.values() for _, make in items):
         prefetch_torch()  # a tensor is computed: import torch while the unchanged bytes are copied
     whole = {p: len(items) == len(sources[p]) and all(make is None for _, make in items) for p, items in plans.items()}
     total = sum(e.nbytes for items in plans.values() for e, _ in items)
-    advance = _Advance(report, total, progress)
-    provenance = report.provenance()
+    advance = _Advance(written, total, progress)
     out_names = _out_names(reader, plans)
     # Files without a changed tensor are copied whole (or linked) by a few threads, while this one
     # rewrites the others: the kernel's copy is CPU-bound (page cache to page cache), so copies
@@ -596,12 +655,12 @@ def _write_weights(
         futures = [pool.submit(copy_file, p, out_dir / out_names[p], link=link, progress=advance) for p in copies]
         for path, items in plans.items():
             if not whole[path]:
-                metadata = {**reader.metadata.get(path, {"format": "pt"}), **provenance}
+                metadata = {**reader.metadata.get(path, {"format": "pt"}), **change.metadata}
                 write_safetensors(out_dir / out_names[path], items, metadata, progress=advance)
-                report.files_rewritten.append(out_names[path])
+                written.files_rewritten.append(out_names[path])
         for path, future in zip(copies, futures):
             future.result()
-            report.files_copied.append(out_names[path])
+            written.files_copied.append(out_names[path])
     except BaseException:
         advance.cancelled.set()  # the copying threads stop at their next chunk, before the output is removed
         raise
@@ -609,27 +668,28 @@ def _write_weights(
         pool.shutdown(wait=True, cancel_futures=True)
     if reader.sharded:
         weight_map = {e.name: out_names[path] for path, items in plans.items() for e, _ in items}
-        index = {"metadata": {"total_size": total, **provenance}, "weight_map": dict(sorted(weight_map.items()))}
+        metadata = {**reader.index_metadata, "total_size": total, **change.metadata}
+        index = {"metadata": metadata, "weight_map": dict(sorted(weight_map.items()))}
         (out_dir / SAFE_INDEX).write_text(json.dumps(index, indent=2) + "\n")
 
 
-def _file_plans(reader: CheckpointReader, sources: Mapping[Path, list[Entry]],
-                changed: Mapping[str, tuple[tuple[int, ...], Source]], dropped: set[str]
+def _file_plans(reader: CheckpointReader, sources: Mapping[Path, list[Entry]], change: Change
                 ) -> dict[Path, list[tuple[Entry, Source]]]:
-    """Per source file, each kept tensor's output entry and how to make it (None: copy its bytes). Within
-    a file, copied bytes come first and new tensors last (safetensors allows any order), so the copy runs
-    while torch is still being imported."""
+    """Per source file, each kept tensor's output entry and how to make it (None: copy its bytes), and the
+    added tensors in the last file. Within a file, copied bytes come first and new tensors last
+    (safetensors allows any order), so the copy runs while torch is still being imported."""
 
     def plan(entry: Entry) -> tuple[Entry, Source]:
-        if entry.name in changed:  # same dtype, new shape
-            shape, make = changed[entry.name]
+        if entry.name in change.tensors:  # same dtype, new shape
+            shape, make = change.tensors[entry.name]
             return dataclasses.replace(entry, shape=shape), make
         if reader.format == "bin":
             return entry, lambda: reader.get(entry.name)
         return entry, None
 
-    return {path: sorted((plan(e) for e in entries if e.name not in dropped), key=lambda item: callable(item[1]))
-            for path, entries in sources.items()}
+    plans = {path: [plan(e) for e in entries if e.name not in change.dropped] for path, entries in sources.items()}
+    plans[list(plans)[-1]] += change.added
+    return {path: sorted(items, key=lambda item: callable(item[1])) for path, items in plans.items()}
 
 
 def _out_names(reader: CheckpointReader, plans: Mapping[Path, list]) -> dict[Path, str]:
@@ -642,19 +702,19 @@ def _out_names(reader: CheckpointReader, plans: Mapping[Path, list]) -> dict[Pat
 
 class _Advance:
     """The writer's progress callback, called from the copying threads too: counts the bytes written into
-    the report and ``progress``; raises once ``cancelled`` is set, so a copy stops at its next chunk."""
+    ``written`` and ``progress``; raises once ``cancelled`` is set, so a copy stops at its next chunk."""
 
-    def __init__(self, report: ResizeReport, total: int, progress: Callable[[int, int], None] | None):
-        self.report, self.total, self.progress = report, total, progress
+    def __init__(self, written: Written, total: int, progress: Callable[[int, int], None] | None):
+        self.written, self.total, self.progress = written, total, progress
         self.lock, self.cancelled = threading.Lock(), threading.Event()
 
     def __call__(self, n: int) -> None:
         if self.cancelled.is_set():
             raise _Cancelled
         with self.lock:
-            self.report.bytes_written += n
+            self.written.bytes_written += n
             if self.progress:
-                self.progress(self.report.bytes_written, self.total)
+                self.progress(self.written.bytes_written, self.total)
 
 
 def processor_config(data: Mapping[str, Any], old: ImageSize, new: ImageSize,
@@ -711,22 +771,20 @@ def updated_config(config: Mapping[str, Any], updates: Mapping[str, int]) -> dic
 PROCESSOR_CONFIG = "preprocessor_config.json"  # image processors: size / crop_size follow the image size
 
 
-def _copy_other_files(
-    src: Path, out_dir: Path, reader: CheckpointReader, plans: list[GroupPlan],
-    config: dict[str, Any], report: ResizeReport, st_max_seq_length: int | None = None,
-) -> None:
+def _copy_other_files(src: Path, out_dir: Path, reader: CheckpointReader, config: dict[str, Any], change: Change,
+                      written: Written) -> None:
     """Copy config, tokenizer, image processor and every other non-weight file, editing lengths as JSON.
 
-    The model's own files sit in ``report.transformer_dir`` (the root, or an older sentence-transformers
+    The model's own files sit in :func:`transformer_dir` (the root, or an older sentence-transformers
     folder's ``0_Transformer/``); every other file and folder is copied as it is, in the same layout.
     Copies of the model in other formats (its weights in other formats, ONNX and OpenVINO exports) still
-    hold the old table: they are left out and listed in ``report.files_skipped``.
+    hold the old table: they are left out and listed in ``written.files_skipped``.
     """
-    updates = {k: v for plan in plans for k, v in plan.config_updates(config).items()}
-    text = next((p for p in plans if not p.spec.grid), None)
-    image = next((p for p in plans if p.spec.grid), None)
+    updates = {k: v for plan in change.plans for k, v in plan.config_updates(config).items()}
+    text = next((p for p in change.plans if not p.spec.grid), None)
+    image = next((p for p in change.plans if p.spec.grid), None)
     weight_files = {f.resolve() for f in reader.files}
-    model = Path(report.transformer_dir)  # relative to src and out_dir; Path("") is the root
+    model = Path(transformer_dir(src))  # relative to src and out_dir; Path("") is the root
     st_file = st_config(src / model)
     for path in sorted(src.rglob("*")):
         rel = path.relative_to(src)
@@ -737,8 +795,8 @@ def _copy_other_files(
         left_out = _left_out(rel, model, path.is_dir())
         if left_out:
             entry, kind = left_out
-            if entry not in report.files_skipped:
-                report.files_skipped.append(entry)
+            if entry not in written.files_skipped:
+                written.files_skipped.append(entry)
                 log.warning("Not copying %s: %s of the source model, which still holds the old table; export it "
                             "again from the output.", entry, f"an {kind} export" if kind != "weights" else
                             "its weights in another format")
@@ -758,14 +816,14 @@ def _copy_other_files(
         elif rel == model / "processor_config.json" and image:  # a multimodal processor's own image-token count
             _write_json(target, with_counts(json.loads(path.read_text()), _counts(image, config)))
         elif st_file is not None and path == st_file and text:
-            report.st_max_seq_length = st_max_seq_length or report.new_length
-            _write_json(target, {**json.loads(path.read_text()), "max_seq_length": report.st_max_seq_length})
+            written.st_max_seq_length = change.st_max_seq_length or text.new_usable
+            _write_json(target, {**json.loads(path.read_text()), "max_seq_length": written.st_max_seq_length})
         elif rel != Path("README.md"):
             shutil.copy2(path, target)
     has_tokenizer = any((src / model / name).is_file() for name in TOKENIZER_FILES)
     if text and has_tokenizer and not (src / model / "tokenizer_config.json").is_file():
-        _write_json(out_dir / model / "tokenizer_config.json", {"model_max_length": report.new_length})
-    if st_max_seq_length is not None and report.st_max_seq_length is None:
+        _write_json(out_dir / model / "tokenizer_config.json", {"model_max_length": text.new_usable})
+    if change.st_max_seq_length is not None and written.st_max_seq_length is None:
         log.warning("A sentence-transformers max_seq_length was given, but %s has no %s: nothing to set.",
                     src / model, ST_CONFIG)
 

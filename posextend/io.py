@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from importlib import import_module
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .errors import CorruptCheckpointError, DestinationError, PosExtendError, SourceError
 
@@ -279,7 +279,8 @@ class CheckpointReader:
                 f"No weights in {directory}: expected {SAFE_SINGLE}, {SAFE_INDEX}, {BIN_SINGLE} or {BIN_INDEX}."
             )
         self.sharded = len(self.files) > 1 or self.files[0].name not in (SAFE_SINGLE, BIN_SINGLE)
-        self.metadata: dict[Path, dict[str, str]] = {}
+        self.metadata: dict[Path, dict[str, str]] = {}  # each safetensors file's header metadata
+        self.index_metadata: dict[str, Any] = self._index_metadata()
         self.entries: dict[str, Entry] = {}
         self._bin_cache: tuple[Path, Mapping[str, torch.Tensor]] | None = None
         for path in self.files:
@@ -298,6 +299,13 @@ class CheckpointReader:
         if missing:
             raise SourceError(f"Shards listed in {index_name} are missing: {', '.join(missing)}.")
         return files
+
+    def _index_metadata(self) -> dict[str, Any]:
+        """The safetensors index's metadata (provenance an earlier write recorded), without its total size."""
+        if self.format != "safetensors" or not self.sharded:
+            return {}
+        metadata = json.loads((self.dir / SAFE_INDEX).read_text()).get("metadata") or {}
+        return {k: v for k, v in metadata.items() if k != "total_size"} if isinstance(metadata, dict) else {}
 
     def _scan(self, path: Path) -> list[Entry]:
         if self.format == "safetensors":
@@ -439,21 +447,6 @@ def write_safetensors(
                 raise RuntimeError(f"{entry.name}: byte ranges do not add up to {entry.nbytes} bytes")
             for piece in pieces:
                 copier.add(*piece)
-
-
-def add_metadata(directory: Path, metadata: Mapping[str, str]) -> None:
-    """Add ``metadata`` (posextend's provenance) to every safetensors file and index under ``directory``,
-    where a model saved by other code (``save_pretrained``) left none: each file is rewritten through
-    :func:`write_safetensors`, its bytes copied, then renamed over the old one."""
-    for path in sorted(directory.rglob("*.safetensors")):
-        entries, old = read_header(path)
-        rewritten = path.with_suffix(".posextend-tmp")
-        write_safetensors(rewritten, [(e, None) for e in entries], {**old, **metadata})
-        rewritten.replace(path)
-    for path in sorted(directory.rglob(SAFE_INDEX)):
-        index = json.loads(path.read_text())
-        index["metadata"] = {**index.get("metadata", {}), **metadata}
-        path.write_text(json.dumps(index, indent=2) + "\n")
 
 
 def _header(items: list[tuple[Entry, Source]], metadata: Mapping[str, str]) -> bytes:

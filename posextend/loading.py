@@ -6,7 +6,7 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -15,6 +15,10 @@ from .errors import PosExtendError, SourceError, TrainingError
 from .io import SAFE_INDEX, read_header
 from .lookup import all_specs, spec_for
 from .specs import ArchitectureSpec
+
+if TYPE_CHECKING:
+    from .plan import Request
+    from .saving import FileNames
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +40,8 @@ class Loaded:
     old_length: int | None  # from posextend provenance, when the checkpoint was extended by it
     extras: dict[str, Any] = field(default_factory=dict)  # the objective's own objects for the run (a frozen source)
     decoder: Stack | None = None  # an encoder-decoder's decoder with a length of its own (LED); ``spec`` is the encoder's
+    requests: list[Request] = field(default_factory=list)  # the resizes a fine-tune made in memory, in order
+    files: FileNames | None = None  # where the trained tensors sit in the checkpoint's files (set by a fine-tune)
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from typing import Any
 
 from torch import nn
 
-from .plan import Request, plan_resize
+from .plan import GroupPlan, Request, plan_resize
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +43,15 @@ def extend_model(
         2048
         >>> vit = posextend.extend_model(AutoModel.from_pretrained("google/vit-base-patch16-224"), image_size=448)
     """
+    extend(model, Request(new_length, image_size, strategy, params, table, allow_shrink), seed)
+    return model
+
+
+def extend(model: nn.Module, request: Request, seed: int | None) -> list[GroupPlan]:
+    """:func:`extend_model`'s work: plan ``request`` on the model's config and tensors, carry it out in
+    place, and return the plans (what a checkpoint written from the model changes in its files)."""
     config = model.config.to_dict()
     shapes = {n: tuple(t.shape) for n, t in [*model.named_parameters(), *model.named_buffers()]}
-    request = Request(new_length, image_size, strategy, params, table, allow_shrink)
     plans = plan_resize(config, shapes, request, cls=type(model))
     # every new table is computed and checked before any is swapped in: a refusal changes nothing
     new_tables = {name: plan.resize(_tensor(model, name), seed=seed, context=config)
@@ -68,7 +74,7 @@ def extend_model(
             sync_derived_buffers(model)  # buffers it computes from its config (OWL-ViT's box_bias)
         log.info("Extended %s in memory: %s -> %s (%s)", plan.spec.model_type, plan.layout.grid, plan.new_grid,
                  plan.strategy)
-    return model
+    return plans
 
 
 def _tensor(model: nn.Module, name: str):

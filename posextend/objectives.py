@@ -1,8 +1,9 @@
 """Fine-tune objectives, a plug-in registry like the strategies'.
 
 An objective knows how to load the model it trains, cut documents into training samples,
-compute one micro-batch's loss, evaluate by position, and save. The loop (accumulation,
-resume, NaN, Ctrl-C, progress, distribution) is shared (:mod:`posextend.training`) and hands
+compute one micro-batch's loss and evaluate by position. The loop (accumulation, resume, NaN,
+Ctrl-C, progress, distribution) and the save (the checkpoint writer of ``resize-model``, into
+the source's files and layout) are shared (:mod:`posextend.training`); the loop hands
 each objective a :class:`~posextend.context.RunContext`, its one view of the run. Every random
 choice of a sample comes from ``run.generator(p)`` for its global number ``p``, so a run is the
 same whatever the number of processes.
@@ -111,10 +112,6 @@ class Objective:
 
     def evaluate(self, run: RunContext) -> EvalReport:
         raise NotImplementedError
-
-    def save(self, run: RunContext, directory: Path, state_dict: dict[str, torch.Tensor] | None) -> None:
-        run.unwrapped.save_pretrained(directory, state_dict=state_dict)
-        run.tokenizer.save_pretrained(directory)
 
     def notes(self, run: RunContext) -> list[str]:
         """Lines about the run that the fine-tune's report, the CLI and the model card carry (none by default)."""
@@ -317,6 +314,11 @@ class Contrastive(Objective):
         model = SentenceTransformer(str(directory), device="cpu")
         without_dropout(model[0].auto_model, attention_only=True)
         result = loaded(model, model[0].auto_model, model.tokenizer, self.name, directory)
+        old = min(result.usable, result.old_length or result.usable)
+        if self.anchor and old < PASSAGE_TOKENS + 2:
+            raise TrainingError(
+                f"The contrastive anchor compares embeddings of {PASSAGE_TOKENS}-token passages, which {directory}'s "
+                f"old length of {old} positions cannot read: set the anchor to 0, or train only the new rows.")
         if self.anchor:  # the source model, frozen, before its table is extended
             result.extras["source"] = self.copy_reference(result)
         return result
@@ -420,7 +422,3 @@ class Contrastive(Objective):
         return EvalReport("contrastive", docs.shape[1] + 2, len(docs), loss, math.exp(min(loss, 50)),
                           len(docs) * len(buckets), buckets, run.old_length if run.old_length < run.length else None,
                           accuracy=sum(hits) / len(hits), metric="retrieval accuracy@1")
-
-    def save(self, run: RunContext, directory: Path, state_dict: dict[str, Any] | None) -> None:
-        run.unwrapped.max_seq_length = run.length
-        run.unwrapped.save(str(directory))

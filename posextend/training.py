@@ -25,18 +25,25 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .checkpoint import check_destination, model_card, resolve_source
+from . import __version__
+from .checkpoint import (
+    MODULES, Change, ResizeReport, changed_tensors, check_destination, model_card, opened, resize_report, resolve_source,
+)
 from .context import RunContext
 from .errors import TrainingError
 from .evaluation import EvalReport
-from .io import add_metadata, atomic_output, output_errors, write_file
-from .loading import AnchorSource, Loaded, anchor_source, provenance
+from .io import atomic_output, output_errors, write_file
+from .loading import AnchorSource, Loaded, anchor_source, is_sentence_transformer, provenance
 from .objectives import Objective, default_objective, get_objective
 from .options import FinetuneConfig
+from .plan import Request, plan_resize
+
+if TYPE_CHECKING:
+    from .saving import FileNames
 
 log = logging.getLogger(__name__)
 
@@ -227,8 +234,6 @@ def _load(chosen: Objective, directory: Path, config: FinetuneConfig) -> tuple[L
     """Load through the objective, settle what its anchor holds to while the table is as loaded, then
     extend it when ``config.length`` asks. Returns the loaded model, the run's length and old length,
     whether this run extended the table, and the anchor's reference."""
-    from .model import extend_model
-
     length, old_length, init_head, source = config.length, config.old_length, config.init_head, config.source
 
     if source is not None and chosen.anchor is None:
@@ -248,10 +253,26 @@ def _load(chosen: Objective, directory: Path, config: FinetuneConfig) -> tuple[L
         loaded.extras["source"] = chosen.read_reference(anchor.path, init_head=init_head)
     elif may_swap:  # no original to hold to: the checkpoint as loaded, before it is extended
         loaded.extras["source"] = chosen.copy_reference(loaded)
+    loaded.files = _file_names(loaded, directory)  # as loaded: before the table is extended or trained
     if extended:
-        extend_model(loaded.hf_model, length, config.strategy, seed=config.seed, allow_shrink=False,
-                     table=loaded.spec.group if loaded.decoder else None)
+        _extend(loaded, Request(length, strategy=config.strategy, table=loaded.spec.group if loaded.decoder else None),
+                config.seed)
     return loaded, length, old_len, extended, anchor
+
+
+def _file_names(loaded: Loaded, directory: Path) -> FileNames:
+    from .saving import file_names
+
+    with opened(directory) as (_, config, reader, _shapes):
+        return file_names(loaded.model, loaded.hf_model, reader, config)
+
+
+def _extend(loaded: Loaded, request: Request, seed: int) -> None:
+    """Carry out ``request`` on the loaded model in place, and keep it: the written checkpoint follows it."""
+    from .model import extend
+
+    extend(loaded.hf_model, request, seed)
+    loaded.requests.append(request)
 
 
 def _trained_tables(loaded: Loaded, old_length: int, decoder_length: int | None
@@ -279,8 +300,6 @@ def _new_rows_only(tables: list[torch.nn.Parameter], keep: list[int]) -> list[to
 def _extend_decoder(loaded: Loaded, config: FinetuneConfig) -> int | None:
     """Extend the decoder's own table to ``config.decoder_length`` (LED); the decoder's length after, or
     None for a family whose stacks share one length (the run's)."""
-    from .model import extend_model
-
     want, decoder = config.decoder_length, loaded.decoder
     if decoder is None:
         if want is not None:
@@ -289,7 +308,7 @@ def _extend_decoder(loaded: Loaded, config: FinetuneConfig) -> int | None:
                 "or it has one stack): leave the decoder's length unset; length=N sizes every table.")
         return None
     if want is not None and want != decoder.usable:
-        extend_model(loaded.hf_model, want, config.strategy, seed=config.seed, allow_shrink=False, table=decoder.spec.group)
+        _extend(loaded, Request(want, strategy=config.strategy, table=decoder.spec.group), config.seed)
     return want or decoder.usable
 
 
@@ -474,35 +493,72 @@ def _report(run: _Run, dst: Path, evaluations: tuple[EvalReport | None, EvalRepo
 
 
 def _save(run: _Run, dst: Path, report: FinetuneReport, src: Path, loaded: Loaded,
-          state_dict: dict[str, torch.Tensor] | None = None) -> None:
-    """The fine-tuned model through the same atomic writer, with provenance and a model card.
+          state_dict: dict[str, torch.Tensor]) -> None:
+    """The fine-tuned model, written by the checkpoint writer of ``resize-model`` into the source's files and
+    layout (:mod:`posextend.saving`), with provenance and a model card.
 
-    ``state_dict``: the full weights when they were sharded across processes (FSDP, DeepSpeed).
+    ``state_dict``: the trained model's full weights (gathered when sharded across processes: FSDP, DeepSpeed).
     """
-    strategy, seed, overwrite = run.config.strategy, run.config.seed, run.config.overwrite
-    from .checkpoint import ResizeReport
+    from .saving import changes, write_trained
 
-    origin = run.reference.path if run.reference.path and not run.extended else src  # the original, when the anchor found it
-    card = ResizeReport(
-        src=str(origin), dst=report.dst, model_type=loaded.hf_model.config.model_type, strategy=strategy, params={}, seed=seed,
-        old_length=report.old_length, new_length=report.new_length, reserved=loaded.reserved,
-        tables=list(loaded.tables), buffers=[],
-    )
-    provenance = {
-        **card.provenance(),
-        "posextend.finetune": json.dumps({"train": report.train, "steps": report.steps, "lr": report.lr,
-                                          "tokens": report.tokens}),
-    }
-    with atomic_output(dst, overwrite=overwrite) as tmp:
-        run.objective.save(run, tmp, state_dict)
-        add_metadata(tmp, provenance)  # every header and index: the one a loader reads (sharded, ST subfolders)
-        lines = [model_card(card, trained=True).rstrip(), "", "## Fine-tune", "",
-                 f"- Trained: `{report.train}` for {report.steps} steps ({report.tokens} tokens, lr {report.lr})"]
-        for label, ev in (("before", report.before), ("after", report.after)):
-            if ev is not None and math.isfinite(getattr(ev, ev.score)):
-                lines.append(f"- Held-out {ev.metric} {label}: {getattr(ev, ev.score):.3f}")
-        lines += [f"- {note}" for note in report.notes]
-        (tmp / "README.md").write_text("\n".join(lines) + "\n")
-        if report.before or report.after:
-            (tmp / "posextend_eval.json").write_text(json.dumps(
-                {"before": report.before and report.before.to_dict(), "after": report.after.to_dict()}, indent=2))
+    seed = run.config.seed
+    with opened(src) as (directory, config, reader, shapes):
+        plans = [plan for request in loaded.requests for plan in plan_resize(config, shapes, request)]
+        resized = {n: made for plan in plans for n, made in changed_tensors(reader, config, plan, seed).items()}
+        trained, added = changes(state_dict, run.unwrapped, loaded.files, reader)
+        resize = resize_report(directory, dst, plans, config, seed) if plans else None
+        change = Change({**resized, **trained}, added, frozenset(d for p in plans for d in p.layout.dropped),
+                        tuple(plans), _provenance(run, report, directory, resize))
+        with atomic_output(dst, overwrite=run.config.overwrite) as tmp:
+            written = write_trained(directory, tmp, change, config, reader, type(loaded.hf_model))
+            _save_modules(loaded, directory, tmp, run.config.train)
+            if resize is not None:
+                resize.record(written)
+            (tmp / "README.md").write_text(_card(report, resize, directory))
+            if report.before or report.after:
+                (tmp / "posextend_eval.json").write_text(json.dumps(
+                    {"before": report.before and report.before.to_dict(), "after": report.after.to_dict()}, indent=2))
+    log.info("Saved %s: %d tensors trained, %d added, the rest copied from %s", dst, len(trained), len(added), directory)
+
+
+def _provenance(run: _Run, report: FinetuneReport, directory: Path, resize: ResizeReport | None) -> dict[str, str]:
+    """The output's provenance: the resize the run made (or the original recorded before it, or the
+    checkpoint itself), its lengths, and the fine-tune."""
+    finetune = {"posextend.finetune": json.dumps({"train": report.train, "steps": report.steps, "lr": report.lr,
+                                                   "tokens": report.tokens})}
+    if resize is not None:
+        return {**resize.provenance(), **finetune}
+    recorded = provenance(directory).get("posextend.source", str(directory))
+    return {"posextend.version": __version__,
+            "posextend.source": str(run.reference.path) if run.reference.path else recorded,
+            "posextend.old_length": str(report.old_length), "posextend.new_length": str(report.new_length), **finetune}
+
+
+def _save_modules(loaded: Loaded, directory: Path, out: Path, train: str) -> None:
+    """A sentence-transformers model's modules beyond the Transformer that trained (a Dense layer, when every
+    parameter trains): saved by the module's own ``save`` over its copied folder."""
+    if train != "all" or loaded.model is loaded.hf_model or not is_sentence_transformer(directory):
+        return
+    for entry in json.loads((directory / MODULES).read_text()):
+        module = loaded.model[int(entry["idx"])]
+        if getattr(module, "auto_model", None) is not loaded.hf_model and any(True for _ in module.parameters()):
+            module.save(str(out / entry["path"]))
+
+
+def _card(report: FinetuneReport, resize: ResizeReport | None, directory: Path) -> str:
+    """The output's model card: the resize the run made (and the source's card under it), or the source's
+    card as it is; then the fine-tune."""
+    source = directory / "README.md"
+    original = source.read_text(errors="replace") if source.is_file() else ""
+    if resize is not None:
+        head = model_card(resize, original, trained=True).rstrip()
+    else:
+        head = original.rstrip() or f"---\ntags:\n- posextend\n---\n\n# Fine-tuned with posextend {__version__}"
+    lines = [head, "", "## Fine-tune", "",
+             f"- Trained: `{report.train}` for {report.steps} steps ({report.tokens} tokens, lr {report.lr}) "
+             f"at {report.new_length} positions (old length {report.old_length})"]
+    for label, ev in (("before", report.before), ("after", report.after)):
+        if ev is not None and math.isfinite(getattr(ev, ev.score)):
+            lines.append(f"- Held-out {ev.metric} {label}: {getattr(ev, ev.score):.3f}")
+    lines += [f"- {note}" for note in report.notes]
+    return "\n".join(lines) + "\n"

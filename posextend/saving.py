@@ -1,0 +1,153 @@
+"""A fine-tune's output, written by the checkpoint writer of ``resize-model``
+(:func:`posextend.checkpoint.write_checkpoint`): the source checkpoint's files, in their layout, with
+the trained tensors' new values.
+
+Where each trained tensor sits in the files is observed once the model is loaded, before it is
+extended or trained (:func:`file_names`): a file tensor belongs to the parameter (or buffer) that
+holds its exact value under the file's name, the name with or without the base model's prefix (a bare
+file under a headed class), or the name the family's conversion mapping gives it. A tensor that
+training left bit-identical keeps its bytes; a trained one is written in its file's dtype; a
+parameter the files lack (a fresh head, a pooler initialised on loading) is added, and the output
+is loaded to check it. The config, tokenizer and
+sentence-transformers settings follow the resize the run made, as ``resize-model`` writes them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .checkpoint import Change, Written, transformer_dir, write_checkpoint
+from .errors import TrainingError, VerificationError
+from .io import CheckpointReader, Entry, Source, dtype_code, torch_dtypes
+from .specs import names_on_load
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FileNames:
+    """Where a loaded model's tensors sit in its checkpoint's weight files, by name in the trained model.
+
+    - ``names``: each tensor the files hold -> its file name (its value as loaded is the file's, bit for bit).
+    - ``added``: each parameter the files lack (a freshly initialised head) -> the name it is written under.
+    - ``buffers``: the tensors of ``names`` that the model does not save (non-persistent buffers an
+      older file still holds, ``position_ids``): written from the model itself.
+    """
+
+    names: dict[str, str]
+    added: dict[str, str]
+    buffers: frozenset[str] = frozenset()
+
+
+def _candidates(name: str, prefix: str, renamed: Mapping[str, list[str]]) -> list[str]:
+    """The model names a file tensor ``name`` may load as: itself, with or without the base model's
+    ``prefix``, and the names the family's conversion mapping gives it."""
+    out = [name, prefix + name] if prefix else [name]
+    if prefix and name.startswith(prefix):
+        out.append(name.removeprefix(prefix))
+    return list(dict.fromkeys(out + renamed.get(name, [])))
+
+
+def file_names(model: torch.nn.Module, hf_model: torch.nn.Module, reader: CheckpointReader,
+               config: Mapping[str, Any]) -> FileNames:
+    """Observe where ``hf_model``'s tensors (inside ``model``, the model that trains) sit in ``reader``'s
+    files, as loaded. A tensor of the model that the files hold under a name of its own but with
+    another value (transformers converts it on loading) is refused: its trained value would have no
+    place to go."""
+    import torch
+
+    root = next((f"{n}." for n, m in model.named_modules() if m is hf_model and n), "")
+    base = getattr(hf_model, "base_model_prefix", "")
+    prefix = f"{base}." if base else ""
+    tensors = {**dict(hf_model.named_buffers()), **hf_model.state_dict(keep_vars=True)}
+    renamed: dict[str, list[str]] = {}
+    for model_name, file_name in names_on_load(reader.names(), config).items():
+        renamed.setdefault(file_name, []).append(model_name)
+    names: dict[str, str] = {}
+    for file_name in sorted(reader.entries):
+        value = None
+        for name in _candidates(file_name, prefix, renamed):
+            tensor = tensors.get(name)
+            if tensor is None or root + name in names or tuple(tensor.shape) != reader.entries[file_name].shape:
+                continue
+            value = reader.get(file_name) if value is None else value
+            if torch.equal(tensor.detach().cpu(), value.to(tensor.dtype)):
+                names[root + name] = file_name
+                break
+    saved = {root + n for n in hf_model.state_dict()}
+    return FileNames(names, _added(hf_model, root, names, reader, prefix),
+                     frozenset(n for n in names if n not in saved))
+
+
+def _added(hf_model: torch.nn.Module, root: str, names: Mapping[str, str], reader: CheckpointReader,
+           prefix: str) -> dict[str, str]:
+    """Each parameter that no file tensor holds and that shares no storage with one that does (a tied
+    weight is written once): a fresh head, named as the files name theirs (without the base model's
+    prefix in a bare file, with it in a headed file under a base class). Refused: a parameter whose
+    own name is in the files with another value."""
+    held = {t.data_ptr() for n, t in hf_model.state_dict(keep_vars=True).items() if root + n in names}
+    pairs = [(model.removeprefix(root), file) for model, file in names.items()]
+    bare = bool(prefix) and any(model == prefix + file for model, file in pairs)  # the file leaves the prefix off
+    headed = bool(prefix) and any(file == prefix + model for model, file in pairs)  # the model does (a base class)
+    added = {}
+    for name, param in hf_model.named_parameters():
+        if root + name in names or param.data_ptr() in held:
+            continue
+        file_name = name.removeprefix(prefix) if bare else prefix + name if headed else name
+        if file_name in reader.entries or name in reader.entries:
+            raise TrainingError(
+                f"{reader.dir}'s tensor {file_name} is not the value {type(hf_model).__name__} loads as {name} "
+                "(the family converts it on loading), so its trained value could not be written in the file's "
+                "layout; fine-tune a checkpoint saved by this version of transformers.")
+        added[root + name] = file_name
+    return added
+
+
+def changes(state: Mapping[str, torch.Tensor], model: torch.nn.Module, files: FileNames, reader: CheckpointReader
+            ) -> tuple[dict[str, tuple[tuple[int, ...], Source]], tuple[tuple[Entry, Source], ...]]:
+    """The trained model's tensors that differ from the files (new value or shape), by file name, in the
+    file's dtype; and the parameters the files lack. ``state``: the trained model's state dict (full, when
+    sharded across processes); ``model``: the trained model (its unsaved buffers)."""
+    import torch
+
+    dtypes = torch_dtypes()
+    buffers = dict(model.named_buffers())
+    tensors: dict[str, tuple[tuple[int, ...], Source]] = {}
+    for name, file_name in files.names.items():
+        entry = reader.entries[file_name]
+        value = (buffers if name in files.buffers else state)[name].detach().to("cpu", dtypes[entry.dtype])
+        if tuple(value.shape) != entry.shape or not torch.equal(value, reader.get(file_name)):
+            tensors[file_name] = (tuple(value.shape), lambda v=value: v)
+    added = tuple((Entry(file_name, reader.files[-1], dtype_code(state[name].dtype), tuple(state[name].shape)),
+                   lambda n=name: state[n].detach().cpu())
+                  for name, file_name in files.added.items())
+    return tensors, added
+
+
+def write_trained(directory: Path, out: Path, change: Change, config: dict[str, Any], reader: CheckpointReader,
+                  cls: type) -> Written:
+    """Write checkpoint ``directory`` into ``out`` as ``change`` makes it (``config``: the source's); when it
+    adds tensors (a fresh head), check that ``cls``, the class that trained, loads every weight it has
+    from the output."""
+    written = write_checkpoint(directory, out, reader, config, change)
+    if change.added:
+        _check_loads(out / transformer_dir(directory), cls)
+    return written
+
+
+def _check_loads(model_dir: Path, cls: type) -> None:
+    try:
+        _, info = cls.from_pretrained(model_dir, output_loading_info=True)
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise VerificationError(f"The fine-tune's output does not load in {cls.__name__} "
+                                f"({str(exc).splitlines()[0]}); nothing was written.") from None
+    if info["missing_keys"]:
+        raise VerificationError(f"The fine-tune's output does not give {cls.__name__} its weight "
+                                f"{sorted(info['missing_keys'])[0]}; nothing was written.")
