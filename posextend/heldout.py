@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .checkpoint import resolve_source
+from .sources import resolve_source
 from .context import RunContext
 from .errors import PosExtendError
 from .evaluation import EvalReport, plot_reports

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .checkpoint import MODULES, TOKENIZER_FILES, read_config, resolve_source, transformer_dir
+from .sources import MODULES, TOKENIZER_FILES, read_config, resolve_source, transformer_dir
 from .errors import PosExtendError, SourceError, TrainingError
 from .io import SAFE_INDEX, read_header
 from .lookup import all_specs, spec_for

@@ -269,7 +269,7 @@ def load_embedding_model(path: str | Path):
     """A sentence-transformers model from a local folder (a plain transformers checkpoint gets mean pooling)."""
     from sentence_transformers import SentenceTransformer
 
-    from .checkpoint import resolve_source
+    from .sources import resolve_source
 
     return SentenceTransformer(str(resolve_source(path)), device="cpu")
 

@@ -1,5 +1,5 @@
 """A fine-tune's output, written by the checkpoint writer of ``resize-model``
-(:func:`posextend.checkpoint.write_checkpoint`): the source checkpoint's files, in their layout, with
+(:func:`posextend.writer.write_checkpoint`): the source checkpoint's files, in their layout, with
 the trained tensors' new values.
 
 Where each trained tensor sits in the files is observed once the model is loaded, before it is
@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .checkpoint import Change, Written, transformer_dir, write_checkpoint
+from .sources import transformer_dir
+from .writer import Change, Written, write_checkpoint
 from .errors import TrainingError, VerificationError
 from .io import CheckpointReader, Entry, Source, dtype_code, torch_dtypes
 from .specs import names_on_load

@@ -30,9 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import __version__
-from .checkpoint import (
-    MODULES, Change, ResizeReport, changed_tensors, check_destination, model_card, opened, resize_report, resolve_source,
-)
+from .checkpoint import ResizeReport, changed_tensors, model_card, resize_report
 from .context import RunContext
 from .errors import TrainingError
 from .evaluation import EvalReport
@@ -41,6 +39,8 @@ from .loading import AnchorSource, Loaded, anchor_source, is_sentence_transforme
 from .objectives import Objective, default_objective, get_objective
 from .options import FinetuneConfig
 from .plan import Request, plan_resize
+from .sources import MODULES, check_destination, opened, resolve_source
+from .writer import Change
 
 if TYPE_CHECKING:
     from .saving import FileNames

@@ -111,12 +111,12 @@ def test_overwrite_replaces_and_inspect_reports(tiny, tmp_path):
 
 
 def test_interrupted_write_leaves_nothing(tiny, tmp_path, monkeypatch):
-    from posextend import checkpoint
+    from posextend import writer
 
     def boom(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(checkpoint, "_copy_other_files", boom)
+    monkeypatch.setattr(writer, "_copy_other_files", boom)
     with pytest.raises(KeyboardInterrupt):
         posextend.resize_checkpoint(tiny["gpt2"], tmp_path / "out", 50)
     assert list(tmp_path.iterdir()) == []

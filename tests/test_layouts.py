@@ -134,10 +134,10 @@ def test_interrupted_mid_stream_leaves_no_dst_and_no_temp(tmp_path):
 
 def test_failed_shard_copy_leaves_no_dst_and_no_temp(tmp_path, monkeypatch):
     """Whole-shard copies run in threads beside the rewrite: a failure there still cleans up."""
-    import posextend.checkpoint as checkpoint
+    import posextend.writer as writer
 
     src = _make(tmp_path, "sharded", torch.float32)
-    real_copy = checkpoint.copy_file
+    real_copy = writer.copy_file
     calls = []
 
     def failing_copy(source, target, **kwargs):
@@ -146,7 +146,7 @@ def test_failed_shard_copy_leaves_no_dst_and_no_temp(tmp_path, monkeypatch):
             raise OSError(28, "No space left on device")
         return real_copy(source, target, **kwargs)
 
-    monkeypatch.setattr(checkpoint, "copy_file", failing_copy)
+    monkeypatch.setattr(writer, "copy_file", failing_copy)
     with pytest.raises(posextend.DestinationError, match="no space left"):
         posextend.resize_checkpoint(src, tmp_path / "dst", NEW)
     assert len(calls) >= 2
