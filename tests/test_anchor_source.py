@@ -139,7 +139,7 @@ def test_tile_without_its_original_is_exact_and_said_so_quietly(gpt, corpus, tmp
     original, resized = _resized(gpt, tmp_path, "tile")
     shutil.rmtree(original)
     with caplog.at_level(logging.INFO, logger="posextend"):
-        report = finetune(resized, tmp_path / "out", [corpus], **QUICK)
+        finetune(resized, tmp_path / "out", [corpus], **QUICK)
     (line,) = _anchor_lines(caplog)
     assert line.levelno == logging.INFO  # nothing is lost: not a warning
     assert line.getMessage().endswith(": exact, since tile kept the original's first 32 rows.")

@@ -12,7 +12,7 @@ from safetensors import safe_open
 
 import posextend
 from conftest import load_clean, tree_digest
-from tiny import FAMILIES, POSITIONS, build
+from tiny import FAMILIES
 
 NEW = 90
 TABLE = "transformer.wpe.weight"
