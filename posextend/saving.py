@@ -115,15 +115,20 @@ def changes(state: Mapping[str, torch.Tensor], model: torch.nn.Module, files: Fi
             ) -> tuple[dict[str, tuple[tuple[int, ...], Source]], tuple[tuple[Entry, Source], ...]]:
     """The trained model's tensors that differ from the files (new value or shape), by file name, in the
     file's dtype; and the parameters the files lack. ``state``: the trained model's state dict (full, when
-    sharded across processes); ``model``: the trained model (its unsaved buffers)."""
+    sharded across processes); ``model``: the trained model (its unsaved buffers, and the parameters that did
+    not train, which hold the file's values as :func:`file_names` observed them)."""
     import torch
 
     dtypes = torch_dtypes()
     buffers = dict(model.named_buffers())
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}  # as loaded: observed so
     tensors: dict[str, tuple[tuple[int, ...], Source]] = {}
     for name, file_name in files.names.items():
         entry = reader.entries[file_name]
-        value = (buffers if name in files.buffers else state)[name].detach().to("cpu", dtypes[entry.dtype])
+        value = (buffers if name in files.buffers else state)[name]
+        if name in frozen and tuple(value.shape) == entry.shape:
+            continue
+        value = value.detach().to("cpu", dtypes[entry.dtype])
         if tuple(value.shape) != entry.shape or not torch.equal(value, reader.get(file_name)):
             tensors[file_name] = (tuple(value.shape), lambda v=value: v)
     added = tuple((Entry(file_name, reader.files[-1], dtype_code(state[name].dtype), tuple(state[name].shape)),
