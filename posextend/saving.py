@@ -124,13 +124,16 @@ def changes(state: Mapping[str, torch.Tensor], model: torch.nn.Module, files: Fi
     frozen = {name for name, p in model.named_parameters() if not p.requires_grad}  # as loaded: observed so
     tensors: dict[str, tuple[tuple[int, ...], Source]] = {}
     for name, file_name in files.names.items():
-        entry = reader.entries[file_name]
-        value = (buffers if name in files.buffers else state)[name]
-        if name in frozen and tuple(value.shape) == entry.shape:
+        entry, source = reader.entries[file_name], buffers if name in files.buffers else state
+        shape = tuple(source[name].shape)
+        if name in frozen and shape == entry.shape:
             continue
-        value = value.detach().to("cpu", dtypes[entry.dtype])
-        if tuple(value.shape) != entry.shape or not torch.equal(value, reader.get(file_name)):
-            tensors[file_name] = (tuple(value.shape), lambda v=value: v)
+
+        def value(t=source[name], dtype=dtypes[entry.dtype]) -> torch.Tensor:  # made again when written: one at a time
+            return t.detach().to("cpu", dtype)
+
+        if shape != entry.shape or not torch.equal(value(), reader.get(file_name)):
+            tensors[file_name] = (shape, value)
     added = tuple((Entry(file_name, reader.files[-1], dtype_code(state[name].dtype), tuple(state[name].shape)),
                    lambda n=name: state[n].detach().cpu())
                   for name, file_name in files.added.items())
