@@ -7,7 +7,7 @@ from typing import Any
 
 from torch import nn
 
-from .plan import GroupPlan, Request, plan_resize
+from .plan import Request, plan_resize
 
 log = logging.getLogger(__name__)
 
@@ -47,9 +47,9 @@ def extend_model(
     return model
 
 
-def extend(model: nn.Module, request: Request, seed: int | None) -> list[GroupPlan]:
-    """:func:`extend_model`'s work: plan ``request`` on the model's config and tensors, carry it out in
-    place, and return the plans (what a checkpoint written from the model changes in its files)."""
+def extend(model: nn.Module, request: Request, seed: int | None) -> None:
+    """:func:`extend_model`'s work, for a caller holding a :class:`~posextend.plan.Request` (the fine-tune,
+    which keeps it: its written checkpoint follows the same request)."""
     config = model.config.to_dict()
     shapes = {n: tuple(t.shape) for n, t in [*model.named_parameters(), *model.named_buffers()]}
     plans = plan_resize(config, shapes, request, cls=type(model))
@@ -74,7 +74,6 @@ def extend(model: nn.Module, request: Request, seed: int | None) -> list[GroupPl
             sync_derived_buffers(model)  # buffers it computes from its config (OWL-ViT's box_bias)
         log.info("Extended %s in memory: %s -> %s (%s)", plan.spec.model_type, plan.layout.grid, plan.new_grid,
                  plan.strategy)
-    return plans
 
 
 def _tensor(model: nn.Module, name: str):

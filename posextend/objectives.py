@@ -318,7 +318,7 @@ class Contrastive(Objective):
         if self.anchor and old < PASSAGE_TOKENS + 2:
             raise TrainingError(
                 f"The contrastive anchor compares embeddings of {PASSAGE_TOKENS}-token passages, which {directory}'s "
-                f"old length of {old} positions cannot read: set the anchor to 0, or train only the new rows.")
+                f"old length of {old} positions cannot read: set the anchor to 0.")
         if self.anchor:  # the source model, frozen, before its table is extended
             result.extras["source"] = self.copy_reference(result)
         return result
