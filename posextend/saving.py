@@ -36,15 +36,14 @@ log = logging.getLogger(__name__)
 class FileNames:
     """Where a loaded model's tensors sit in its checkpoint's weight files, by name in the trained model.
 
-    - ``names``: each tensor the files hold -> its file name (its value as loaded is the file's, bit for bit).
+    - ``names``: each tensor of the model's state dict that the files hold -> its file name (its value as
+      loaded is the file's, bit for bit). A buffer the model does not save but an older file still holds
+      (``position_ids``) is the resize plan's, as ``resize-model`` writes it.
     - ``added``: each parameter the files lack (a freshly initialised head) -> the name it is written under.
-    - ``buffers``: the tensors of ``names`` that the model does not save (non-persistent buffers an
-      older file still holds, ``position_ids``): written from the model itself.
     """
 
     names: dict[str, str]
     added: dict[str, str]
-    buffers: frozenset[str] = frozenset()
 
 
 def _candidates(name: str, prefix: str, renamed: Mapping[str, list[str]]) -> list[str]:
@@ -67,7 +66,7 @@ def file_names(model: torch.nn.Module, hf_model: torch.nn.Module, reader: Checkp
     root = next((f"{n}." for n, m in model.named_modules() if m is hf_model and n), "")
     base = getattr(hf_model, "base_model_prefix", "")
     prefix = f"{base}." if base else ""
-    tensors = {**dict(hf_model.named_buffers()), **hf_model.state_dict(keep_vars=True)}
+    tensors = hf_model.state_dict(keep_vars=True)
     renamed: dict[str, list[str]] = {}
     for model_name, file_name in names_on_load(reader.names(), config).items():
         renamed.setdefault(file_name, []).append(model_name)
@@ -82,9 +81,7 @@ def file_names(model: torch.nn.Module, hf_model: torch.nn.Module, reader: Checkp
             if torch.equal(tensor.detach().cpu(), value.to(tensor.dtype)):
                 names[root + name] = file_name
                 break
-    saved = {root + n for n in hf_model.state_dict()}
-    return FileNames(names, _added(hf_model, root, names, reader, prefix),
-                     frozenset(n for n in names if n not in saved))
+    return FileNames(names, _added(hf_model, root, names, reader, prefix))
 
 
 def _added(hf_model: torch.nn.Module, root: str, names: Mapping[str, str], reader: CheckpointReader,
@@ -115,21 +112,19 @@ def changes(state: Mapping[str, torch.Tensor], model: torch.nn.Module, files: Fi
             ) -> tuple[dict[str, tuple[tuple[int, ...], Source]], tuple[tuple[Entry, Source], ...]]:
     """The trained model's tensors that differ from the files (new value or shape), by file name, in the
     file's dtype; and the parameters the files lack. ``state``: the trained model's state dict (full, when
-    sharded across processes); ``model``: the trained model (its unsaved buffers, and the parameters that did
-    not train, which hold the file's values as :func:`file_names` observed them)."""
+    sharded across processes); ``model``: the trained model (the parameters that did not train hold the
+    file's values, as :func:`file_names` observed them)."""
     import torch
 
     dtypes = torch_dtypes()
-    buffers = dict(model.named_buffers())
     frozen = {name for name, p in model.named_parameters() if not p.requires_grad}  # as loaded: observed so
     tensors: dict[str, tuple[tuple[int, ...], Source]] = {}
     for name, file_name in files.names.items():
-        entry, source = reader.entries[file_name], buffers if name in files.buffers else state
-        shape = tuple(source[name].shape)
+        entry, shape = reader.entries[file_name], tuple(state[name].shape)
         if name in frozen and shape == entry.shape:
             continue
 
-        def value(t=source[name], dtype=dtypes[entry.dtype]) -> torch.Tensor:  # made again when written: one at a time
+        def value(t=state[name], dtype=dtypes[entry.dtype]) -> torch.Tensor:  # made again when written: one at a time
             return t.detach().to("cpu", dtype)
 
         if shape != entry.shape or not torch.equal(value(), reader.get(file_name)):
