@@ -3,13 +3,13 @@
 the trained tensors' new values.
 
 Where each trained tensor sits in the files is observed once the model is loaded, before it is
-extended or trained (:func:`file_names`): a file tensor belongs to the parameter (or buffer) that
-holds its exact value under the file's name, the name with or without the base model's prefix (a bare
+extended or trained (:func:`file_names`): a file tensor belongs to the state-dict tensor that holds
+its exact value under the file's name, the name with or without the base model's prefix (a bare
 file under a headed class), or the name the family's conversion mapping gives it. A tensor that
 training left bit-identical keeps its bytes; a trained one is written in its file's dtype; a
 parameter the files lack (a fresh head, a pooler initialised on loading) is added, and the output
-is loaded to check it. The config, tokenizer and
-sentence-transformers settings follow the resize the run made, as ``resize-model`` writes them.
+is loaded to check it. The config, tokenizer and sentence-transformers settings, and the length
+buffers the model does not save, follow the resize the run made, as ``resize-model`` writes them.
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .sources import transformer_dir
-from .writer import Change, Written, write_checkpoint
 from .errors import TrainingError, VerificationError
 from .io import CheckpointReader, Entry, Source, dtype_code, torch_dtypes
+from .sources import transformer_dir
 from .specs import names_on_load
+from .writer import Change, Written, write_checkpoint
 
 if TYPE_CHECKING:
     import torch
@@ -117,7 +117,7 @@ def changes(state: Mapping[str, torch.Tensor], model: torch.nn.Module, files: Fi
     import torch
 
     dtypes = torch_dtypes()
-    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}  # as loaded: observed so
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}  # the file's values: observed on loading
     tensors: dict[str, tuple[tuple[int, ...], Source]] = {}
     for name, file_name in files.names.items():
         entry, shape = reader.entries[file_name], tuple(state[name].shape)
