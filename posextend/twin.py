@@ -76,6 +76,7 @@ _EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_exp
 _LAYERS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "encoder_layers", "decoder_layers",
            "num_encoder_layers", "num_decoder_layers", "num_self_attends_per_block")
 _VOCAB = ("vocab_size",)
+_VOCAB_PARTS = ("unpadded_vocab_size",)  # counts of rows within vocab_size (Inkling-2: the rows before the padding)
 TINY_WIDTH, TINY_HEADS, TINY_FFN, TINY_LAYERS, TINY_VOCAB = 64, 2, 96, 2, 512  # width // 64 heads still works
 
 
@@ -102,6 +103,7 @@ def shrink(config: Mapping[str, Any], *, widths: bool = True) -> dict[str, Any]:
         _keep_global_layers(out, config.get("global_attn_indexes"), old)
     if isinstance(out.get("vocab_size"), int) and out["vocab_size"] > TINY_VOCAB:
         out["vocab_size"] = max([TINY_VOCAB, *(i + 1 for i in _token_ids(out))])
+        _keep_vocabulary_parts(out, config["vocab_size"])
     if not widths:
         return out
     for keys, size in ((_WIDTH, TINY_WIDTH), (_HEADS, TINY_HEADS), (_FFN, TINY_FFN)):
@@ -118,6 +120,15 @@ def shrink(config: Mapping[str, Any], *, widths: bool = True) -> dict[str, Any]:
         if isinstance(out.get(key), int) and out[key] > TINY_HEADS:
             out[key] = TINY_HEADS
     return out
+
+
+def _keep_vocabulary_parts(config: dict[str, Any], old_vocab: int) -> None:
+    """After shrinking ``vocab_size`` from ``old_vocab``: a field that counts part of that vocabulary
+    (``unpadded_vocab_size``: the rows before the padding) keeps its distance below ``vocab_size``."""
+    for key in _VOCAB_PARTS:
+        value = config.get(key)
+        if type(value) is int and config["vocab_size"] < value <= old_vocab:
+            config[key] = max(1, config["vocab_size"] - (old_vocab - value))
 
 
 def _keep_global_layers(config: dict[str, Any], indexes: Any, old_layers: int) -> None:

@@ -761,3 +761,16 @@ def test_cli_inspect_plot_on_a_two_length_model(led_twin, tmp_path):
     r = cli("inspect", led_twin, "--plot", tmp_path / "plots")
     assert r.exit_code == 0, r.output
     assert (tmp_path / "plots" / "analysis.json").is_file()
+
+
+def test_shrink_keeps_a_vocabulary_part_below_the_vocabulary():
+    """A field that counts rows within the vocabulary (Inkling-2's ``unpadded_vocab_size``, transformers 5.24)
+    keeps its distance below the shrunk ``vocab_size``; a vocabulary of its own (RoCBert's shapes) is left."""
+    from posextend import twin
+
+    config = {"model_type": "x", "vocab_size": 100_000, "unpadded_vocab_size": 99_900, "shape_vocab_size": 24858}
+    out = twin.shrink(config)
+    assert out["vocab_size"] == twin.TINY_VOCAB and out["shape_vocab_size"] == 24858
+    assert out["vocab_size"] - out["unpadded_vocab_size"] == 100
+    assert twin.shrink({**config, "unpadded_vocab_size": 1000})["unpadded_vocab_size"] == 1  # a gap wider than the twin
+    assert twin.shrink({**config, "unpadded_vocab_size": 100})["unpadded_vocab_size"] == 100  # already fits
