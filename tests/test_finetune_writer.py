@@ -178,3 +178,16 @@ def test_a_headed_file_under_a_sentence_transformer_keeps_its_prefix(bert, corpu
     assert all(torch.equal(after[n], before[n]) for n in before if n not in (table, "bert.embeddings.position_ids"))
     tuned = SentenceTransformer(str(tmp_path / "out"), device="cpu")
     assert torch.equal(tuned[0].auto_model.embeddings.position_embeddings.weight, after[table])
+
+
+def test_a_disk_that_fills_while_the_fine_tune_is_written_is_one_error_and_no_output(gpt, corpus, tmp_path, monkeypatch):
+    import posextend.writer as writer
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(writer, "write_safetensors", full)
+    with pytest.raises(posextend.DestinationError, match="no space left"):
+        posextend.finetune(gpt, tmp_path / "out", [corpus], length=48, train="positions", steps=1, batch_size=2,
+                           eval_sequences=2, seed=0)
+    assert not (tmp_path / "out").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
