@@ -255,10 +255,9 @@ def resize_checkpoint(
         check_destination(directory, dst, overwrite=overwrite)
         _check_request(reader, plans, new_length, st_max_seq_length)
         seed = secrets.randbits(63) if seed is None else seed
-        changed = {name: made for plan in plans for name, made in changed_tensors(reader, config, plan, seed).items()}
         report = resize_report(directory, dst, plans, config, seed)
-        change = Change(changed, dropped=frozenset(report.dropped), plans=tuple(plans), metadata=report.provenance(),
-                        st_max_seq_length=st_max_seq_length)
+        change = dataclasses.replace(resize_change(reader, config, plans, seed), metadata=report.provenance(),
+                                     st_max_seq_length=st_max_seq_length)
         with atomic_output(dst, overwrite=overwrite) as tmp:
             written = write_checkpoint(directory, tmp, reader, config, change, link=link, progress=progress)
             report.record(written)
@@ -290,7 +289,14 @@ def _check_request(reader: CheckpointReader, plans: list[GroupPlan], new_length:
         _check_source_tables(reader, plan.layout)
 
 
-def changed_tensors(
+def resize_change(reader: CheckpointReader, config: Mapping[str, Any], plans: list[GroupPlan], seed: int) -> Change:
+    """What resizing ``reader``'s files by ``plans`` changes in them: each group's tables and buffers, the
+    obsolete tensors left out, and the plans the config follows (provenance is the caller's)."""
+    tensors = {name: made for plan in plans for name, made in _changed_tensors(reader, config, plan, seed).items()}
+    return Change(tensors, dropped=frozenset(d for plan in plans for d in plan.layout.dropped), plans=tuple(plans))
+
+
+def _changed_tensors(
     reader: CheckpointReader, config: Mapping[str, Any], plan: GroupPlan, seed: int,
 ) -> dict[str, tuple[tuple[int, ...], Source]]:
     """Each table and buffer of ``plan``: its written shape and how to make it."""

@@ -14,6 +14,7 @@ on any number of processes. Several processes::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import logging
@@ -30,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import __version__
-from .checkpoint import ResizeReport, changed_tensors, model_card, resize_report
+from .checkpoint import ResizeReport, model_card, resize_change, resize_report
 from .context import RunContext
 from .errors import TrainingError
 from .evaluation import EvalReport
@@ -40,7 +41,6 @@ from .objectives import Objective, default_objective, get_objective
 from .options import FinetuneConfig
 from .plan import Request, plan_resize
 from .sources import MODULES, check_destination, opened, resolve_source
-from .writer import Change
 
 if TYPE_CHECKING:
     from .saving import FileNames
@@ -504,11 +504,11 @@ def _save(run: _Run, dst: Path, report: FinetuneReport, src: Path, loaded: Loade
     seed = run.config.seed
     with opened(src) as (directory, config, reader, shapes):
         plans = [plan for request in loaded.requests for plan in plan_resize(config, shapes, request)]
-        resized = {n: made for plan in plans for n, made in changed_tensors(reader, config, plan, seed).items()}
+        resized = resize_change(reader, config, plans, seed)
         trained, added = changes(state_dict, run.unwrapped, loaded.files, reader)
         resize = resize_report(directory, dst, plans, config, seed) if plans else None
-        change = Change({**resized, **trained}, added, frozenset(d for p in plans for d in p.layout.dropped),
-                        tuple(plans), _provenance(run, report, directory, resize))
+        change = dataclasses.replace(resized, tensors={**resized.tensors, **trained}, added=added,
+                                     metadata=_provenance(run, report, directory, resize))
         with atomic_output(dst, overwrite=run.config.overwrite) as tmp:
             written = write_trained(directory, tmp, change, config, reader, type(loaded.hf_model))
             _save_modules(loaded, directory, tmp, run.config.train)
