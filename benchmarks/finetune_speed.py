@@ -57,7 +57,7 @@ def peak_memory_mib(device: str) -> float:
 def worker(args) -> dict:
     tokens_per_step = args.batch_size * args.length
     if args.worker == "posextend":
-        from posextend.training import finetune
+        from posextend.training.loop import finetune
 
         times = []
         finetune(
@@ -69,7 +69,7 @@ def worker(args) -> dict:
         seconds = times[-1] - times[0]  # steps 2..N (step 1 is warm-up)
         return {"tokens_per_second": args.steps * tokens_per_step / seconds, "peak_mib": peak_memory_mib(args.device)}
 
-    from posextend.data import pack, read_documents, split
+    from posextend.scoring.text import pack, read_documents, split
 
     tok = transformers.AutoTokenizer.from_pretrained(args.model)
     train, _ = split(pack(tok, read_documents([args.data]), args.length))

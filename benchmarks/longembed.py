@@ -33,7 +33,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 import posextend  # noqa: E402
-from posextend.retrieval import HAYSTACKS, evaluate_retrieval  # noqa: E402
+from posextend.scoring.retrieval import HAYSTACKS, evaluate_retrieval  # noqa: E402
 
 
 def main() -> None:

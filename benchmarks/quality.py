@@ -34,9 +34,9 @@ import torch
 import transformers
 
 import posextend
-from posextend.data import pack, read_documents
-from posextend.evaluation import evaluate_model, plot_reports
-from posextend.training import finetune
+from posextend.scoring.text import pack, read_documents
+from posextend.scoring.by_position import evaluate_model, plot_reports
+from posextend.training.loop import finetune
 
 MODES = ("new-rows", "positions", "all")
 LR = {"new-rows": 1e-3, "positions": 1e-3, "all": 1e-4}  # the learning rates this table was measured with (constant)

@@ -42,10 +42,10 @@ import transformers
 from quality import SETTINGS, build_reference
 
 import posextend
-from posextend.data import pack, read_documents
-from posextend.evaluation import evaluate_model, position_losses
-from posextend.objectives import CausalLM, get_objective, register_objective
-from posextend.training import finetune
+from posextend.scoring.text import pack, read_documents
+from posextend.scoring.by_position import evaluate_model, position_losses
+from posextend.training.objectives.base import CausalLM, get_objective, register_objective
+from posextend.training.loop import finetune
 
 HELDOUT = ("emma.txt", "northangerabbey.txt")
 SIZES = {  # name: changes to quality.py's settings

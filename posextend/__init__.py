@@ -6,57 +6,52 @@ The public API is imported lazily so that ``posextend --help`` stays fast.
 from __future__ import annotations
 
 from importlib import import_module
-from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING
 
 from .errors import *  # noqa: F403  (small, dependency-free)
 from .errors import PosExtendError
-
-try:
-    __version__ = version("posextend")
-except PackageNotFoundError:  # running from a source tree
-    __version__ = "0.0.0+local"
+from .version import __version__
 
 _LAZY = {
-    "extend_model": "model",
-    "resize_checkpoint": "checkpoint",
-    "inspect_checkpoint": "checkpoint",
-    "ResizeReport": "checkpoint",
-    "CheckpointInfo": "checkpoint",
-    "register_strategy": "strategies",
-    "available_strategies": "strategies",
-    "get_strategy": "strategies",
-    "resize_table": "strategies",
-    "resize_grid": "strategies",
-    "finetune": "training",
-    "FinetuneReport": "training",
-    "FinetuneConfig": "options",
-    "evaluate": "heldout",
-    "EvalReport": "evaluation",
-    "ArchitectureSpec": "specs",
-    "SPECS": "specs",
-    "GRID_SPECS": "specs",
-    "spec_for": "lookup",
-    "all_specs": "lookup",
-    "register_objective": "objectives",
-    "available_objectives": "objectives",
-    "evaluate_retrieval": "retrieval",
+    "extend_model": "resize.in_memory",
+    "resize_checkpoint": "resize.on_disk",
+    "inspect_checkpoint": "resize.on_disk",
+    "ResizeReport": "resize.on_disk",
+    "CheckpointInfo": "resize.on_disk",
+    "register_strategy": "tables.strategies",
+    "available_strategies": "tables.strategies",
+    "get_strategy": "tables.strategies",
+    "resize_table": "tables.strategies",
+    "resize_grid": "tables.strategies",
+    "finetune": "training.loop",
+    "FinetuneReport": "training.loop",
+    "FinetuneConfig": "training.options",
+    "evaluate": "training.heldout",
+    "EvalReport": "scoring.by_position",
+    "ArchitectureSpec": "families.specs",
+    "SPECS": "families.specs",
+    "GRID_SPECS": "families.specs",
+    "spec_for": "families.lookup",
+    "all_specs": "families.lookup",
+    "register_objective": "training.objectives.base",
+    "available_objectives": "training.objectives.base",
+    "evaluate_retrieval": "scoring.retrieval",
 }
 
 __all__ = ["PosExtendError", "__version__", *_LAZY]
 
 if TYPE_CHECKING:
-    from .checkpoint import CheckpointInfo, ResizeReport, inspect_checkpoint, resize_checkpoint
-    from .evaluation import EvalReport
-    from .heldout import evaluate
-    from .lookup import all_specs, spec_for
-    from .objectives import available_objectives, register_objective
-    from .retrieval import evaluate_retrieval
-    from .model import extend_model
-    from .options import FinetuneConfig
-    from .specs import GRID_SPECS, SPECS, ArchitectureSpec
-    from .strategies import available_strategies, get_strategy, register_strategy, resize_grid, resize_table
-    from .training import FinetuneReport, finetune
+    from .resize.on_disk import CheckpointInfo, ResizeReport, inspect_checkpoint, resize_checkpoint
+    from .scoring.by_position import EvalReport
+    from .training.heldout import evaluate
+    from .families.lookup import all_specs, spec_for
+    from .training.objectives.base import available_objectives, register_objective
+    from .scoring.retrieval import evaluate_retrieval
+    from .resize.in_memory import extend_model
+    from .training.options import FinetuneConfig
+    from .families.specs import GRID_SPECS, SPECS, ArchitectureSpec
+    from .tables.strategies import available_strategies, get_strategy, register_strategy, resize_grid, resize_table
+    from .training.loop import FinetuneReport, finetune
 
 
 def __getattr__(name: str):

@@ -15,8 +15,8 @@ from typing import Annotated, Any, TypeVar
 import typer
 from rich.console import Console
 
-from . import __version__
-from .errors import PosExtendError
+from posextend.version import __version__
+from posextend.errors import PosExtendError
 
 app = typer.Typer(
     name="posextend",
@@ -116,7 +116,7 @@ def main(
 
 
 def _params(items: list[str] | None) -> dict[str, Any]:
-    from .strategies import parse_param
+    from posextend.tables.strategies import parse_param
 
     return dict(parse_param(item) for item in items or [])
 
@@ -162,8 +162,8 @@ def resize_model(
     st_max_seq_length: Annotated[int | None, typer.Option("--st-max-seq-length", help="sentence-transformers max_seq_length of the output (default: the new length).")] = None,
 ) -> None:
     """Resize the position table(s) of a checkpoint on disk, without loading the model."""
-    from .checkpoint import resize_checkpoint
-    from .errors import InvalidLengthError
+    from posextend.resize.on_disk import resize_checkpoint
+    from posextend.errors import InvalidLengthError
 
     if length is None and image_size is None:
         raise InvalidLengthError("Give --length (positions), --image-size (image grids), or both.")
@@ -216,7 +216,7 @@ def resize_model(
 
 def _image_size(text: str | None) -> int | tuple[int, int] | None:
     """``"448"`` → 448; ``"448x336"`` → (448, 336) (height x width)."""
-    from .errors import InvalidLengthError
+    from posextend.errors import InvalidLengthError
 
     if text is None:
         return None
@@ -239,7 +239,7 @@ def inspect_cmd(
     """Show where a checkpoint keeps its positions and how long its context is."""
     from rich.table import Table
 
-    from .checkpoint import inspect_checkpoint
+    from posextend.resize.on_disk import inspect_checkpoint
 
     info = inspect_checkpoint(src)
     if (plot or compare) and table is None and len(info.groups) > 1:
@@ -302,7 +302,7 @@ def _fmt(value: Any) -> str:
 
 
 def _diagnostics(src: str, compare: str | None, out: Path | None, table: str | None = None) -> dict[str, dict[str, Any]]:
-    from .analysis import analyze, plot, plot_grid, table_of
+    from posextend.scoring.analysis import analyze, plot, plot_grid, table_of
 
     names = [Path(src).name or str(src), Path(compare).name if compare else ""]
     if names[0] == names[1]:
@@ -312,8 +312,8 @@ def _diagnostics(src: str, compare: str | None, out: Path | None, table: str | N
         tables[names[1]] = table_of(compare, table)
     analysis = {label: analyze(t).to_dict() for label, t in tables.items()}
     if out:
-        from .checkpoint import read_position_table
-        from .io import output_errors, write_file
+        from posextend.resize.on_disk import read_position_table
+        from posextend.files.io import output_errors, write_file
 
         write_file(out / "analysis.json", json.dumps(analysis, indent=2))
         lengths = [t.shape[0] for t in tables.values()]
@@ -331,7 +331,7 @@ def strategies_cmd() -> None:
     """List the registered strategies (plugins included)."""
     from rich.table import Table
 
-    from .strategies import CONTEXT_PARAMS, available_strategies
+    from posextend.tables.strategies import CONTEXT_PARAMS, available_strategies
 
     table = Table("strategy", "description", "parameters", "keeps old rows", "tables")
     for s in available_strategies().values():
@@ -362,7 +362,7 @@ def _eval_table(title: str, reports: dict[str, Any]) -> None:
 
 def _far_range_advice(report) -> None:
     """One line when the far range is still more than 10% above the original range, with what to try."""
-    from .evaluation import far_range_gap
+    from posextend.scoring.by_position import far_range_gap
 
     gap = report.before and report.after and far_range_gap(report.before, report.after)
     if not gap or gap[0] <= 1.10 * gap[1]:
@@ -411,7 +411,7 @@ def finetune_cmd(
     """Extend (optionally) and fine-tune so the new positions learn; evaluate before and after."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from .training import finetune
+    from posextend.training.loop import finetune
 
     main_process = os.environ.get("RANK", "0") == "0"  # under torchrun / accelerate launch: only rank 0 shows
     progress = Progress(
@@ -444,7 +444,7 @@ def finetune_cmd(
         console.print(f"  {note}", highlight=False)
     _far_range_advice(report)
     if plot:
-        from .evaluation import plot_reports
+        from posextend.scoring.by_position import plot_reports
 
         plot_reports({k: v for k, v in {"before": report.before, "after": report.after}.items() if v}, plot)
         console.print(f"  plot: {plot}", highlight=False)
@@ -476,7 +476,7 @@ def eval_cmd(
     if task:
         _retrieval(model, data, task, lengths, documents, mode, max_tokens, reference, json_path, haystack)
         return
-    from .heldout import evaluate
+    from posextend.training.heldout import evaluate
 
     with err_console.status("Evaluating"):
         report = evaluate(model, data, length=length, objective=objective, buckets=buckets, batch_size=batch_size,
@@ -488,8 +488,8 @@ def _retrieval(model: str, data: list[Path], tasks: str, lengths: str, documents
                max_tokens: int | None, reference: str | None, json_path: Path | None, haystack: str = "shared") -> None:
     from rich.table import Table
 
-    from .errors import DataError
-    from .retrieval import HAYSTACKS, evaluate_retrieval
+    from posextend.errors import DataError
+    from posextend.scoring.retrieval import HAYSTACKS, evaluate_retrieval
 
     if mode not in ("full", "chunk"):
         raise DataError(f"--mode must be full or chunk, got {mode!r}.")
@@ -517,7 +517,7 @@ def _retrieval(model: str, data: list[Path], tasks: str, lengths: str, documents
     if report.short_input_cosine is not None:
         console.print(f"  short inputs: mean cosine to {reference}: {report.short_input_cosine:.4f}", highlight=False)
     if json_path:
-        from .io import write_file
+        from posextend.files.io import write_file
 
         write_file(json_path, json.dumps(report.to_dict(), indent=2))
 

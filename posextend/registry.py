@@ -13,7 +13,7 @@ import logging
 import re
 from typing import Generic, TypeVar
 
-from .errors import PosExtendError
+from posextend.errors import PosExtendError
 
 log = logging.getLogger(__name__)
 

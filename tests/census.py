@@ -46,9 +46,9 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 import posextend  # noqa: E402
-from posextend import twin  # noqa: E402
-from posextend.lookup import all_specs  # noqa: E402
-from posextend.probe import length_fields  # noqa: E402
+from posextend.families import twin# noqa: E402
+from posextend.families.lookup import all_specs  # noqa: E402
+from posextend.families.probe import length_fields  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 warnings.filterwarnings("ignore")
@@ -119,8 +119,8 @@ def capped(config: dict) -> dict:
 def holds_table(config: dict, cls: type) -> str:
     """'grid', 'table' or '' from the twin's parameter shapes (for classifying refusals only).
 
-    Only absolute tables count (:func:`posextend.twin.absolute_position_tables`). 'grid': one shaped
-    as an image grid (:func:`posextend.twin.is_grid_shape`), in a model whose config has a patch size.
+    Only absolute tables count (:func:`posextend.families.twin.absolute_position_tables`). 'grid': one shaped
+    as an image grid (:func:`posextend.families.twin.is_grid_shape`), in a model whose config has a patch size.
     'table': a 2-D one with as many rows as a length field says (or 2 more).
     """
     try:
@@ -545,9 +545,9 @@ def markdown(results: list[Result]) -> str:
         "|---|" + "---|" * len(OUTCOMES),
         *(f"| {k} | " + " | ".join(str(v.get(o, 0)) for o in OUTCOMES) + " |" for k, v in layout_counts(results).items()),
         "",
-        "- **spec**: a written spec in `posextend/specs.py`; **probed**: observed on a twin of the model's own config.",
+        "- **spec**: a written spec in `posextend/families/specs.py`; **probed**: observed on a twin of the model's own config.",
         "- **refused**: no learned absolute 1-D table (rotary, relative, sinusoidal, none), with the reason.",
-        "- **grid-probed**: a 2-D image-patch grid without a written spec, observed on twins (`posextend/grid_probe.py`) "
+        "- **grid-probed**: a 2-D image-patch grid without a written spec, observed on twins (`posextend/families/grid_probe.py`) "
         "and resized here to twice the image size: clean `from_pretrained`, a forward at the new size, and where the "
         "family has a run-time `interpolate_pos_encoding` (**run-time**), the same outputs as the source's run-time "
         "interpolation within 1e-5; else (**load-and-run**) finite outputs. Composites (OWL-ViT, BLIP …) list their "

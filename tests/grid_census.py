@@ -22,9 +22,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from census import _class_for, capped, default_config  # noqa: E402
 
-from posextend import twin  # noqa: E402
+from posextend.families import twin# noqa: E402
 from posextend.errors import PosExtendError  # noqa: E402
-from posextend.grid_probe import image_fields, observe_grids  # noqa: E402
+from posextend.families.grid_probe import image_fields, observe_grids  # noqa: E402
 
 LIMIT_S = 120
 

@@ -14,9 +14,9 @@ import transformers
 from typer.testing import CliRunner
 
 import posextend
-from posextend import training
+from posextend.training import loop as training
 from posextend.cli import app
-from posextend.training import finetune
+from posextend.training.loop import finetune
 
 QUICK = dict(steps=1, batch_size=2, train="all", eval_sequences=2, buckets=2, seed=0)
 
@@ -65,7 +65,7 @@ def _differs(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def test_the_anchor_holds_to_the_recorded_original_not_the_resized_file(gpt, corpus, tmp_path, runs, ids, caplog):
     original, resized = _resized(gpt, tmp_path)
-    with caplog.at_level(logging.INFO, logger="posextend.training"):
+    with caplog.at_level(logging.INFO, logger="posextend.training.loop"):
         report = finetune(resized, tmp_path / "out", [corpus], **QUICK)
     (run,) = runs
     reference = run.cache["source"]
@@ -78,7 +78,7 @@ def test_the_anchor_holds_to_the_recorded_original_not_the_resized_file(gpt, cor
     assert torch.equal(_logits(reference, ids), _logits(original, ids))
     assert _differs(_logits(resized, ids), _logits(original, ids)) > 1e-3
     # the fine-tuned output records the original, so a second fine-tune finds it too
-    meta = json.loads(json.dumps(posextend.loading.provenance(tmp_path / "out")))
+    meta = json.loads(json.dumps(posextend.training.loading.provenance(tmp_path / "out")))
     assert (meta["posextend.source"], meta["posextend.old_length"]) == (str(original.resolve()), "32")
     finetune(tmp_path / "out", tmp_path / "again", [corpus], **QUICK)
     assert torch.equal(_logits(runs[1].cache["source"], ids), _logits(original, ids))

@@ -111,7 +111,7 @@ def test_overwrite_replaces_and_inspect_reports(tiny, tmp_path):
 
 
 def test_interrupted_write_leaves_nothing(tiny, tmp_path, monkeypatch):
-    from posextend import writer
+    from posextend.resize import writer
 
     def boom(*args, **kwargs):
         raise KeyboardInterrupt

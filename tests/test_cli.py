@@ -141,7 +141,7 @@ def test_console_script_error_is_one_line_and_debug_shows_traceback(tiny, tmp_pa
 
 def test_cli_and_file_path_do_not_import_torch_at_start():
     """resize-model copies bytes while torch is imported in the background: keep it that way."""
-    code = "import sys, posextend.cli, posextend.checkpoint; print('torch' in sys.modules)"
+    code = "import sys, posextend.cli, posextend.resize.on_disk; print('torch' in sys.modules)"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.stdout.strip() == "False", r.stderr
 
@@ -183,5 +183,5 @@ def test_documented_python_api_is_exported():
     for name in ("extend_model", "resize_checkpoint", "inspect_checkpoint", "finetune", "evaluate",
                  "register_strategy", "available_strategies", "resize_table"):
         assert callable(getattr(posextend, name)), name
-    import posextend.training  # importing the module must not shadow the function
-    assert callable(posextend.finetune) and posextend.finetune.__module__ == "posextend.training"
+    import posextend.training.loop  # importing the module must not shadow the function
+    assert callable(posextend.finetune) and posextend.finetune.__module__ == "posextend.training.loop"

@@ -149,7 +149,7 @@ def test_resume_on_one_process_continues_a_two_process_run(tmp_path, corpus):
     driver = tmp_path / "interrupted.py"
     driver.write_text(
         "import sys, posextend\n"
-        "from posextend.training import finetune\n"
+        "from posextend.training.loop import finetune\n"
         "try:\n"
         f"    finetune({str(src)!r}, {str(tmp_path / 'resumed')!r}, [{str(corpus)!r}], length=48, steps={STEPS},\n"
         "             batch_size=1, lr=3e-3, seed=0, fail_at_step=4)\n"
@@ -170,7 +170,7 @@ def test_a_process_group_accelerate_does_not_see_is_refused_in_one_line(monkeypa
     from unittest import mock
 
     from posextend.errors import TrainingError
-    from posextend.training import make_accelerator
+    from posextend.training.loop import make_accelerator
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     with mock.patch("accelerate.Accelerator") as accelerator:

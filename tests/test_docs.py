@@ -188,7 +188,8 @@ def _shell(script: str, cwd: Path, where: Block) -> str:
 
 def _python(source: str, cwd: Path, where: Block) -> str:
     """Run a python block in this process (imports are paid once), leaving the registries as they were."""
-    from posextend import objectives, strategies
+    from posextend.training.objectives import base as objectives
+    from posextend.tables import strategies
 
     registries = [(r.items, dict(r.items)) for r in (strategies._REGISTRY, objectives._REGISTRY)]
     out = io.StringIO()

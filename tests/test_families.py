@@ -206,7 +206,7 @@ def test_probe_refuses_a_config_that_disagrees_with_the_weights():
 
 def test_written_specs_agree_with_what_the_probe_observes():
     """Every written spec states what a twin of the family shows (tables, reserved rows, length field)."""
-    from posextend.probe import observe
+    from posextend.families.probe import observe
 
     for model_type, family in FAMILIES.items():
         spec = posextend.SPECS[model_type]

@@ -25,7 +25,7 @@ from typer.testing import CliRunner
 
 import posextend
 from posextend import DestinationError, SourceError
-from posextend import io as pio
+from posextend.files import io as pio
 from posextend.cli import app
 
 NEW = 64
@@ -274,9 +274,9 @@ def test_write_file_is_whole_or_nothing(tmp_path, monkeypatch):
 
 
 def test_cli_turns_a_stray_os_error_into_one_line(monkeypatch, tmp_path):
-    import posextend.checkpoint
+    import posextend.resize.on_disk
 
-    monkeypatch.setattr(posextend.checkpoint, "resize_checkpoint", _raiser(errno.EIO, "/data/model.safetensors"))
+    monkeypatch.setattr(posextend.resize.on_disk, "resize_checkpoint", _raiser(errno.EIO, "/data/model.safetensors"))
     args = ["resize-model", str(tmp_path / "src"), str(tmp_path / "out"), "-n", "64"]
     r = CliRunner().invoke(app, args)
     assert r.exit_code == 1

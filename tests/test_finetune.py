@@ -16,9 +16,9 @@ from typer.testing import CliRunner
 
 import posextend
 from posextend.cli import app
-from posextend.evaluation import bucket_edges, evaluate_model
-from posextend.objectives import get_objective
-from posextend.training import finetune
+from posextend.scoring.by_position import bucket_edges, evaluate_model
+from posextend.training.objectives.base import get_objective
+from posextend.training.loop import finetune
 from tiny import FAMILIES, build  # noqa: F401
 
 def _state(path: Path) -> dict[str, torch.Tensor]:
@@ -108,7 +108,7 @@ def test_eval_buckets_cover_every_position_once(gpt, corpus):
         assert covered == list(range(length))
         if old:
             assert old in edges
-    from posextend.data import pack, read_documents, split
+    from posextend.scoring.text import pack, read_documents, split
 
     tok = transformers.AutoTokenizer.from_pretrained(gpt)
     seqs = split(pack(tok, read_documents([corpus]), 32))[1][:4]
@@ -118,7 +118,7 @@ def test_eval_buckets_cover_every_position_once(gpt, corpus):
 
 
 def _report(old: int, length: int, losses: list[float]):
-    from posextend.evaluation import Bucket, EvalReport
+    from posextend.scoring.by_position import Bucket, EvalReport
 
     edges = bucket_edges(length, len(losses), old_length=old)
     buckets = [Bucket(a, b, loss, math.exp(loss), 10 * (b - a)) for a, b, loss in zip(edges, edges[1:], losses)]
@@ -128,7 +128,7 @@ def _report(old: int, length: int, losses: list[float]):
 def test_far_range_gap_and_the_advice_line(monkeypatch):
     """128 -> 512: the far range is the last half (positions 256-511), weighted by tokens."""
     from posextend import cli
-    from posextend.evaluation import far_range_gap
+    from posextend.scoring.by_position import far_range_gap
 
     before = _report(128, 512, [3.0, 6.0, 6.0, 6.0, 6.0])
     after = _report(128, 512, [3.1, 3.2, 3.2, 3.3, 3.5])  # buckets 0-127, 128-223, 224-319, 320-415, 416-511
@@ -251,8 +251,8 @@ def test_contrastive_anchor_keeps_short_inputs_near_the_source(minilm, corpus, t
     """Training every parameter moves short inputs; the anchor term pulls them back towards the source's."""
     from sentence_transformers import SentenceTransformer
 
-    from posextend import objectives
-    from posextend.objectives import Contrastive, register_objective
+    from posextend.training.objectives import base as objectives
+    from posextend.training.objectives.base import Contrastive, register_objective
 
     register_objective("contrastive-no-anchor", description="The contrastive objective without its anchor term.")(
         type("NoAnchor", (Contrastive,), {"anchor": 0.0}))

@@ -19,9 +19,9 @@ from safetensors import safe_open
 from tiny import FAMILIES, build
 
 import posextend
-from posextend.io import SAFE_INDEX, CheckpointReader, read_header
-from posextend.loading import provenance
-from posextend.saving import file_names
+from posextend.files.io import SAFE_INDEX, CheckpointReader, read_header
+from posextend.training.loading import provenance
+from posextend.training.saving import file_names
 
 
 def _tensors(directory: Path) -> dict[str, torch.Tensor]:
@@ -181,7 +181,7 @@ def test_a_headed_file_under_a_sentence_transformer_keeps_its_prefix(bert, corpu
 
 
 def test_a_disk_that_fills_while_the_fine_tune_is_written_is_one_error_and_no_output(gpt, corpus, tmp_path, monkeypatch):
-    import posextend.writer as writer
+    import posextend.resize.writer as writer
 
     def full(*args, **kwargs):
         raise OSError(28, "No space left on device")

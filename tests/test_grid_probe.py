@@ -1,4 +1,4 @@
-"""Image grids observed on twins (posextend.grid_probe): families without a written grid spec.
+"""Image grids observed on twins (posextend.families.grid_probe): families without a written grid spec.
 
 Each family's tiny twin (widths shrunk, a 5x5 grid of 8-px patches) is observed, resized on disk to a
 larger, a smaller and (where the family handles it) a non-square image, and checked: the written model
@@ -22,12 +22,12 @@ from safetensors import safe_open
 from typer.testing import CliRunner
 
 import posextend
-from posextend import twin
+from posextend.families import twin
 from posextend.cli import app
 from posextend.errors import InvalidLengthError
-from posextend.grid_probe import image_fields, observe_grids
-from posextend.lookup import all_specs, spec_for
-from posextend.specs import VISION_TOWERS
+from posextend.families.grid_probe import image_fields, observe_grids
+from posextend.families.lookup import all_specs, spec_for
+from posextend.families.specs import VISION_TOWERS
 
 IMAGE, PATCH = 40, 8
 PROCESSOR = {"do_resize": True, "size": {"height": IMAGE, "width": IMAGE}}
@@ -160,7 +160,7 @@ def test_probe_reproduces_the_written_clip_and_siglip_towers():
 
 
 def test_families_without_image_fields_are_not_probed(monkeypatch):
-    import posextend.grid_probe as gp
+    import posextend.families.grid_probe as gp
 
     monkeypatch.setattr(gp, "_cached", lambda *a: pytest.fail("probed a config without image fields"))
     assert observe_grids(transformers.BertConfig().to_dict()) == ()

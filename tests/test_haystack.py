@@ -22,14 +22,14 @@ def tok(minilm):
 
 @pytest.fixture(scope="module")
 def ids(tok, corpus):
-    from posextend.retrieval import corpus_tokens
+    from posextend.scoring.retrieval import corpus_tokens
 
     return corpus_tokens(tok, [corpus])
 
 
 @pytest.mark.parametrize("task", ["passkey", "needle"])
 def test_shared_documents_differ_only_in_the_key_and_where_it_sits(tok, ids, task):
-    from posextend.retrieval import make_task, passkey_haystack
+    from posextend.scoring.retrieval import make_task, passkey_haystack
 
     n, length = 9, 200
     content = length - 2
@@ -59,7 +59,7 @@ def test_shared_documents_differ_only_in_the_key_and_where_it_sits(tok, ids, tas
 
 
 def test_passkey_filler_is_longembeds_text_and_needs_no_corpus(tok):
-    from posextend.retrieval import PASSKEY_FILLER, make_task, passkey_haystack
+    from posextend.scoring.retrieval import PASSKEY_FILLER, make_task, passkey_haystack
 
     assert PASSKEY_FILLER == LONGEMBED_FILLER
     hay = passkey_haystack(tok, 120)
@@ -74,7 +74,7 @@ def test_passkey_filler_is_longembeds_text_and_needs_no_corpus(tok):
 
 
 def test_shared_depths_are_evenly_spread_and_reported(tok, ids):
-    from posextend.retrieval import by_depth, even_depths, make_task
+    from posextend.scoring.retrieval import by_depth, even_depths, make_task
 
     assert even_depths(5) == [0.0, 0.25, 0.5, 0.75, 1.0] and even_depths(1) == [0.5]
     n, length = 21, 300
@@ -102,7 +102,7 @@ def _quarters(depths):
 
 
 def test_varied_is_the_old_protocol_unchanged(tok, ids):
-    from posextend.retrieval import make_task
+    from posextend.scoring.retrieval import make_task
 
     a = make_task(tok, ids, "passkey", 200, n=5, seed=2, haystack="varied")
     b = make_task(tok, ids, "passkey", 200, n=5, seed=2, haystack="varied")
@@ -140,7 +140,7 @@ def test_framed_is_the_one_encoder_batch_of_training_and_retrieval():
 
     import torch
 
-    from posextend.data import framed
+    from posextend.scoring.text import framed
 
     bert = SimpleNamespace(cls_token_id=101, sep_token_id=102, bos_token_id=None, eos_token_id=None, pad_token_id=0)
     out = framed([[5, 6, 7], torch.tensor([8])], bert)

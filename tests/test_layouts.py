@@ -134,7 +134,7 @@ def test_interrupted_mid_stream_leaves_no_dst_and_no_temp(tmp_path):
 
 def test_failed_shard_copy_leaves_no_dst_and_no_temp(tmp_path, monkeypatch):
     """Whole-shard copies run in threads beside the rewrite: a failure there still cleans up."""
-    import posextend.writer as writer
+    import posextend.resize.writer as writer
 
     src = _make(tmp_path, "sharded", torch.float32)
     real_copy = writer.copy_file

@@ -72,7 +72,7 @@ def test_sentence_transformers_reads_all_2048_tokens(minilm, minilm_2k, corpus):
 
 
 def test_retrieval_tasks_and_baselines_on_the_real_model(minilm, minilm_2k, corpus):
-    from posextend.retrieval import corpus_tokens, evaluate_retrieval, load_embedding_model, make_task
+    from posextend.scoring.retrieval import corpus_tokens, evaluate_retrieval, load_embedding_model, make_task
 
     model = load_embedding_model(minilm)
     for haystack in ("shared", "varied"):  # LongEmbed's protocol (the default) and each document its own span
@@ -98,7 +98,7 @@ def test_retrieval_tasks_and_baselines_on_the_real_model(minilm, minilm_2k, corp
             assert total / 6 == pytest.approx(report.scores[task_name][length])
     assert report.short_input_cosine == pytest.approx(1.0, abs=1e-6)  # tile: short inputs unchanged
     # the baselines: truncation reads the first window; chunk-and-average averages every window's embedding
-    from posextend.retrieval import _embed_ids
+    from posextend.scoring.retrieval import _embed_ids
 
     doc = task.documents[0] * 2  # 596 tokens: windows of 254, 254 and 88
     windows = [doc[:254], doc[254:508], doc[508:]]
@@ -109,7 +109,7 @@ def test_retrieval_tasks_and_baselines_on_the_real_model(minilm, minilm_2k, corp
 
 
 def test_by_depth_groups_hits_by_where_the_key_sits():
-    from posextend.retrieval import Task, by_depth
+    from posextend.scoring.retrieval import Task, by_depth
 
     task = Task("passkey", 100, [[0]] * 5, ["q"] * 5, [0.1, 0.3, 0.3, 0.99, 1.0])
     assert by_depth(task, [True, False, True, True, False]) == [1.0, 0.5, None, 0.5]

@@ -1,4 +1,4 @@
-"""posextend.nn.LearnedPositionalEmbedding, TokenAndPositionEmbedding and posextend.analysis."""
+"""posextend.tables.nn.LearnedPositionalEmbedding, TokenAndPositionEmbedding and posextend.scoring.analysis."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import torch
 from typer.testing import CliRunner
 
 import posextend
-from posextend import analysis
+from posextend.scoring import analysis
 from posextend.cli import app
-from posextend.nn import LearnedPositionalEmbedding, TokenAndPositionEmbedding
+from posextend.tables.nn import LearnedPositionalEmbedding, TokenAndPositionEmbedding
 
 D, MAX = 16, 37
 

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 import posextend
-from posextend.objectives import (
+from posextend.training.objectives.base import (
     CausalLM, Objective, available_objectives, default_objective, get_objective, register_objective,
 )
-from posextend.training import finetune
+from posextend.training.loop import finetune
 
 
 def test_every_objective_implements_the_contract():
@@ -24,7 +24,7 @@ def test_every_objective_implements_the_contract():
 def test_registration_refuses_duplicates_and_non_objectives():
     with pytest.raises(posextend.TrainingError, match="already registered"):
         register_objective("causal")(CausalLM)
-    with pytest.raises(posextend.TrainingError, match="subclass of posextend.objectives.Objective"):
+    with pytest.raises(posextend.TrainingError, match="subclass of posextend.training.objectives.base.Objective"):
         register_objective("not-an-objective")(dict)
     with pytest.raises(posextend.TrainingError, match="Unknown objective 'nope'. Valid objectives: causal, contrastive"):
         get_objective("nope")
@@ -75,7 +75,7 @@ def test_a_plugin_objective_trains_through_the_shared_loop(gpt, corpus, tmp_path
         report = finetune(gpt, tmp_path / "out", [corpus], steps=3, batch_size=2, objective="causal-even-tokens",
                           lr=3e-3, seed=0)
     finally:
-        from posextend import objectives
+        from posextend.training.objectives import base as objectives
 
         objectives._REGISTRY.items.pop("causal-even-tokens")
     assert report.objective == "causal-even-tokens" and len(report.losses) == 3
@@ -91,8 +91,8 @@ def _contains(row: torch.Tensor, part: torch.Tensor) -> bool:
 def test_contrastive_queries_are_passages_of_the_documents_and_one_inserted_passage():
     from types import SimpleNamespace
 
-    from posextend.context import sample_generator
-    from posextend.objectives import PASSAGE_TOKENS, Contrastive
+    from posextend.training.context import sample_generator
+    from posextend.training.objectives.base import PASSAGE_TOKENS, Contrastive
 
     pool = torch.arange(50 * 200).reshape(50, 200)  # every token distinct: a passage is found where it came from
     batch = pool[:3] + 100_000

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 import posextend
-from posextend.objectives import get_objective
-from posextend.options import FinetuneConfig
+from posextend.training.objectives.base import get_objective
+from posextend.training.options import FinetuneConfig
 
 
 def test_unknown_options_are_refused_with_the_valid_ones(gpt, corpus, tmp_path):

@@ -1,4 +1,4 @@
-"""Which parameters count as absolute position tables (posextend.twin.absolute_position_tables), the
+"""Which parameters count as absolute position tables (posextend.families.twin.absolute_position_tables), the
 census's and the run-time-grid observation's first question: tables of a bounding box's coordinates
 (LayoutLM, UDOP: indexed by the box's 0-1000 scale, never by a position) are not among them."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import transformers
 
-from posextend import twin
+from posextend.families import twin
 
 
 def _tables(model_type: str) -> list[str]:

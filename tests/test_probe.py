@@ -1,4 +1,4 @@
-"""Families without a written spec, observed on twins (posextend.probe), and the guards around them.
+"""Families without a written spec, observed on twins (posextend.families.probe), and the guards around them.
 
 Every checkpoint here is a tiny twin built from the family's own config (random init, tiny
 widths, every length field kept): MPNet as a sentence-transformers folder, XLM-RoBERTa-XL,
@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 import posextend
-from posextend import twin
+from posextend.families import twin
 from posextend.cli import app
 from posextend.errors import (
     CorruptCheckpointError,
@@ -637,12 +637,12 @@ def test_damaged_second_table_in_memory_leaves_the_model_untouched(tmp_path):
 
 
 def test_verification_failure_leaves_nothing(tiny, tmp_path, monkeypatch):
-    import posextend.probe
+    import posextend.families.probe
 
     def fail(*args, **kwargs):
         raise VerificationError("a twin of the written config disagrees (test)")
 
-    monkeypatch.setattr(posextend.probe, "verify", fail)
+    monkeypatch.setattr(posextend.families.probe, "verify", fail)
     dst = tmp_path / "out"
     before = tree_digest(tiny["bert"])
     with pytest.raises(VerificationError, match="disagrees"):
@@ -701,7 +701,7 @@ def test_probed_family_without_verify(mpnet_st, tmp_path):
 
 
 def test_extend_model_in_memory_probed_mpnet():
-    from posextend.analysis import table_of
+    from posextend.scoring.analysis import table_of
 
     model = twin.build(twin_config("mpnet", max_position_embeddings=USABLE + 2, pad_token_id=1),
                        cls=transformers.MPNetForMaskedLM)
@@ -766,7 +766,7 @@ def test_cli_inspect_plot_on_a_two_length_model(led_twin, tmp_path):
 def test_shrink_keeps_a_vocabulary_part_below_the_vocabulary():
     """A field that counts rows within the vocabulary (Inkling-2's ``unpadded_vocab_size``, transformers 5.24)
     keeps its distance below the shrunk ``vocab_size``; a vocabulary of its own (RoCBert's shapes) is left."""
-    from posextend import twin
+    from posextend.families import twin
 
     config = {"model_type": "x", "vocab_size": 100_000, "unpadded_vocab_size": 99_900, "shape_vocab_size": 24858}
     out = twin.shrink(config)

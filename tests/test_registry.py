@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from posextend import objectives, strategies
+from posextend.training.objectives import base as objectives
+from posextend.tables import strategies
 from posextend.errors import StrategyError, TrainingError
 
 KINDS = {  # registry, an error of its kind, a built-in
@@ -52,7 +53,7 @@ def test_names_duplicates_and_unknowns_are_refused_alike(registry):
     reg, error, builtin = registry
     with pytest.raises(error, match=f"Invalid {reg.kind} name 'Bad Name'"):
         reg.check_name("Bad Name")
-    with pytest.raises(error, match=rf"A {reg.kind} named '{builtin}' is already registered \(by posextend\.\w+\)"):
+    with pytest.raises(error, match=rf"A {reg.kind} named '{builtin}' is already registered \(by posextend\.[\w.]+\)"):
         reg.check_name(builtin)
     with pytest.raises(error, match=rf"Unknown {reg.kind} 'nope'\. Valid {reg.plural}: .*{builtin}"):
         reg.get("nope")
@@ -62,7 +63,7 @@ def test_an_objective_plugin_is_discovered(tmp_path, monkeypatch):
     monkeypatch.setattr(objectives._REGISTRY, "items", dict(objectives._REGISTRY.items))
     monkeypatch.setattr(objectives._REGISTRY, "plugins_loaded", False)
     _install_plugin(tmp_path, monkeypatch, "posextend.objectives", (
-        "from posextend.objectives import CausalLM, register_objective\n"
+        "from posextend.training.objectives.base import CausalLM, register_objective\n"
         "@register_objective('causal-copy', description='The causal objective under another name (a test).')\n"
         "class Copy(CausalLM):\n    pass\n"))
     found = objectives.available_objectives()
@@ -75,9 +76,9 @@ def test_the_seq2seq_objective_is_one_file_found_through_its_entry_point():
     import subprocess
 
     code = ("import sys, posextend; found = posextend.available_objectives(); "
-            "print(type(found['seq2seq']).__module__, 'posextend.seq2seq' in sys.modules)")
+            "print(type(found['seq2seq']).__module__, 'posextend.training.objectives.seq2seq' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
-    assert out == ["posextend.seq2seq", "True"]
+    assert out == ["posextend.training.objectives.seq2seq", "True"]
     from pathlib import Path
 
     package = Path(objectives.__file__).parent
@@ -95,7 +96,7 @@ def test_an_objective_from_outside_the_package_runs_through_the_cli(gpt, corpus,
     monkeypatch.setattr(objectives._REGISTRY, "plugins_loaded", False)
     _install_plugin(tmp_path, monkeypatch, "posextend.objectives", (
         "import dataclasses\n"
-        "from posextend.objectives import CausalLM, register_objective\n"
+        "from posextend.training.objectives.base import CausalLM, register_objective\n"
         "@register_objective('causal-renamed', description='The causal objective with its own metric (a test).')\n"
         "class Renamed(CausalLM):\n"
         "    def evaluate(self, run):\n"

@@ -11,10 +11,10 @@ import transformers
 from typer.testing import CliRunner
 
 import posextend
-from posextend import twin
+from posextend.families import twin
 from posextend.cli import app
-from posextend.grid_probe import observe_grids
-from posextend.lookup import all_specs, spec_for
+from posextend.families.grid_probe import observe_grids
+from posextend.families.lookup import all_specs, spec_for
 
 
 def _config(model_type: str) -> tuple[dict, type]:
@@ -65,7 +65,7 @@ def test_run_patches_feeds_a_patch_sequence_with_its_grid():
 def test_a_table_the_forward_does_not_use_is_no_run_time_grid(monkeypatch):
     """The observation needs the table to matter: with its lookup cut off, the twin shows nothing to refuse as
     adapted, and the family's default refusal stands (no patch grid is taken for an adapted one)."""
-    import posextend.grid_probe as gp
+    import posextend.families.grid_probe as gp
 
     config, cls = _config("qwen3_vl_vision")
     calls = []
@@ -90,7 +90,7 @@ def test_a_tower_without_rotary_positions_is_refused_without_naming_them():
 
 def test_rotary_language_models_build_no_twin(monkeypatch):
     """A rotary model without a patch size is refused as before, without a twin."""
-    import posextend.grid_probe as gp
+    import posextend.families.grid_probe as gp
 
     monkeypatch.setattr(gp, "_cached", lambda *a: pytest.fail("observed a model without a patch size"))
     config = transformers.LlamaConfig().to_dict() | {"model_type": "llama"}

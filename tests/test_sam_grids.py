@@ -19,10 +19,10 @@ from safetensors import safe_open
 from typer.testing import CliRunner
 
 import posextend
-from posextend import twin
+from posextend.families import twin
 from posextend.cli import app
-from posextend.grid_probe import observe_grids
-from posextend.strategies import resize_grid, resize_relative
+from posextend.families.grid_probe import observe_grids
+from posextend.tables.strategies import resize_grid, resize_relative
 
 GLOBAL, WINDOWED = (1, 3), (0, 2)
 VISION = dict(hidden_size=32, num_hidden_layers=4, num_attention_heads=2, image_size=64, patch_size=16,

@@ -1,4 +1,4 @@
-"""The seq2seq objective (posextend/seq2seq.py): gap-sentence generation on encoder-decoders, the LED
+"""The seq2seq objective (posextend/training/objectives/seq2seq.py): gap-sentence generation on encoder-decoders, the LED
 recipe's fine-tune after extending, through the API and the CLI."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 import posextend
 from posextend.cli import app
-from posextend.seq2seq import MAX_SENTENCE, gap_count, gaps, raw_tokens
+from posextend.training.objectives.seq2seq import MAX_SENTENCE, gap_count, gaps, raw_tokens
 
 OLD = 64  # usable positions of the tiny BART
 
@@ -77,7 +77,7 @@ def test_cli_runs_seq2seq_with_defaults_and_prints_the_table(bart, corpus, tmp_p
 
 
 def test_sentence_ends_are_read_off_each_tokens_text(bart):
-    from posextend.seq2seq import sentence_ends
+    from posextend.training.objectives.seq2seq import sentence_ends
 
     tok = transformers.AutoTokenizer.from_pretrained(bart)
     ends = sentence_ends(tok)

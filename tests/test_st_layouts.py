@@ -137,8 +137,8 @@ def test_the_cli_resizes_and_inspects_the_subfolder_layout(layouts, tmp_path):
 
 
 def test_the_fine_tune_door_finds_the_subfolder(layouts, resized, corpus, tmp_path):
-    from posextend.loading import config_head, model_directory, provenance
-    from posextend.objectives import default_objective, get_objective
+    from posextend.training.loading import config_head, model_directory, provenance
+    from posextend.training.objectives.base import default_objective, get_objective
 
     src = layouts["subfolder"]
     assert model_directory(src) == src / "0_Transformer"

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import posextend
-from posextend import strategies as S
+from posextend.tables import strategies as S
 from posextend.errors import StrategyError
 
 OLD, DIM = 37, 16

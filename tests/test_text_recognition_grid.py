@@ -12,7 +12,7 @@ from conftest import load_clean
 from safetensors import safe_open
 from typer.testing import CliRunner
 
-from posextend import twin
+from posextend.families import twin
 from posextend.cli import app
 
 

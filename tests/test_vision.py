@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 
 import posextend
 from posextend.cli import app
-from posextend.specs import GRID_SPECS
+from posextend.families.specs import GRID_SPECS
 from posextend.errors import InvalidLengthError, NotLearnedPositionsError, StrategyError
 
 IMAGE, PATCH = 40, 8  # a 5x5 grid of patches
@@ -281,9 +281,9 @@ def test_inspect_plot_shows_the_grid_similarity(vision, tmp_path):
                                  "--compare", str(vision["vit"])])
     assert r.exit_code == 0, r.output
     assert (tmp_path / "plots" / "grid_similarity.png").stat().st_size > 1000
-    from posextend.analysis import grid_similarity
+    from posextend.scoring.analysis import grid_similarity
 
-    from posextend.checkpoint import read_position_table
+    from posextend.resize.on_disk import read_position_table
 
     grid = read_position_table(tmp_path / "big", grid=True)
     assert grid.shape[:2] == (7, 7)

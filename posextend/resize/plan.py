@@ -14,10 +14,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .errors import InvalidLengthError, StrategyError, UnsupportedArchitectureError
-from .lookup import spec_for
-from .specs import ArchitectureSpec, Layout
-from .strategies import DEFAULTS, check_params, check_rank, get_strategy, resize_grid, resize_relative
+from posextend.errors import InvalidLengthError, StrategyError, UnsupportedArchitectureError
+from posextend.families.lookup import spec_for
+from posextend.families.specs import ArchitectureSpec, Layout
+from posextend.tables.strategies import DEFAULTS, check_params, check_rank, get_strategy, resize_grid, resize_relative
 
 if TYPE_CHECKING:
     import torch

@@ -1,6 +1,6 @@
 """What a position table learned: similarity, rank, and boundary effects.
 
-Works on a tensor, a :class:`~posextend.nn.LearnedPositionalEmbedding`, an ``nn.Embedding``,
+Works on a tensor, a :class:`~posextend.tables.nn.LearnedPositionalEmbedding`, an ``nn.Embedding``,
 a transformers model, or a checkpoint directory (reserved rows are stripped for models
 and checkpoints, via the architecture spec).
 
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import PosExtendError
+from posextend.errors import PosExtendError
 
 
 def table_of(obj: Any, table: str | None = None) -> torch.Tensor:
@@ -27,14 +27,14 @@ def table_of(obj: Any, table: str | None = None) -> torch.Tensor:
 
     ``table`` names the tables of a model or checkpoint with several lengths (``"decoder"``).
     """
-    from .nn import LearnedPositionalEmbedding
+    from posextend.tables.nn import LearnedPositionalEmbedding
 
     if isinstance(obj, torch.Tensor):
         rows = obj
     elif isinstance(obj, (LearnedPositionalEmbedding, nn.Embedding)):
         rows = obj.weight
     elif isinstance(obj, nn.Module) and hasattr(obj, "config"):
-        from .lookup import spec_for
+        from posextend.families.lookup import spec_for
 
         config = obj.config.to_dict()
         params = dict(obj.named_parameters())
@@ -42,7 +42,7 @@ def table_of(obj: Any, table: str | None = None) -> torch.Tensor:
         layout = spec_for(config, cls=type(obj), table=table).locate(shapes, config)
         rows = params[layout.tables[0]][layout.reserved :]
     elif isinstance(obj, (str, Path)):
-        from .checkpoint import read_position_table
+        from posextend.resize.on_disk import read_position_table
 
         rows = read_position_table(obj, table)
     else:
@@ -215,7 +215,7 @@ def _save(fig, path: Path, plt) -> Path:
     """Write ``fig`` to ``path`` whole or not at all (OS errors as a DestinationError naming it)."""
     import io
 
-    from .io import write_file
+    from posextend.files.io import write_file
 
     fig.tight_layout()
     buf = io.BytesIO()

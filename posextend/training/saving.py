@@ -1,5 +1,5 @@
 """A fine-tune's output, written by the checkpoint writer of ``resize-model``
-(:func:`posextend.writer.write_checkpoint`): the source checkpoint's files, in their layout, with
+(:func:`posextend.resize.writer.write_checkpoint`): the source checkpoint's files, in their layout, with
 the trained tensors' new values.
 
 Where each trained tensor sits in the files is observed once the model is loaded, before it is
@@ -20,11 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import TrainingError, VerificationError
-from .io import CheckpointReader, Entry, Source, dtype_code, torch_dtypes
-from .sources import transformer_dir
-from .specs import names_on_load
-from .writer import Change, Written, write_checkpoint
+from posextend.errors import TrainingError, VerificationError
+from posextend.files.io import CheckpointReader, Entry, Source, dtype_code, torch_dtypes
+from posextend.files.sources import transformer_dir
+from posextend.families.specs import names_on_load
+from posextend.resize.writer import Change, Written, write_checkpoint
 
 if TYPE_CHECKING:
     import torch

@@ -30,20 +30,20 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import __version__
-from .checkpoint import ResizeReport, model_card, resize_change, resize_report
-from .context import RunContext
-from .errors import TrainingError
-from .evaluation import EvalReport
-from .io import atomic_output, output_errors, write_file
-from .loading import AnchorSource, Loaded, anchor_source, is_sentence_transformer, provenance
-from .objectives import Objective, default_objective, get_objective
-from .options import FinetuneConfig
-from .plan import Request, plan_resize
-from .sources import MODULES, check_destination, opened, resolve_source
+from posextend.version import __version__
+from posextend.resize.on_disk import ResizeReport, model_card, resize_change, resize_report
+from posextend.training.context import RunContext
+from posextend.errors import TrainingError
+from posextend.scoring.by_position import EvalReport
+from posextend.files.io import atomic_output, output_errors, write_file
+from posextend.training.loading import AnchorSource, Loaded, anchor_source, is_sentence_transformer, provenance
+from posextend.training.objectives.base import Objective, default_objective, get_objective
+from posextend.training.options import FinetuneConfig
+from posextend.resize.plan import Request, plan_resize
+from posextend.files.sources import MODULES, check_destination, opened, resolve_source
 
 if TYPE_CHECKING:
-    from .saving import FileNames
+    from posextend.training.saving import FileNames
 
 log = logging.getLogger(__name__)
 
@@ -182,7 +182,7 @@ def _setup(directory: Path, dst: Path, data: Sequence[str | Path], config: Finet
     schedule. ``config`` is resolved (:meth:`FinetuneConfig.resolved`); its ``lr`` is set here when None."""
     from accelerate.utils import set_seed
 
-    from .data import split
+    from posextend.scoring.text import split
 
     docs = chosen.documents(data)
     loaded, length, old_len, extended, anchor = _load(chosen, directory, config)
@@ -261,7 +261,7 @@ def _load(chosen: Objective, directory: Path, config: FinetuneConfig) -> tuple[L
 
 
 def _file_names(loaded: Loaded, directory: Path) -> FileNames:
-    from .saving import file_names
+    from posextend.training.saving import file_names
 
     with opened(directory) as (_, config, reader, _shapes):
         return file_names(loaded.model, loaded.hf_model, reader, config)
@@ -269,7 +269,7 @@ def _file_names(loaded: Loaded, directory: Path) -> FileNames:
 
 def _extend(loaded: Loaded, request: Request, seed: int) -> None:
     """Carry out ``request`` on the loaded model in place, and keep it: the written checkpoint follows it."""
-    from .model import extend
+    from posextend.resize.in_memory import extend
 
     extend(loaded.hf_model, request, seed)
     loaded.requests.append(request)
@@ -422,7 +422,7 @@ def finetune(
 ) -> FinetuneReport:
     """Extend (optionally) and fine-tune ``src``, evaluate before and after, save to ``dst``.
 
-    ``options`` are :class:`~posextend.options.FinetuneConfig`'s fields (``length``, ``steps``, ``train``,
+    ``options`` are :class:`~posextend.training.options.FinetuneConfig`'s fields (``length``, ``steps``, ``train``,
     ``lr``, ``objective``, ``anchor``, ``seed`` …); those left out take the objective's defaults
     (:mod:`posextend.objectives`: 200 steps for language models, 60 for ``contrastive``; lr and
     schedule by ``train``: with ``all``, causal LMs 1e-3 × min(1, 192 / width) from
@@ -495,11 +495,11 @@ def _report(run: _Run, dst: Path, evaluations: tuple[EvalReport | None, EvalRepo
 def _save(run: _Run, dst: Path, report: FinetuneReport, src: Path, loaded: Loaded,
           state_dict: dict[str, torch.Tensor]) -> None:
     """The fine-tuned model, written by the checkpoint writer of ``resize-model`` into the source's files and
-    layout (:mod:`posextend.saving`), with provenance and a model card.
+    layout (:mod:`posextend.training.saving`), with provenance and a model card.
 
     ``state_dict``: the trained model's full weights (gathered when sharded across processes: FSDP, DeepSpeed).
     """
-    from .saving import changes, write_trained
+    from posextend.training.saving import changes, write_trained
 
     seed = run.config.seed
     with opened(src) as (directory, config, reader, shapes):

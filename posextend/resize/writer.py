@@ -21,11 +21,11 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from .io import BIN_INDEX, SAFE_INDEX, SAFE_SINGLE, CheckpointReader, Entry, Source, copy_file, prefetch_torch, write_safetensors
-from .plan import GroupPlan, ImageSize
-from .sources import ST_CONFIG, TOKENIZER_FILES, st_config, transformer_dir
-from .specs import IMAGE_COUNT_FIELD
-from .twin import get_path, set_path
+from posextend.files.io import BIN_INDEX, SAFE_INDEX, SAFE_SINGLE, CheckpointReader, Entry, Source, copy_file, prefetch_torch, write_safetensors
+from posextend.resize.plan import GroupPlan, ImageSize
+from posextend.files.sources import ST_CONFIG, TOKENIZER_FILES, st_config, transformer_dir
+from posextend.families.specs import IMAGE_COUNT_FIELD
+from posextend.families.twin import get_path, set_path
 
 log = logging.getLogger(__name__)
 

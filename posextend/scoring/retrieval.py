@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from .errors import DataError, PosExtendError
+from posextend.errors import DataError, PosExtendError
 
 Mode = Literal["full", "chunk"]
 Haystack = Literal["shared", "varied"]
@@ -200,7 +200,7 @@ def _embed_ids(model, documents: list[list[int]], max_tokens: int, mode: Mode, b
     """Unit embeddings of token-id documents read as ``mode`` says, through the model's own modules."""
     import torch
 
-    from .data import framed
+    from posextend.scoring.text import framed
 
     window = max_tokens - 2  # [CLS] and [SEP]
 
@@ -269,13 +269,13 @@ def load_embedding_model(path: str | Path):
     """A sentence-transformers model from a local folder (a plain transformers checkpoint gets mean pooling)."""
     from sentence_transformers import SentenceTransformer
 
-    from .sources import resolve_source
+    from posextend.files.sources import resolve_source
 
     return SentenceTransformer(str(resolve_source(path)), device="cpu")
 
 
 def corpus_tokens(tokenizer, data: Sequence[str | Path]) -> list[int]:
-    from .data import read_documents
+    from posextend.scoring.text import read_documents
 
     ids: list[int] = []
     for doc in read_documents(data):

@@ -1,7 +1,7 @@
 """The one lookup of a family's facts, used by every door (file path, in-memory, analysis, fine-tune).
 
-A model type with a written spec (:data:`posextend.specs.SPECS`) gets it; any other is
-observed on twins of its own config (:func:`posextend.probe.observe`), never guessed.
+A model type with a written spec (:data:`posextend.families.specs.SPECS`) gets it; any other is
+observed on twins of its own config (:func:`posextend.families.probe.observe`), never guessed.
 Models whose positions are not a learned table are refused with what they use instead.
 """
 
@@ -11,9 +11,9 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
-from .errors import NotLearnedPositionsError, RunTimeGridError, UnsupportedArchitectureError
-from .twin import get_path
-from .specs import GRID_SPECS, RUN_TIME_GRIDS, SPECS, VISION_TOWERS, ArchitectureSpec, positions_kind_problem
+from posextend.errors import NotLearnedPositionsError, RunTimeGridError, UnsupportedArchitectureError
+from posextend.families.twin import get_path
+from posextend.families.specs import GRID_SPECS, RUN_TIME_GRIDS, SPECS, VISION_TOWERS, ArchitectureSpec, positions_kind_problem
 
 
 def all_specs(config: Mapping[str, Any], *, cls: type | None = None) -> tuple[ArchitectureSpec, ...]:
@@ -32,7 +32,7 @@ def all_specs(config: Mapping[str, Any], *, cls: type | None = None) -> tuple[Ar
         return (SPECS[model_type],)
     if model_type in GRID_SPECS:
         return (GRID_SPECS[model_type],)
-    from .probe import observe
+    from posextend.families.probe import observe
 
     try:
         specs, error = observe(config, cls), None
@@ -60,7 +60,7 @@ def _grids_beside(config: Mapping[str, Any], cls: type | None, problem: str) -> 
     tower beside a rotary LM), observed; a grid it adapts to each image refused as such
     (:class:`RunTimeGridError`, saying both); else refused for ``problem``, with why its grid (if any) cannot
     be resized either."""
-    from .grid_probe import grid_tables
+    from posextend.families.grid_probe import grid_tables
 
     if not grid_tables(config, cls):  # no learned grid beside its rotary positions: nothing to observe
         raise NotLearnedPositionsError(_not_learned(config, problem))
@@ -75,13 +75,13 @@ def _grids_beside(config: Mapping[str, Any], cls: type | None, problem: str) -> 
 
 def _grids(config: Mapping[str, Any], cls: type | None) -> tuple[tuple[ArchitectureSpec, ...], UnsupportedArchitectureError | None]:
     """The image grids of a family without a written grid spec: a written tower (CLIP, SigLIP), else
-    observed on twins (:func:`posextend.grid_probe.observe_grids`); and why none, when it has an image size."""
+    observed on twins (:func:`posextend.families.grid_probe.observe_grids`); and why none, when it has an image size."""
     model_type = config.get("model_type")
     if model_type in VISION_TOWERS:
         return (VISION_TOWERS[model_type],), None
     if model_type in RUN_TIME_GRIDS:
         return (), None
-    from .grid_probe import observe_grids
+    from posextend.families.grid_probe import observe_grids
 
     try:
         return observe_grids(config, cls), None

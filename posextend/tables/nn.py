@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .strategies import resize_table
+from posextend.tables.strategies import resize_table
 
 
 class LearnedPositionalEmbedding(nn.Module):

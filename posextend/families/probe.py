@@ -1,4 +1,4 @@
-"""Facts no spec states, observed on twins of the model (see :mod:`posextend.twin`).
+"""Facts no spec states, observed on twins of the model (see :mod:`posextend.families.twin`).
 
 :func:`observe` derives the specs of a model type from its own code: for every length-like
 config field (nested ones included), meta twins at two values show which tensors follow it;
@@ -20,9 +20,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import twin
-from .errors import UnsupportedArchitectureError, VerificationError
-from .specs import ArchitectureSpec, BufferRule, table_rows
+from posextend.families import twin
+from posextend.errors import UnsupportedArchitectureError, VerificationError
+from posextend.families.specs import ArchitectureSpec, BufferRule, table_rows
 
 if TYPE_CHECKING:
     import torch
@@ -243,7 +243,7 @@ def _first_row(
 
 def _counting_run(rows: torch.Tensor) -> int:
     """How many leading entries of ``rows`` count up by one from ``rows[0]`` (the first lookup, when
-    :func:`posextend.twin.run_lookups` gives every lookup of a forward one after another)."""
+    :func:`posextend.families.twin.run_lookups` gives every lookup of a forward one after another)."""
     import torch
 
     steps = torch.nonzero(rows[1:] - rows[:-1] != 1)

@@ -1,4 +1,4 @@
-"""Image-patch grids no spec states, observed on twins of the model (see :mod:`posextend.twin`).
+"""Image-patch grids no spec states, observed on twins of the model (see :mod:`posextend.families.twin`).
 
 :func:`observe_grids` derives a family's grid specs from its own code, as :mod:`.probe` does for
 1-D tables: for every (sub-)config holding an ``image_size`` and a ``patch_size``, meta twins at
@@ -23,9 +23,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from . import twin
-from .errors import RunTimeGridError, UnsupportedArchitectureError
-from .specs import (
+from posextend.families import twin
+from posextend.errors import RunTimeGridError, UnsupportedArchitectureError
+from posextend.families.specs import (
     IMAGE_COUNT_FIELD, ArchitectureSpec, BufferRule, GridSpec, positions_kind_problem, table_rows,
 )
 
@@ -76,7 +76,7 @@ def _cached(config_json: str, cls_name: str | None) -> tuple[ArchitectureSpec, .
 
 
 def _observe_grids(config_json: str, cls_name: str | None) -> tuple[ArchitectureSpec, ...]:
-    from .probe import claim
+    from posextend.families.probe import claim
 
     config = json.loads(config_json)
     cls = twin._resolve(cls_name) or twin.model_class(config)
@@ -126,7 +126,7 @@ def _refuse(config: dict[str, Any], cls: type, reasons: list[str]) -> None:
 def _sized_elsewhere(config: dict[str, Any], cls: type, image_keys: list[str]) -> str:
     """What names a grid-shaped table that another length field sizes (Molmo2's ``num_position_embeddings``,
     stated beside its ``image_size``), as meta twins with that field doubled show; ``""`` when none does."""
-    from .probe import length_fields
+    from posextend.families.probe import length_fields
 
     model = twin.build(config, device="meta", cls=cls)
     grids = {n: tuple(p.shape) for n, p in twin.absolute_position_tables(model) if twin.is_grid_shape(tuple(p.shape))}
@@ -274,7 +274,7 @@ def _observe_field(
     config: dict[str, Any], cls: type, image_key: str, patch_key: str, base: str,
 ) -> ArchitectureSpec | None:
     """The spec of the grid ``image_key`` drives, or None when it drives no learned table."""
-    from .probe import _name_pattern, _param_names, _relative, group_name
+    from posextend.families.probe import _name_pattern, _param_names, _relative, group_name
 
     facts = _Facts.of(config, cls, image_key, patch_key)
     model_type, old_value, up, ((h, w), (ph, pw)) = facts.model_type, facts.old_value, facts.up, facts.sizes
@@ -548,7 +548,7 @@ def _buffer_rules(
     the table's rows at the field's size and at two patches more a side), the one rule that reproduces a twin's;
     and the non-persistent buffers no rule rebuilds (computed from the config at construction, as OWL-ViT's
     ``box_bias``: no file holds them)."""
-    from .probe import _reproduces
+    from posextend.families.probe import _reproduces
 
     if not buffers:
         return [], []
@@ -612,9 +612,9 @@ class _Probe:
 
     def resized(self, size: tuple[int, int], strategy: str, antialias: bool) -> nn.Module:
         """A twin built at ``size`` holding the source's weights, its tables resized by the candidate."""
-        from .strategies import resize_grid
+        from posextend.tables.strategies import resize_grid
 
-        from .strategies import resize_relative
+        from posextend.tables.strategies import resize_relative
 
         model = self.built.get(size)
         if model is None:

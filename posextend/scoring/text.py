@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .errors import DataError
+from posextend.errors import DataError
 
 log = logging.getLogger(__name__)
 

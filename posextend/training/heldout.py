@@ -13,12 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .sources import resolve_source
-from .context import RunContext
-from .errors import PosExtendError
-from .evaluation import EvalReport, plot_reports
-from .objectives import default_objective, get_objective
-from .options import FinetuneConfig
+from posextend.files.sources import resolve_source
+from posextend.training.context import RunContext
+from posextend.errors import PosExtendError
+from posextend.scoring.by_position import EvalReport, plot_reports
+from posextend.training.objectives.base import default_objective, get_objective
+from posextend.training.options import FinetuneConfig
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ def evaluate(
     )
     report = chosen.evaluate(run)
     if json_path:
-        from .io import write_file
+        from posextend.files.io import write_file
 
         write_file(json_path, json.dumps(report.to_dict(), indent=2))
     if plot_path:

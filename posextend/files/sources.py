@@ -10,8 +10,8 @@ from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from .errors import DestinationError, SourceError
-from .io import CheckpointReader
+from posextend.errors import DestinationError, SourceError
+from posextend.files.io import CheckpointReader
 
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "vocab.txt", "merges.txt", "spiece.model",
                     "sentencepiece.bpe.model", "tokenizer.model")

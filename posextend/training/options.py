@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Literal, Protocol, get_args
 
-from .errors import TrainingError
+from posextend.errors import TrainingError
 
 TrainMode = Literal["new-rows", "positions", "all"]
 TRAIN_MODES = get_args(TrainMode)
@@ -26,7 +26,7 @@ _NOT_FINGERPRINTED = {"resume", "overwrite", "eval_every", "save_every", "eval_s
 
 
 class Defaults(Protocol):
-    """What a config takes from its objective (:class:`posextend.objectives.Objective` has it)."""
+    """What a config takes from its objective (:class:`posextend.training.objectives.base.Objective` has it)."""
 
     name: str
     anchor: float | None

@@ -10,15 +10,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .sources import MODULES, TOKENIZER_FILES, read_config, resolve_source, transformer_dir
-from .errors import PosExtendError, SourceError, TrainingError
-from .io import SAFE_INDEX, read_header
-from .lookup import all_specs, spec_for
-from .specs import ArchitectureSpec
+from posextend.files.sources import MODULES, TOKENIZER_FILES, read_config, resolve_source, transformer_dir
+from posextend.errors import PosExtendError, SourceError, TrainingError
+from posextend.files.io import SAFE_INDEX, read_header
+from posextend.families.lookup import all_specs, spec_for
+from posextend.families.specs import ArchitectureSpec
 
 if TYPE_CHECKING:
-    from .plan import Request
-    from .saving import FileNames
+    from posextend.resize.plan import Request
+    from posextend.training.saving import FileNames
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +172,7 @@ def unfit_original(directory: Path, original: Path, old_length: int, recorded: i
     It must hold a model of the same type whose table has ``recorded`` usable positions (the old
     length the checkpoint's provenance records), and at least the ``old_length`` the anchor reads.
     """
-    from .checkpoint import inspect_checkpoint
+    from posextend.resize.on_disk import inspect_checkpoint
 
     if original == directory:
         return "is this checkpoint itself"
@@ -193,7 +193,7 @@ def unfit_original(directory: Path, original: Path, old_length: int, recorded: i
 
 def _keeps_rows(meta: dict[str, str]) -> bool:
     """The recorded strategy left the old rows bit-identical, and no fine-tune has touched them since."""
-    from .strategies import available_strategies
+    from posextend.tables.strategies import available_strategies
 
     strategy = available_strategies().get(meta.get("posextend.strategy", ""))
     return bool(strategy and strategy.keeps_rows) and "posextend.finetune" not in meta

@@ -7,7 +7,7 @@ from typing import Any
 
 from torch import nn
 
-from .plan import Request, plan_resize
+from posextend.resize.plan import Request, plan_resize
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ def extend_model(
 
 
 def extend(model: nn.Module, request: Request, seed: int | None) -> None:
-    """:func:`extend_model`'s work, for a caller holding a :class:`~posextend.plan.Request` (the fine-tune,
+    """:func:`extend_model`'s work, for a caller holding a :class:`~posextend.resize.plan.Request` (the fine-tune,
     which keeps it: its written checkpoint follows the same request)."""
     config = model.config.to_dict()
     shapes = {n: tuple(t.shape) for n, t in [*model.named_parameters(), *model.named_buffers()]}
@@ -69,7 +69,7 @@ def extend(model: nn.Module, request: Request, seed: int | None) -> None:
             _sync_image_attributes(model, plan, config)
         set_config(model, plan.config_updates(config))
         if plan.spec.grid and plan.spec.covered_by == "probed":
-            from .grid_probe import sync_derived_buffers
+            from posextend.families.grid_probe import sync_derived_buffers
 
             sync_derived_buffers(model)  # buffers it computes from its config (OWL-ViT's box_bias)
         log.info("Extended %s in memory: %s -> %s (%s)", plan.spec.model_type, plan.layout.grid, plan.new_grid,

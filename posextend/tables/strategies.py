@@ -49,8 +49,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .errors import CorruptCheckpointError, StrategyError
-from .registry import Registry
+from posextend.errors import CorruptCheckpointError, StrategyError
+from posextend.registry import Registry
 
 if TYPE_CHECKING:
     import torch

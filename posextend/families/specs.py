@@ -17,8 +17,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from .errors import CorruptCheckpointError, InvalidLengthError
-from .twin import get_path, pair
+from posextend.errors import CorruptCheckpointError, InvalidLengthError
+from posextend.families.twin import get_path, pair
 
 if TYPE_CHECKING:
     import torch
@@ -226,7 +226,7 @@ def _conversion_rules(config_json: str) -> tuple[str, tuple] | None:
 
     from transformers.conversion_mapping import get_model_conversion_mapping
 
-    from .twin import build
+    from posextend.families.twin import build
 
     try:
         model = build(json.loads(config_json), device="meta")
@@ -264,8 +264,8 @@ def _missing_table(model_type: str, options: tuple[str, ...], names: frozenset[s
 
 def _family_share(config: Mapping[str, Any], names: frozenset[str] | set[str]) -> float:
     """The share of ``names`` that a twin of ``config`` saves, in the layout that matches best."""
-    from .errors import UnsupportedArchitectureError
-    from .twin import layout_class, meta_shapes
+    from posextend.errors import UnsupportedArchitectureError
+    from posextend.families.twin import layout_class, meta_shapes
 
     try:
         cls, add = layout_class(config, names)

@@ -23,7 +23,7 @@ import math
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from .errors import UnsupportedArchitectureError
+from posextend.errors import UnsupportedArchitectureError
 
 if TYPE_CHECKING:
     import torch

@@ -1,6 +1,6 @@
 """What an objective sees of a fine-tune: :class:`RunContext`, its one public contract.
 
-The training loop (:mod:`posextend.training`) builds it and hands it to the objective's ``loss``,
+The training loop (:mod:`posextend.training.loop`) builds it and hands it to the objective's ``loss``,
 ``evaluate`` and ``save``; objectives import nothing from the loop.
 """
 
@@ -9,12 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .options import FinetuneConfig
+from posextend.training.options import FinetuneConfig
 
 if TYPE_CHECKING:
     import torch
 
-    from .specs import ArchitectureSpec
+    from posextend.families.specs import ArchitectureSpec
 
 
 def sample_generator(seed: int, position: int) -> torch.Generator:
@@ -31,7 +31,7 @@ class RunContext:
     - ``model``: the model as prepared by accelerate (wrapped when distributed: call it for forwards);
       ``unwrapped``: the model itself (its attributes, saving).
     - ``tokenizer``, ``accelerator`` (``device``, ``num_processes``, ``reduce``).
-    - ``config``: the run's options, resolved (:class:`~posextend.options.FinetuneConfig`: ``seed``,
+    - ``config``: the run's options, resolved (:class:`~posextend.training.options.FinetuneConfig`: ``seed``,
       ``batch_size``, ``buckets``, ``lr`` …); ``spec``: the family's position tables.
     - ``train_seqs`` / ``eval_seqs``: the samples the objective cut (:meth:`Objective.samples`).
     - ``length`` / ``old_length``: the run's number of positions, and the source's; ``decoder_length``: an

@@ -1,10 +1,10 @@
 """File-to-file surgery: inspect and resize the position table(s) of a checkpoint on disk.
 
 The model is never instantiated. Tensors are addressed by name; the table(s) and
-length-dependent buffers are rebuilt, and :mod:`posextend.writer` writes them with every other
+length-dependent buffers are rebuilt, and :mod:`posextend.resize.writer` writes them with every other
 tensor's bytes passed through, shards that hold nothing to change copied whole (or hard-linked),
 ``config.json`` and ``tokenizer_config.json`` edited as JSON; the result appears at ``dst``
-only when complete and checked. Where a checkpoint's parts are: :mod:`posextend.sources`.
+only when complete and checked. Where a checkpoint's parts are: :mod:`posextend.files.sources`.
 """
 
 from __future__ import annotations
@@ -19,16 +19,16 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
-from . import __version__
-from .errors import CorruptCheckpointError, InvalidLengthError, StrategyError
-from .io import ByteRanges, CheckpointReader, Entry, Source, atomic_output, nonfinite_count
-from .lookup import all_specs, spec_for
-from .plan import GroupPlan, ImageSize, Request, plan_resize
-from .sources import check_destination, json_int, opened, read_config, resolve_source, st_config, transformer_dir
-from .specs import Layout, names_on_load, table_rows as rows_of
-from .strategies import get_strategy
-from .twin import get_path, layout_class
-from .writer import Change, Written, write_checkpoint
+from posextend.version import __version__
+from posextend.errors import CorruptCheckpointError, InvalidLengthError, StrategyError
+from posextend.files.io import ByteRanges, CheckpointReader, Entry, Source, atomic_output, nonfinite_count
+from posextend.families.lookup import all_specs, spec_for
+from posextend.resize.plan import GroupPlan, ImageSize, Request, plan_resize
+from posextend.files.sources import check_destination, json_int, opened, read_config, resolve_source, st_config, transformer_dir
+from posextend.families.specs import Layout, names_on_load, table_rows as rows_of
+from posextend.tables.strategies import get_strategy
+from posextend.families.twin import get_path, layout_class
+from posextend.resize.writer import Change, Written, write_checkpoint
 
 if TYPE_CHECKING:
     import torch
@@ -354,8 +354,8 @@ def _check_source_tables(reader: CheckpointReader, layout: Layout) -> None:
 
 
 def _verify(out_dir: Path, plan: GroupPlan, reader: CheckpointReader) -> None:
-    """Check the written files against a twin of the written config (see :func:`posextend.probe.verify`)."""
-    from .probe import verify, verify_grid
+    """Check the written files against a twin of the written config (see :func:`posextend.families.probe.verify`)."""
+    from posextend.families.probe import verify, verify_grid
 
     with CheckpointReader(out_dir) as written:
         names = frozenset(written.entries)
@@ -377,7 +377,7 @@ def _model_names(names: frozenset[str], tables: tuple[str, ...], config: Mapping
     """Each file name under the name a twin of ``cls`` gives its tensor: ``add`` before it, or, where a table's
     name is not the twin's (the family renames on loading), the name transformers' own conversion mapping
     loads it as."""
-    from .twin import meta_shapes
+    from posextend.families.twin import meta_shapes
 
     out = {n: add + n for n in names}
     expected = meta_shapes(config, cls)  # cached: the verification reads it too

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .data import mask_tokens
-from .errors import PosExtendError
+from posextend.scoring.text import mask_tokens
+from posextend.errors import PosExtendError
 
 
 @dataclass(frozen=True)
@@ -187,7 +187,7 @@ def plot_reports(
     ``reference`` draws a horizontal line (e.g. the original model at its own length);
     ``styles`` passes matplotlib line options per label.
     """
-    from .analysis import _pyplot, _save
+    from posextend.scoring.analysis import _pyplot, _save
 
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(9.5 if len(reports) > 3 else 7.5, 4.6))

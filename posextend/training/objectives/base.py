@@ -3,8 +3,8 @@
 An objective knows how to load the model it trains, cut documents into training samples,
 compute one micro-batch's loss and evaluate by position. The loop (accumulation, resume, NaN,
 Ctrl-C, progress, distribution) and the save (the checkpoint writer of ``resize-model``, into
-the source's files and layout) are shared (:mod:`posextend.training`); the loop hands
-each objective a :class:`~posextend.context.RunContext`, its one view of the run. Every random
+the source's files and layout) are shared (:mod:`posextend.training.loop`); the loop hands
+each objective a :class:`~posextend.training.context.RunContext`, its one view of the run. Every random
 choice of a sample comes from ``run.generator(p)`` for its global number ``p``, so a run is the
 same whatever the number of processes.
 
@@ -31,12 +31,12 @@ from typing import Any, ClassVar
 
 import torch
 
-from .context import RunContext
-from .data import framed
-from .errors import DataError, TrainingError
-from .evaluation import Bucket, EvalReport, bucket_edges, evaluate_model
-from .loading import Loaded, config_head, is_sentence_transformer, load_language_model, loaded
-from .registry import Registry
+from posextend.training.context import RunContext
+from posextend.scoring.text import framed
+from posextend.errors import DataError, TrainingError
+from posextend.scoring.by_position import Bucket, EvalReport, bucket_edges, evaluate_model
+from posextend.training.loading import Loaded, config_head, is_sentence_transformer, load_language_model, loaded
+from posextend.registry import Registry
 
 ENTRY_POINT_GROUP = "posextend.objectives"
 
@@ -95,14 +95,14 @@ class Objective:
         return changed
 
     def documents(self, paths: Sequence[str | Path]) -> Sequence[Any]:
-        """What :meth:`samples` cuts, read from the data files: their texts (:func:`posextend.data.read_documents`)."""
-        from .data import read_documents
+        """What :meth:`samples` cuts, read from the data files: their texts (:func:`posextend.scoring.text.read_documents`)."""
+        from posextend.scoring.text import read_documents
 
         return read_documents(paths)
 
     def samples(self, tokenizer, documents: Sequence[str], length: int) -> torch.Tensor:
         """``[n, length]`` token windows: documents joined with EOS/SEP and packed."""
-        from .data import pack
+        from posextend.scoring.text import pack
 
         return pack(tokenizer, documents, length)
 
@@ -127,7 +127,7 @@ def register_objective(name: str, *, description: str | None = None) -> Callable
 
     def decorator(cls: type[Objective]) -> type[Objective]:
         if not (isinstance(cls, type) and issubclass(cls, Objective)):
-            raise TrainingError(f"Objective {name!r} must be a subclass of posextend.objectives.Objective.")
+            raise TrainingError(f"Objective {name!r} must be a subclass of posextend.training.objectives.base.Objective.")
         _REGISTRY.check_name(name)
         cls.name = name
         cls.description = description or cls.description or (cls.__doc__ or "").strip().split("\n")[0]
@@ -148,7 +148,7 @@ def get_objective(name: str) -> Objective:
 
 
 def _features(rows, tokenizer, device) -> dict[str, torch.Tensor]:
-    """:func:`posextend.data.framed` on ``device``."""
+    """:func:`posextend.scoring.text.framed` on ``device``."""
     return {k: v.to(device) for k, v in framed(rows, tokenizer).items()}
 
 
@@ -264,7 +264,7 @@ class MaskedLM(_LanguageModel):
     head = "masked"
 
     def loss(self, run: RunContext, positions: range, batch: torch.Tensor) -> tuple[torch.Tensor, int]:
-        from .data import mask_tokens
+        from posextend.scoring.text import mask_tokens
 
         pairs = [mask_tokens(row[None], run.tokenizer, run.generator(p)) for row, p in zip(batch, positions)]
         inputs, labels = torch.cat([a for a, _ in pairs]), torch.cat([b for _, b in pairs])
@@ -324,7 +324,7 @@ class Contrastive(Objective):
         return result
 
     def samples(self, tokenizer, documents: Sequence[str], length: int) -> torch.Tensor:
-        from .data import pack
+        from posextend.scoring.text import pack
 
         if length < PASSAGE_TOKENS + 4:
             raise DataError(f"Contrastive training needs documents longer than {PASSAGE_TOKENS + 4} tokens.")

@@ -23,11 +23,11 @@ from pathlib import Path
 
 import torch
 
-from .context import RunContext, sample_generator
-from .errors import TrainingError
-from .evaluation import EvalReport, bucket_edges, report_from
-from .loading import Loaded, load_language_model
-from .objectives import Objective, register_objective, without_dropout
+from posextend.training.context import RunContext, sample_generator
+from posextend.errors import TrainingError
+from posextend.scoring.by_position import EvalReport, bucket_edges, report_from
+from posextend.training.loading import Loaded, load_language_model
+from posextend.training.objectives.base import Objective, register_objective, without_dropout
 
 GAP_RATIO = 0.15  # the share of the source's tokens masked, PEGASUS's
 SENTENCE_TOKENS = 24  # a typical sentence, to set the number of gaps
@@ -145,14 +145,14 @@ class GapSentences(Objective):
 
     def documents(self, paths: Sequence[str | Path]) -> Sequence[str] | list[tuple[str, str]]:
         """Supervised ``(source, target)`` pairs where the data is JSON Lines holding them, else raw texts."""
-        from .data import read_documents, read_pairs
+        from posextend.scoring.text import read_documents, read_pairs
 
         return read_pairs(paths) or read_documents(paths)
 
     def samples(self, tokenizer, documents: Sequence[str] | Sequence[tuple[str, str]], length: int) -> torch.Tensor:
         """Raw text: ``[n, raw]`` token windows, enough for a source of ``length`` tokens once its gaps are
         masked. Pairs: ``[n, 2, length]``, each pair's source and target ids (cut to ``length``, -1 after)."""
-        from .data import pack
+        from posextend.scoring.text import pack
 
         before, after = framing(tokenizer)
         inner = length - len(before) - len(after)

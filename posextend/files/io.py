@@ -35,7 +35,7 @@ from importlib import import_module
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import CorruptCheckpointError, DestinationError, PosExtendError, SourceError
+from posextend.errors import CorruptCheckpointError, DestinationError, PosExtendError, SourceError
 
 if TYPE_CHECKING:
     import torch
