@@ -311,6 +311,20 @@ def test_cli_reference_is_generated_from_the_app():
     assert committed == gen_cli_docs.render(), "docs/reference/cli.md is stale: run python scripts/gen_cli_docs.py"
 
 
+def test_architecture_map_is_drawn_from_the_code():
+    """docs/concepts/architecture.md's map is the import graph as the code has it (every module, its layer's
+    imports), so the picture a newcomer reads cannot drift from the package."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import layers
+    finally:
+        sys.path.pop(0)
+    page = (DOCS / "concepts" / "architecture.md").read_text(encoding="utf-8")
+    assert layers.render() in page, "docs/concepts/architecture.md is stale: run python scripts/layers.py"
+    for module in layers.graph():
+        assert f"`{module.split('.', 1)[-1]}`" in page, module
+
+
 def test_site_builds_strict(tmp_path):
     if shutil.which("mkdocs", path=str(Path(sys.executable).parent)) is None and shutil.which("mkdocs") is None:
         pytest.skip("mkdocs is not installed (pip install -e '.[docs]')")
