@@ -64,7 +64,8 @@ class Checkpoint:
 
     @cached_property
     def transformer_dir(self) -> str:
-        """Where the transformers model sits, relative to ``directory`` (:func:`~posextend.files.sources.transformer_dir`)."""
+        """Where the transformers model sits, relative to ``directory``: ``""`` at its root, or the Transformer
+        module's folder (:func:`~posextend.files.sources.transformer_dir`)."""
         return sources.transformer_dir(self.directory)
 
     @property

@@ -1,6 +1,8 @@
 """Where a checkpoint's parts are: its folder (local, or a hub id in the local cache), its
 ``config.json``, the transformers model inside a sentence-transformers folder, that folder's
-sentence-transformers config, the tokenizer's files, and whether a destination may be written."""
+sentence-transformers config, the tokenizer's files, and whether a destination may be written.
+
+A command asks these of its checkpoint once, through :class:`posextend.files.checkpoint.Checkpoint`."""
 
 from __future__ import annotations
 

@@ -3,6 +3,7 @@
 Owns :mod:`.plan` (what a resize changes, group by group), :mod:`.in_memory` (``extend_model`` on a
 transformers model), :mod:`.inspection` (``inspect_checkpoint``: what a checkpoint on disk holds),
 :mod:`.on_disk` (``resize_checkpoint`` and its twin verification), :mod:`.report` (``ResizeReport`` and
-the model card) and :mod:`.writer` (the one checkpoint writer, also used by the fine-tune's save). May import: ``posextend.errors``, ``posextend.version``, ``posextend.tables``, ``posextend.files``,
+the model card) and :mod:`.writer` (the one checkpoint writer, also used by the fine-tune's save). May
+import: ``posextend.errors``, ``posextend.version``, ``posextend.tables``, ``posextend.files``,
 ``posextend.families``.
 """

@@ -85,7 +85,8 @@ def resize_checkpoint(
     dst = Path(dst).expanduser()
     with Checkpoint.open(src) as source:
         reader, config = source.reader, source.config
-        plans = plan_resize(config, source.shapes, Request(new_length, image_size, strategy, params, table, allow_shrink))
+        request = Request(new_length, image_size, strategy, params, table, allow_shrink)
+        plans = plan_resize(config, source.shapes, request)
         check_destination(source.directory, dst, overwrite=overwrite)
         _check_request(reader, plans, new_length, st_max_seq_length)
         seed = secrets.randbits(63) if seed is None else seed

@@ -206,8 +206,8 @@ def _setup(checkpoint: Checkpoint, dst: Path, data: Sequence[str | Path], config
     tables, keep = _trained_tables(loaded, old_len, decoder_length)
     config = config.with_lr(chosen, tables[0].shape[-1])
     # the run is a function of the global batch, so a resume may use another number of processes
-    fingerprint = config.fingerprint(src=checkpoint.directory, data=[str(d) for d in data], processes=accelerator.num_processes,
-                                     anchor_source=anchor.path)
+    fingerprint = config.fingerprint(src=checkpoint.directory, data=[str(d) for d in data],
+                                     processes=accelerator.num_processes, anchor_source=anchor.path)
     if anchor.note and accelerator.is_main_process:
         (log.info if anchor.exact else log.warning)("%s", anchor.note)
     for p in model.parameters():
@@ -525,7 +525,8 @@ def _save(run: _Run, dst: Path, report: FinetuneReport, checkpoint: Checkpoint, 
     log.info("Saved %s: %d tensors trained, %d added, the rest copied from %s", dst, len(trained), len(added), directory)
 
 
-def _provenance(run: _Run, report: FinetuneReport, checkpoint: Checkpoint, resize: ResizeReport | None) -> dict[str, str]:
+def _provenance(run: _Run, report: FinetuneReport, checkpoint: Checkpoint,
+                resize: ResizeReport | None) -> dict[str, str]:
     """The output's provenance: the resize the run made (or the original recorded before it, or the
     checkpoint itself), its lengths, and the fine-tune."""
     finetune = {"posextend.finetune": json.dumps({"train": report.train, "steps": report.steps, "lr": report.lr,
