@@ -28,7 +28,7 @@ class Checkpoint:
     ``directory`` is the folder the user named, resolved (:meth:`resolve`: a local folder, or a hub id in
     the local cache). The model's own files are in :attr:`model_dir`: the folder itself, or the
     Transformer module's folder of an older sentence-transformers folder (``0_Transformer/``). Where a
-    path is expected (``str()``, ``os.fspath``, messages), a checkpoint stands for its ``directory``.
+    path is expected (``str()``, ``os.fspath``, ``/``, messages), a checkpoint stands for its ``directory``.
 
     Used as a context manager, it releases the weights it holds open (a ``.bin`` file's memory map)
     on leaving; it stays usable and opens them again when asked.
@@ -127,3 +127,6 @@ class Checkpoint:
 
     def __fspath__(self) -> str:
         return str(self.directory)
+
+    def __truediv__(self, name: str) -> Path:  # an objective's ``load`` may join names to it as to its folder
+        return self.directory / name
