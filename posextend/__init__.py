@@ -15,9 +15,9 @@ from .version import __version__
 _LAZY = {
     "extend_model": "resize.in_memory",
     "resize_checkpoint": "resize.on_disk",
-    "inspect_checkpoint": "resize.on_disk",
-    "ResizeReport": "resize.on_disk",
-    "CheckpointInfo": "resize.on_disk",
+    "inspect_checkpoint": "resize.inspection",
+    "ResizeReport": "resize.report",
+    "CheckpointInfo": "resize.inspection",
     "register_strategy": "tables.strategies",
     "available_strategies": "tables.strategies",
     "get_strategy": "tables.strategies",
@@ -41,7 +41,9 @@ _LAZY = {
 __all__ = ["PosExtendError", "__version__", *_LAZY]
 
 if TYPE_CHECKING:
-    from .resize.on_disk import CheckpointInfo, ResizeReport, inspect_checkpoint, resize_checkpoint
+    from .resize.inspection import CheckpointInfo, inspect_checkpoint
+    from .resize.on_disk import resize_checkpoint
+    from .resize.report import ResizeReport
     from .scoring.by_position import EvalReport
     from .training.heldout import evaluate
     from .families.lookup import all_specs, spec_for

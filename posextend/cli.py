@@ -239,13 +239,15 @@ def inspect_cmd(
     """Show where a checkpoint keeps its positions and how long its context is."""
     from rich.table import Table
 
-    from posextend.resize.on_disk import inspect_checkpoint
+    from posextend.files.checkpoint import Checkpoint
+    from posextend.resize.inspection import inspect_checkpoint
 
-    info = inspect_checkpoint(src)
+    checkpoint = Checkpoint.resolve(src)  # resolved once: the diagnostics read the same one
+    info = inspect_checkpoint(checkpoint)
     if (plot or compare) and table is None and len(info.groups) > 1:
         table = info.groups[0].group
         err_console.print(f"diagnostics of the {table} table (--table chooses another)", highlight=False)
-    analysis = _diagnostics(src, compare, plot, table) if plot or compare else None
+    analysis = _diagnostics(src, compare, plot, table, checkpoint) if plot or compare else None
     if as_json:
         print(json.dumps({**info.to_dict(), **({"analysis": analysis} if analysis else {})}, indent=2))
         return
@@ -301,23 +303,28 @@ def _fmt(value: Any) -> str:
     return f"{value:.3f}" if isinstance(value, float) else str(value)
 
 
-def _diagnostics(src: str, compare: str | None, out: Path | None, table: str | None = None) -> dict[str, dict[str, Any]]:
+def _diagnostics(src: str, compare: str | None, out: Path | None, table: str | None = None,
+                 checkpoint: Any = None) -> dict[str, dict[str, Any]]:
+    """``checkpoint``: ``src`` resolved (:class:`~posextend.files.checkpoint.Checkpoint`), when the caller has it."""
+    from posextend.files.checkpoint import Checkpoint
     from posextend.scoring.analysis import analyze, plot, plot_grid, table_of
 
     names = [Path(src).name or str(src), Path(compare).name if compare else ""]
     if names[0] == names[1]:
         names = [str(src), str(compare)]
-    tables = {names[0]: table_of(src, table)}
+    checkpoints = [checkpoint or Checkpoint.resolve(src)]
+    tables = {names[0]: table_of(checkpoints[0], table)}
     if compare:
-        tables[names[1]] = table_of(compare, table)
+        checkpoints.append(Checkpoint.resolve(compare))
+        tables[names[1]] = table_of(checkpoints[1], table)
     analysis = {label: analyze(t).to_dict() for label, t in tables.items()}
     if out:
-        from posextend.resize.on_disk import read_position_table
+        from posextend.resize.inspection import read_position_table
         from posextend.files.io import output_errors, write_file
 
         write_file(out / "analysis.json", json.dumps(analysis, indent=2))
         lengths = [t.shape[0] for t in tables.values()]
-        grids = {label: read_position_table(path, table, grid=True) for label, path in zip(names, [src, compare]) if path}
+        grids = {label: read_position_table(c, table, grid=True) for label, c in zip(names, checkpoints)}
         with output_errors(out):
             plot(tables, out, mark=min(lengths) if len(set(lengths)) > 1 else None)
             if all(g.dim() == 3 for g in grids.values()):  # image grids: similarity to reference patches on the grid

@@ -283,7 +283,7 @@ def test_inspect_plot_shows_the_grid_similarity(vision, tmp_path):
     assert (tmp_path / "plots" / "grid_similarity.png").stat().st_size > 1000
     from posextend.scoring.analysis import grid_similarity
 
-    from posextend.resize.on_disk import read_position_table
+    from posextend.resize.inspection import read_position_table
 
     grid = read_position_table(tmp_path / "big", grid=True)
     assert grid.shape[:2] == (7, 7)

@@ -1,17 +1,16 @@
 """Where a checkpoint's parts are: its folder (local, or a hub id in the local cache), its
 ``config.json``, the transformers model inside a sentence-transformers folder, that folder's
-sentence-transformers config, the tokenizer's files, and whether a destination may be written."""
+sentence-transformers config, the tokenizer's files, and whether a destination may be written.
+
+A command asks these of its checkpoint once, through :class:`posextend.files.checkpoint.Checkpoint`."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 from posextend.errors import DestinationError, SourceError
-from posextend.files.io import CheckpointReader
 
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "vocab.txt", "merges.txt", "spiece.model",
                     "sentencepiece.bpe.model", "tokenizer.model")
@@ -153,20 +152,3 @@ ST_CONFIGS = (ST_CONFIG, "sentence_roberta_config.json", "sentence_distilbert_co
 def st_config(model_dir: Path) -> Path | None:
     """The sentence-transformers config (``max_seq_length``) of the Transformer module in ``model_dir``."""
     return next((model_dir / name for name in ST_CONFIGS if (model_dir / name).is_file()), None)
-
-
-@contextlib.contextmanager
-def opened(src: str | Path) -> Iterator[tuple[Path, dict[str, Any], CheckpointReader, dict[str, tuple[int, ...]]]]:
-    """Resolve, read the config, open the weights lazily; yields the tensors' shapes by name too.
-
-    The directory yielded is the one given; the config and the weights are those of its model, in
-    :func:`transformer_dir` (``reader.dir``).
-    """
-    directory = resolve_source(src)
-    model_dir = directory / transformer_dir(directory)
-    config = read_config(model_dir)
-    reader = CheckpointReader(model_dir)
-    try:
-        yield directory, config, reader, {name: entry.shape for name, entry in reader.entries.items()}
-    finally:
-        reader.close()

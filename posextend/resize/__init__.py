@@ -1,8 +1,9 @@
 """The resize: one plan, carried out in memory or on disk, reported and verified.
 
 Owns :mod:`.plan` (what a resize changes, group by group), :mod:`.in_memory` (``extend_model`` on a
-transformers model), :mod:`.on_disk` (``inspect_checkpoint``, ``resize_checkpoint``, its report, model
-card and twin verification) and :mod:`.writer` (the one checkpoint writer, also used by the fine-tune's
-save). May import: ``posextend.errors``, ``posextend.version``, ``posextend.tables``, ``posextend.files``,
+transformers model), :mod:`.inspection` (``inspect_checkpoint``: what a checkpoint on disk holds),
+:mod:`.on_disk` (``resize_checkpoint`` and its twin verification), :mod:`.report` (``ResizeReport`` and
+the model card) and :mod:`.writer` (the one checkpoint writer, also used by the fine-tune's save). May
+import: ``posextend.errors``, ``posextend.version``, ``posextend.tables``, ``posextend.files``,
 ``posextend.families``.
 """

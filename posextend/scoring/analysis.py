@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from posextend.errors import PosExtendError
+from posextend.files.checkpoint import Checkpoint
 
 
 def table_of(obj: Any, table: str | None = None) -> torch.Tensor:
@@ -41,8 +42,8 @@ def table_of(obj: Any, table: str | None = None) -> torch.Tensor:
         shapes = {n: tuple(p.shape) for n, p in params.items()}
         layout = spec_for(config, cls=type(obj), table=table).locate(shapes, config)
         rows = params[layout.tables[0]][layout.reserved :]
-    elif isinstance(obj, (str, Path)):
-        from posextend.resize.on_disk import read_position_table
+    elif isinstance(obj, (str, Path, Checkpoint)):
+        from posextend.resize.inspection import read_position_table
 
         rows = read_position_table(obj, table)
     else:

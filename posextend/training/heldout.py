@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from posextend.files.sources import resolve_source
+from posextend.files.checkpoint import Checkpoint
 from posextend.training.context import RunContext
 from posextend.errors import PosExtendError
 from posextend.scoring.by_position import EvalReport, plot_reports
@@ -52,12 +52,12 @@ def evaluate(
         >>> report = posextend.evaluate("gpt2-4k", ["held_out.txt"], buckets=4)
         >>> [round(b.perplexity, 1) for b in report.buckets]
     """
-    directory = resolve_source(model_path)
-    chosen = get_objective(objective or default_objective(directory))
+    checkpoint = Checkpoint.resolve(model_path)  # resolved once, passed down
+    chosen = get_objective(objective or default_objective(checkpoint))
     docs = chosen.documents(data)
     if chosen.anchor:
         chosen = chosen.with_anchor(0)  # no frozen copy of the model: nothing trains
-    loaded = chosen.load(directory, init_head=False)
+    loaded = chosen.load(checkpoint, init_head=False)
     length = length or loaded.usable
     if length > loaded.usable:
         raise PosExtendError(

@@ -1,8 +1,10 @@
-"""Loading a checkpoint for training or evaluation: the model its objective needs, and its tokenizer."""
+"""Loading a checkpoint for training or evaluation: the model its objective needs, and its tokenizer.
+
+The checkpoint comes resolved (a :class:`~posextend.files.checkpoint.Checkpoint`); the functions here also
+take its folder as a path, for callers that hold no checkpoint."""
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -10,9 +12,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from posextend.files.sources import MODULES, TOKENIZER_FILES, read_config, resolve_source, transformer_dir
+from posextend.files.checkpoint import Checkpoint
+from posextend.files.sources import TOKENIZER_FILES
 from posextend.errors import PosExtendError, SourceError, TrainingError
-from posextend.files.io import SAFE_INDEX, read_header
 from posextend.families.lookup import all_specs, spec_for
 from posextend.families.specs import ArchitectureSpec
 
@@ -55,16 +57,9 @@ class Stack:
     reserved: int
 
 
-def provenance(directory: Path) -> dict[str, str]:
-    """posextend's provenance metadata of a checkpoint (empty when it has none)."""
-    try:
-        directory = model_directory(directory)
-        if (directory / SAFE_INDEX).is_file():
-            return json.loads((directory / SAFE_INDEX).read_text()).get("metadata", {})
-        files = sorted(directory.glob("*.safetensors"))
-        return read_header(files[0])[1] if files else {}
-    except (PosExtendError, ValueError):
-        return {}
+def provenance(directory: Path | Checkpoint) -> dict[str, str]:
+    """posextend's provenance metadata of a checkpoint (empty when it has none): :attr:`Checkpoint.provenance`."""
+    return Checkpoint.of(directory).provenance
 
 
 def load_tokenizer(directory: Path):
@@ -82,14 +77,15 @@ def load_tokenizer(directory: Path):
     return tokenizer
 
 
-def loaded(model: torch.nn.Module, hf_model: torch.nn.Module, tokenizer, objective: str, directory: Path) -> Loaded:
+def loaded(model: torch.nn.Module, hf_model: torch.nn.Module, tokenizer, objective: str,
+           directory: Path | Checkpoint) -> Loaded:
     """Locate the table(s) of ``hf_model`` (inside ``model``) and read the old length from provenance."""
     config = hf_model.config.to_dict()
     spec, decoder = stack_specs(config, type(hf_model))  # the loaded class's own names
     shapes = {n: tuple(p.shape) for n, p in hf_model.named_parameters()}
     prefix = next((f"{n}." for n, m in model.named_modules() if m is hf_model and n), "")
     encoder, decoder = (None if s is None else _stack(s, shapes, config, prefix) for s in (spec, decoder))
-    old = provenance(directory).get("posextend.old_length")
+    old = Checkpoint.of(directory).provenance.get("posextend.old_length")
     return Loaded(model, hf_model, tokenizer, spec, objective, encoder.usable, encoder.reserved, encoder.tables,
                   int(old) if old else None, decoder=decoder)
 
@@ -108,12 +104,12 @@ def _stack(spec: ArchitectureSpec, shapes: dict[str, tuple[int, ...]], config: d
     return Stack(spec, tuple(prefix + t for t in layout.tables), layout.usable, layout.reserved)
 
 
-def load_language_model(src: str | Path, objective: str, *, init_head: bool = False) -> Loaded:
+def load_language_model(src: str | Path | Checkpoint, objective: str, *, init_head: bool = False) -> Loaded:
     """The checkpoint with the head ``objective`` (``causal``, ``masked`` or ``seq2seq``) needs, and its tokenizer."""
     import transformers
 
-    directory = resolve_source(src)
-    model_dir = model_directory(directory)  # an older sentence-transformers folder: its 0_Transformer/
+    checkpoint = Checkpoint.resolve(src)
+    directory, model_dir = checkpoint.directory, checkpoint.model_dir  # an older ST folder: its 0_Transformer/
     tokenizer = load_tokenizer(model_dir)
     classes = {"causal": transformers.AutoModelForCausalLM, "masked": transformers.AutoModelForMaskedLM,
                "seq2seq": transformers.AutoModelForSeq2SeqLM}
@@ -127,24 +123,24 @@ def load_language_model(src: str | Path, objective: str, *, init_head: bool = Fa
                 f"pass init_head=True to train a freshly initialised one."
             )
         log.warning("Initialising a fresh %s head (%d weights, e.g. %s)", head, len(missing), missing[0])
-    return loaded(model, model, tokenizer, objective, directory)
+    return loaded(model, model, tokenizer, objective, checkpoint)
 
 
-def is_sentence_transformer(directory: Path) -> bool:
+def is_sentence_transformer(directory: Path | Checkpoint) -> bool:
     """A sentence-transformers folder: ``modules.json`` at its root (the Transformer module there or in a
     folder of its own, see :func:`model_directory`); ``SentenceTransformer(str(directory))`` loads it."""
-    return (directory / MODULES).is_file()
+    return Checkpoint.of(directory).sentence_transformers
 
 
-def model_directory(directory: Path) -> Path:
+def model_directory(directory: Path | Checkpoint) -> Path:
     """The folder of ``directory``'s transformers model: ``directory`` itself, or the Transformer module's
     folder of an older sentence-transformers folder (``0_Transformer/``), found as resizing finds it."""
-    return directory / transformer_dir(directory)
+    return Checkpoint.of(directory).model_dir
 
 
-def config_head(directory: Path) -> str:
+def config_head(directory: Path | Checkpoint) -> str:
     """The language-model head of a checkpoint's family (its spec's): ``causal``, ``masked``, ``seq2seq`` or ``other``."""
-    return stack_specs(read_config(model_directory(directory)))[0].head
+    return stack_specs(Checkpoint.of(directory).config)[0].head
 
 
 # ------------------------------------------------------------------------------ the anchor's reference
@@ -154,31 +150,37 @@ def config_head(directory: Path) -> str:
 class AnchorSource:
     """The model a fine-tune's anchor term holds outputs within the old length to.
 
-    ``path``: the original model a checkpoint was extended from (loaded at its own length); None:
-    the checkpoint as loaded, before this run extends it (the behaviour without provenance).
+    ``original``: the original model a checkpoint was extended from (loaded at its own length), and
+    ``path`` its folder; None: the checkpoint as loaded, before this run extends it (the behaviour
+    without provenance).
     ``note``: one line saying why the original is not used, when that matters; ``exact``: the
     checkpoint's old rows are the original's (a row-keeping strategy, never trained since), so
     holding to the checkpoint is holding to the original.
     """
 
-    path: Path | None = None
+    original: Checkpoint | None = None
     note: str | None = None
     exact: bool = False
 
+    @property
+    def path(self) -> Path | None:
+        return None if self.original is None else self.original.directory
 
-def unfit_original(directory: Path, original: Path, old_length: int, recorded: int | None = None) -> str | None:
-    """Why ``original`` cannot be the anchor's reference for checkpoint ``directory`` (None: it can).
+
+def unfit_original(checkpoint: Checkpoint, original: Checkpoint, old_length: int,
+                   recorded: int | None = None) -> str | None:
+    """Why ``original`` cannot be the anchor's reference for ``checkpoint`` (None: it can).
 
     It must hold a model of the same type whose table has ``recorded`` usable positions (the old
     length the checkpoint's provenance records), and at least the ``old_length`` the anchor reads.
     """
-    from posextend.resize.on_disk import inspect_checkpoint
+    from posextend.resize.inspection import inspect_checkpoint
 
-    if original == directory:
+    if original.directory == checkpoint.directory:
         return "is this checkpoint itself"
     try:
-        mine = read_config(model_directory(directory)).get("model_type")
-        theirs = read_config(model_directory(original)).get("model_type")
+        mine = checkpoint.config.get("model_type")
+        theirs = original.config.get("model_type")
         usable = inspect_checkpoint(original).usable
     except PosExtendError as exc:
         return f"cannot be read ({str(exc).splitlines()[0]})"
@@ -199,41 +201,42 @@ def _keeps_rows(meta: dict[str, str]) -> bool:
     return bool(strategy and strategy.keeps_rows) and "posextend.finetune" not in meta
 
 
-def anchor_source(directory: Path, given: str | Path | None, *, old_length: int, length: int,
+def anchor_source(checkpoint: Checkpoint, given: str | Path | None, *, old_length: int, length: int,
                   extended: bool) -> AnchorSource:
-    """The anchor's reference for a fine-tune of ``directory`` whose old range is ``old_length`` of
+    """The anchor's reference for a fine-tune of ``checkpoint`` whose old range is ``old_length`` of
     ``length`` positions: ``given`` (checked; an unfit one is refused), else the original that the
     provenance records when it is there and fits, else the checkpoint as loaded, with a note
     when its old rows may differ from the original's. A run that extends the checkpoint itself
     (``extended``) holds to it as loaded: it is that extension's source."""
+    directory = checkpoint.directory
     if given is not None:
-        path = resolve_source(given)
-        problem = unfit_original(directory, path, old_length)
+        original = Checkpoint.resolve(given)
+        problem = unfit_original(checkpoint, original, old_length)
         if problem:
-            raise TrainingError(f"The anchor's source {path} {problem}: give the model {directory} was extended from, "
-                                "or leave the anchor's source unset.")
-        return AnchorSource(path)
+            raise TrainingError(f"The anchor's source {original} {problem}: give the model {directory} was extended "
+                                "from, or leave the anchor's source unset.")
+        return AnchorSource(original)
     if extended or old_length >= length:
         return AnchorSource()
-    meta = provenance(directory)
+    meta = checkpoint.provenance
     if "posextend.source" not in meta:
         return AnchorSource(note=(
             f"Anchor: {directory} records no original model, so the anchor holds its first {old_length} positions "
             "to this checkpoint as given, whose rows there may already have moved; give the original as the "
             "anchor's source to hold to it."))
-    return _recorded_source(directory, meta, old_length)
+    return _recorded_source(checkpoint, meta, old_length)
 
 
-def _recorded_source(directory: Path, meta: dict[str, str], old_length: int) -> AnchorSource:
+def _recorded_source(checkpoint: Checkpoint, meta: dict[str, str], old_length: int) -> AnchorSource:
     """The original ``meta`` (the checkpoint's provenance) records, or the checkpoint with a note."""
-    recorded, old = meta["posextend.source"], meta.get("posextend.old_length")
+    recorded, old, directory = meta["posextend.source"], meta.get("posextend.old_length"), checkpoint.directory
     try:
-        path = resolve_source(recorded)
-        problem = unfit_original(directory, path, old_length, int(old) if old else None)
+        original = Checkpoint.resolve(recorded)
+        problem = unfit_original(checkpoint, original, old_length, int(old) if old else None)
     except SourceError:
-        path, problem = None, "is missing"
+        problem = "is missing"
     if problem is None:
-        return AnchorSource(path)
+        return AnchorSource(original)
     strategy = meta.get("posextend.strategy", "its strategy")
     head = (f"Anchor: the original model {recorded} that {directory.name} was extended from {problem}, "
             f"so the anchor holds to {directory.name} as given")

@@ -31,16 +31,18 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from posextend.version import __version__
-from posextend.resize.on_disk import ResizeReport, model_card, resize_change, resize_report
+from posextend.resize.on_disk import resize_change
+from posextend.resize.report import ResizeReport, model_card, resize_report
 from posextend.training.context import RunContext
 from posextend.errors import TrainingError
 from posextend.scoring.by_position import EvalReport
 from posextend.files.io import atomic_output, output_errors, write_file
-from posextend.training.loading import AnchorSource, Loaded, anchor_source, is_sentence_transformer, provenance
+from posextend.training.loading import AnchorSource, Loaded, anchor_source
 from posextend.training.objectives.base import Objective, default_objective, get_objective
 from posextend.training.options import FinetuneConfig
 from posextend.resize.plan import Request, plan_resize
-from posextend.files.sources import MODULES, check_destination, opened, resolve_source
+from posextend.files.checkpoint import Checkpoint
+from posextend.files.sources import MODULES, check_destination
 
 if TYPE_CHECKING:
     from posextend.training.saving import FileNames
@@ -176,7 +178,7 @@ def make_accelerator(mixed_precision: str, grad_accum: int, *, unused_parameters
     return accelerator
 
 
-def _setup(directory: Path, dst: Path, data: Sequence[str | Path], config: FinetuneConfig,
+def _setup(checkpoint: Checkpoint, dst: Path, data: Sequence[str | Path], config: FinetuneConfig,
            chosen: Objective) -> tuple[_Run, Loaded]:
     """Load, extend, cut the data into samples, choose what trains, and prepare model, optimizer and
     schedule. ``config`` is resolved (:meth:`FinetuneConfig.resolved`); its ``lr`` is set here when None."""
@@ -185,7 +187,7 @@ def _setup(directory: Path, dst: Path, data: Sequence[str | Path], config: Finet
     from posextend.scoring.text import split
 
     docs = chosen.documents(data)
-    loaded, length, old_len, extended, anchor = _load(chosen, directory, config)
+    loaded, length, old_len, extended, anchor = _load(chosen, checkpoint, config)
     decoder_length = _extend_decoder(loaded, config)  # None: the decoder shares the run's length
     model, tokenizer = loaded.model, loaded.tokenizer
     if config.train == "new-rows" and old_len >= length:
@@ -204,8 +206,8 @@ def _setup(directory: Path, dst: Path, data: Sequence[str | Path], config: Finet
     tables, keep = _trained_tables(loaded, old_len, decoder_length)
     config = config.with_lr(chosen, tables[0].shape[-1])
     # the run is a function of the global batch, so a resume may use another number of processes
-    fingerprint = config.fingerprint(src=directory, data=[str(d) for d in data], processes=accelerator.num_processes,
-                                     anchor_source=anchor.path)
+    fingerprint = config.fingerprint(src=checkpoint.directory, data=[str(d) for d in data],
+                                     processes=accelerator.num_processes, anchor_source=anchor.path)
     if anchor.note and accelerator.is_main_process:
         (log.info if anchor.exact else log.warning)("%s", anchor.note)
     for p in model.parameters():
@@ -230,7 +232,8 @@ def _setup(directory: Path, dst: Path, data: Sequence[str | Path], config: Finet
     return run, loaded
 
 
-def _load(chosen: Objective, directory: Path, config: FinetuneConfig) -> tuple[Loaded, int, int, bool, AnchorSource]:
+def _load(chosen: Objective, checkpoint: Checkpoint, config: FinetuneConfig
+          ) -> tuple[Loaded, int, int, bool, AnchorSource]:
     """Load through the objective, settle what its anchor holds to while the table is as loaded, then
     extend it when ``config.length`` asks. Returns the loaded model, the run's length and old length,
     whether this run extended the table, and the anchor's reference."""
@@ -241,30 +244,30 @@ def _load(chosen: Objective, directory: Path, config: FinetuneConfig) -> tuple[L
                             "leave the source unset.")
     anchored = bool(chosen.anchor)
     # an original may replace the frozen copy of the checkpoint: load without making that copy
-    may_swap = anchored and (source is not None or "posextend.source" in provenance(directory))
-    loaded = (chosen.with_anchor(0) if may_swap else chosen).load(directory, init_head=init_head)
+    may_swap = anchored and (source is not None or "posextend.source" in checkpoint.provenance)
+    loaded = (chosen.with_anchor(0) if may_swap else chosen).load(checkpoint, init_head=init_head)
     current = loaded.usable
     extended = length is not None and length != current
     old_len = current if extended else (old_length or loaded.old_length or current)
     length = length if extended else current
-    anchor = (anchor_source(directory, source, old_length=old_len, length=length, extended=extended)
+    anchor = (anchor_source(checkpoint, source, old_length=old_len, length=length, extended=extended)
               if anchored else AnchorSource())
     if anchor.path is not None:  # the original, at its own length
-        loaded.extras["source"] = chosen.read_reference(anchor.path, init_head=init_head)
+        loaded.extras["source"] = chosen.read_reference(anchor.original, init_head=init_head)
     elif may_swap:  # no original to hold to: the checkpoint as loaded, before it is extended
         loaded.extras["source"] = chosen.copy_reference(loaded)
-    loaded.files = _file_names(loaded, directory)  # as loaded: before the table is extended or trained
+    loaded.files = _file_names(loaded, checkpoint)  # as loaded: before the table is extended or trained
     if extended:
         _extend(loaded, Request(length, strategy=config.strategy, table=loaded.spec.group if loaded.decoder else None),
                 config.seed)
     return loaded, length, old_len, extended, anchor
 
 
-def _file_names(loaded: Loaded, directory: Path) -> FileNames:
+def _file_names(loaded: Loaded, checkpoint: Checkpoint) -> FileNames:
     from posextend.training.saving import file_names
 
-    with opened(directory) as (_, config, reader, _shapes):
-        return file_names(loaded.model, loaded.hf_model, reader, config)
+    with Checkpoint.open(checkpoint) as source:
+        return file_names(loaded.model, loaded.hf_model, source.reader, source.config)
 
 
 def _extend(loaded: Loaded, request: Request, seed: int) -> None:
@@ -412,7 +415,7 @@ def _resume_step(run: _Run) -> int:
 
 
 def finetune(
-    src: str | Path,
+    src: str | Path | Checkpoint,
     dst: str | Path,
     data: Sequence[str | Path],
     *,
@@ -447,15 +450,15 @@ def finetune(
         >>> report = posextend.finetune("gpt2", "gpt2-2k", ["corpus/"], length=2048, steps=500)
         >>> report.before.perplexity, report.after.perplexity
     """
-    directory = resolve_source(src)
+    checkpoint = Checkpoint.resolve(src)  # the one resolution of src: passed down, its facts read once
     given = FinetuneConfig.of(options)
-    chosen = get_objective(given.objective or default_objective(directory))
+    chosen = get_objective(given.objective or default_objective(checkpoint))
     if given.anchor is not None:
         chosen = chosen.with_anchor(given.anchor)
     config = given.resolved(chosen)
     dst = Path(dst).expanduser()
-    check_destination(directory, dst, overwrite=config.overwrite)
-    run, loaded = _setup(directory, dst, data, config, chosen)
+    check_destination(checkpoint.directory, dst, overwrite=config.overwrite)
+    run, loaded = _setup(checkpoint, dst, data, config, chosen)
     config = run.config  # with its lr
     before = None if config.resume else run.evaluate()
     start_step = _resume_step(run) if config.resume else 0
@@ -467,7 +470,7 @@ def finetune(
     report = _report(run, dst, (before, after), (losses, eval_losses), tokens, seconds)
     state_dict = run.accelerator.get_state_dict(run.model)  # every process takes part (sharded weights)
     if run.accelerator.is_main_process:
-        _save(run, dst, report, directory, loaded, state_dict)
+        _save(run, dst, report, checkpoint, loaded, state_dict)
         shutil.rmtree(run.state_dir, ignore_errors=True)
     run.accelerator.wait_for_everyone()
     return report
@@ -492,7 +495,7 @@ def _report(run: _Run, dst: Path, evaluations: tuple[EvalReport | None, EvalRepo
     )
 
 
-def _save(run: _Run, dst: Path, report: FinetuneReport, src: Path, loaded: Loaded,
+def _save(run: _Run, dst: Path, report: FinetuneReport, checkpoint: Checkpoint, loaded: Loaded,
           state_dict: dict[str, torch.Tensor]) -> None:
     """The fine-tuned model, written by the checkpoint writer of ``resize-model`` into the source's files and
     layout (:mod:`posextend.training.saving`), with provenance and a model card.
@@ -502,16 +505,17 @@ def _save(run: _Run, dst: Path, report: FinetuneReport, src: Path, loaded: Loade
     from posextend.training.saving import changes, write_trained
 
     seed = run.config.seed
-    with opened(src) as (directory, config, reader, shapes):
-        plans = [plan for request in loaded.requests for plan in plan_resize(config, shapes, request)]
+    with Checkpoint.open(checkpoint) as source:
+        config, reader, directory = source.config, source.reader, source.directory
+        plans = [plan for request in loaded.requests for plan in plan_resize(config, source.shapes, request)]
         resized = resize_change(reader, config, plans, seed)
         trained, added = changes(state_dict, run.unwrapped, loaded.files, reader)
-        resize = resize_report(directory, dst, plans, config, seed) if plans else None
+        resize = resize_report(source, dst, plans, seed) if plans else None
         change = dataclasses.replace(resized, tensors={**resized.tensors, **trained}, added=added,
-                                     metadata=_provenance(run, report, directory, resize))
+                                     metadata=_provenance(run, report, source, resize))
         with atomic_output(dst, overwrite=run.config.overwrite) as tmp:
-            written = write_trained(directory, tmp, change, config, reader, type(loaded.hf_model))
-            _save_modules(loaded, directory, tmp, run.config.train)
+            written = write_trained(source, tmp, change, type(loaded.hf_model))
+            _save_modules(loaded, source, tmp, run.config.train)
             if resize is not None:
                 resize.record(written)
             (tmp / "README.md").write_text(_card(report, resize, directory))
@@ -521,25 +525,26 @@ def _save(run: _Run, dst: Path, report: FinetuneReport, src: Path, loaded: Loade
     log.info("Saved %s: %d tensors trained, %d added, the rest copied from %s", dst, len(trained), len(added), directory)
 
 
-def _provenance(run: _Run, report: FinetuneReport, directory: Path, resize: ResizeReport | None) -> dict[str, str]:
+def _provenance(run: _Run, report: FinetuneReport, checkpoint: Checkpoint,
+                resize: ResizeReport | None) -> dict[str, str]:
     """The output's provenance: the resize the run made (or the original recorded before it, or the
     checkpoint itself), its lengths, and the fine-tune."""
     finetune = {"posextend.finetune": json.dumps({"train": report.train, "steps": report.steps, "lr": report.lr,
                                                    "tokens": report.tokens})}
     if resize is not None:
         return {**resize.provenance(), **finetune}
-    recorded = provenance(directory).get("posextend.source", str(directory))
+    recorded = checkpoint.provenance.get("posextend.source", str(checkpoint.directory))
     return {"posextend.version": __version__,
             "posextend.source": str(run.reference.path) if run.reference.path else recorded,
             "posextend.old_length": str(report.old_length), "posextend.new_length": str(report.new_length), **finetune}
 
 
-def _save_modules(loaded: Loaded, directory: Path, out: Path, train: str) -> None:
+def _save_modules(loaded: Loaded, checkpoint: Checkpoint, out: Path, train: str) -> None:
     """A sentence-transformers model's modules beyond the Transformer that trained (a Dense layer, when every
     parameter trains): saved by the module's own ``save`` over its copied folder."""
-    if train != "all" or loaded.model is loaded.hf_model or not is_sentence_transformer(directory):
+    if train != "all" or loaded.model is loaded.hf_model or not checkpoint.sentence_transformers:
         return
-    for entry in json.loads((directory / MODULES).read_text()):
+    for entry in json.loads((checkpoint.directory / MODULES).read_text()):
         module = loaded.model[int(entry["idx"])]
         if getattr(module, "auto_model", None) is not loaded.hf_model and any(True for _ in module.parameters()):
             module.save(str(out / entry["path"]))

@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from posextend.errors import TrainingError, VerificationError
+from posextend.files.checkpoint import Checkpoint
 from posextend.files.io import CheckpointReader, Entry, Source, dtype_code, torch_dtypes
-from posextend.files.sources import transformer_dir
 from posextend.families.specs import names_on_load
 from posextend.resize.writer import Change, Written, write_checkpoint
 
@@ -135,14 +135,12 @@ def changes(state: Mapping[str, torch.Tensor], model: torch.nn.Module, files: Fi
     return tensors, added
 
 
-def write_trained(directory: Path, out: Path, change: Change, config: dict[str, Any], reader: CheckpointReader,
-                  cls: type) -> Written:
-    """Write checkpoint ``directory`` into ``out`` as ``change`` makes it (``config``: the source's); when it
-    adds tensors (a fresh head), check that ``cls``, the class that trained, loads every weight it has
-    from the output."""
-    written = write_checkpoint(directory, out, reader, config, change)
+def write_trained(source: Checkpoint, out: Path, change: Change, cls: type) -> Written:
+    """Write checkpoint ``source`` into ``out`` as ``change`` makes it; when it adds tensors (a fresh head),
+    check that ``cls``, the class that trained, loads every weight it has from the output."""
+    written = write_checkpoint(source.directory, out, source.reader, source.config, change)
     if change.added:
-        _check_loads(out / transformer_dir(directory), cls)
+        _check_loads(out / source.transformer_dir, cls)
     return written
 
 

@@ -1,0 +1,144 @@
+"""What a resize did: its :class:`ResizeReport` (also the provenance written into the files) and the model
+card written beside the output (:func:`model_card`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from posextend.version import __version__
+from posextend.files.checkpoint import Checkpoint
+from posextend.tables.strategies import get_strategy
+from posextend.resize.plan import GroupPlan
+from posextend.resize.writer import Written
+
+
+@dataclass
+class ResizeReport:
+    """What ``resize_checkpoint`` did."""
+
+    src: str
+    dst: str
+    model_type: str
+    strategy: str
+    params: dict[str, Any]
+    seed: int
+    old_length: int
+    new_length: int
+    reserved: int
+    tables: list[str]
+    buffers: list[str]
+    dropped: list[str] = field(default_factory=list)
+    covered_by: str = "spec"
+    verified: bool = False
+    st_max_seq_length: int | None = None
+    files_rewritten: list[str] = field(default_factory=list)
+    files_copied: list[str] = field(default_factory=list)
+    files_skipped: list[str] = field(default_factory=list)
+    bytes_written: int = 0
+    seconds: float = 0.0
+    old_image_size: list[int] | None = None  # image grids: [height, width] in pixels
+    new_image_size: list[int] | None = None
+    old_grid: list[int] | None = None  # image grids: [H, W] patches
+    new_grid: list[int] | None = None
+    strategies: dict[str, str] = field(default_factory=dict)  # group -> strategy, when several groups
+    transformer_dir: str = ""  # where the resized model sits in src and dst ("0_Transformer" in an older ST folder)
+
+    def record(self, written: Written) -> None:
+        """Take the writer's account of the files (:class:`Written`)."""
+        for f in dataclasses.fields(written):
+            setattr(self, f.name, getattr(written, f.name))
+
+    def provenance(self) -> dict[str, str]:
+        """String metadata recorded in the safetensors header and index."""
+        return {
+            "posextend.version": __version__,
+            "posextend.source": self.src,
+            "posextend.strategy": self.strategy,
+            "posextend.params": json.dumps(self.params, sort_keys=True),
+            "posextend.seed": str(self.seed),
+            "posextend.old_length": str(self.old_length),
+            "posextend.new_length": str(self.new_length),
+            "posextend.tables": ",".join(self.tables),
+            **({"posextend.old_image_size": "x".join(map(str, self.old_image_size)),
+                "posextend.new_image_size": "x".join(map(str, self.new_image_size))} if self.new_image_size else {}),
+            **({"posextend.strategies": json.dumps(self.strategies, sort_keys=True)} if len(self.strategies) > 1 else {}),
+        }
+
+
+def resize_report(source: Checkpoint, dst: Path, plans: list[GroupPlan], seed: int) -> ResizeReport:
+    """The report of a resize of checkpoint ``source`` by ``plans`` (on disk, or in memory before a
+    fine-tune): the first group's numbers (positions before an image grid) at the top."""
+    main, config = plans[0], source.config
+    report = ResizeReport(
+        src=str(source.directory), dst=str(dst.resolve()), model_type=main.spec.model_type, strategy=main.strategy,
+        params=dict(main.params), seed=seed, old_length=main.layout.usable, new_length=main.new_usable,
+        reserved=main.layout.reserved, tables=[t for p in plans for t in p.layout.tables],
+        buffers=[b for p in plans for b in p.layout.buffers], dropped=sorted({d for p in plans for d in p.layout.dropped}),
+        covered_by=main.spec.covered_by, strategies={p.spec.group: p.strategy for p in plans},
+        transformer_dir=source.transformer_dir,
+    )
+    for plan in plans:
+        if plan.spec.grid:
+            report.old_image_size = list(plan.spec.grid.sizes(config)[0])
+            report.new_image_size = list(plan.target)
+            report.old_grid, report.new_grid = list(plan.layout.grid), list(plan.new_grid)
+    return report
+
+
+def model_card(report: ResizeReport, original: str = "", *, trained: bool = False) -> str:
+    """A short model card stating how the checkpoint was made (``trained``: after a fine-tune)."""
+    text = report.new_grid is None or len(report.strategies) > 1  # the top numbers are positions, not patches
+    grew = report.new_length > report.old_length and not trained and text
+    strategy = get_strategy(report.strategy)
+    lines = [
+        "---",
+        "tags:",
+        "- posextend",
+        "---",
+        "",
+        f"# Position table extended with posextend {__version__}",
+        "",
+        f"- Source: `{report.src}`",
+        f"- Usable positions: {report.old_length} → {report.new_length}"
+        + (f" (plus {report.reserved} reserved rows)" if report.reserved else ""),
+        *([f"- Image size: {'x'.join(map(str, report.old_image_size))} → {'x'.join(map(str, report.new_image_size))} "
+           f"pixels (patch grid {'x'.join(map(str, report.old_grid))} → {'x'.join(map(str, report.new_grid))})"]
+          if report.new_image_size else []),
+        f"- Strategy: `{report.strategy}` — {strategy.description}",
+        *([f"- Strategies by table group: {', '.join(f'{g} `{s}`' for g, s in report.strategies.items())}"]
+          if len(report.strategies) > 1 else []),
+        f"- Parameters: `{json.dumps(report.params, sort_keys=True)}`, seed {report.seed}",
+        f"- Tables: {', '.join(f'`{t}`' for t in report.tables)}",
+    ]
+    if report.covered_by == "probed":
+        lines.append("- Family: no written spec; tables, reserved rows and length field observed on a twin of its config")
+    if report.verified:
+        lines.append("- Verified: a twin built from the written config has the written shapes and runs at the full "
+                     "length or image size")
+    if report.st_max_seq_length is not None:
+        lines.append(f"- sentence-transformers `max_seq_length`: {report.st_max_seq_length}")
+    if report.transformer_dir:
+        lines.append(f"- sentence-transformers Transformer module: `{report.transformer_dir}/`")
+    if report.buffers:
+        lines.append(f"- Length-dependent buffers rebuilt: {len(report.buffers)}")
+    if report.dropped:
+        lines.append(f"- Obsolete tensors left out: {len(report.dropped)} (e.g. `{report.dropped[0]}`)")
+    if report.files_skipped:
+        lines.append(f"- Left out: {', '.join(f'`{f}`' for f in report.files_skipped)}: the source model in other "
+                     f"formats (exports such as ONNX or OpenVINO, other weight files) still has the old "
+                     f"{report.old_length}-position table; export them again from this checkpoint")
+    if grew:
+        lines += [
+            "",
+            f"Positions {report.old_length}–{report.new_length - 1} have not been trained. "
+            "Fine-tune briefly (`posextend finetune`) before relying on them.",
+        ]
+    if original.startswith("---"):  # drop the original's YAML front matter
+        original = original.split("\n---", 1)[1].partition("\n")[2] if "\n---" in original[3:] else ""
+    if original.strip():
+        lines += ["", "## Original model card", "", original.strip()]
+    return "\n".join(lines) + "\n"
