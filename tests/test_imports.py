@@ -11,7 +11,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "posextend"
 
 # Bottom to top: a module may import from its own layer and the layers below it, never from one above.
-LAYERS = ["errors", "version", "registry", "tables", "files", "families", "resize", "scoring", "training", "cli"]
+LAYERS = ["errors", "version", "registry", "options", "tables", "files", "families", "resize", "scoring", "training", "cli"]
 
 
 def _name(path: Path) -> str:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import secrets
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -23,7 +22,8 @@ from posextend.version import __version__
 from posextend.errors import CorruptCheckpointError, InvalidLengthError, StrategyError
 from posextend.files.io import ByteRanges, CheckpointReader, Entry, Source, atomic_output, nonfinite_count
 from posextend.families.lookup import all_specs, spec_for
-from posextend.resize.plan import GroupPlan, ImageSize, Request, plan_resize
+from posextend.resize.options import ResizeOptions
+from posextend.resize.plan import GroupPlan, ImageSize, plan_resize
 from posextend.files.sources import check_destination, json_int, opened, read_config, resolve_source, st_config, transformer_dir
 from posextend.families.specs import Layout, names_on_load, table_rows as rows_of
 from posextend.tables.strategies import get_strategy
@@ -86,14 +86,14 @@ class CheckpointInfo:
 
 @dataclass
 class ResizeReport:
-    """What ``resize_checkpoint`` did."""
+    """What ``resize_checkpoint`` did; ``options``: what it was asked, resolved (``seed`` reads it)."""
 
     src: str
     dst: str
     model_type: str
     strategy: str
     params: dict[str, Any]
-    seed: int
+    options: ResizeOptions  # as resolved: the seed drawn when none was given
     old_length: int
     new_length: int
     reserved: int
@@ -114,6 +114,10 @@ class ResizeReport:
     new_grid: list[int] | None = None
     strategies: dict[str, str] = field(default_factory=dict)  # group -> strategy, when several groups
     transformer_dir: str = ""  # where the resized model sits in src and dst ("0_Transformer" in an older ST folder)
+
+    @property
+    def seed(self) -> int:
+        return self.options.seed
 
     def record(self, written: Written) -> None:
         """Take the writer's account of the files (:class:`Written`)."""
@@ -249,14 +253,17 @@ def resize_checkpoint(
         [28, 28]
     """
     start = time.perf_counter()
+    options = ResizeOptions(new_length=new_length, image_size=image_size, strategy=strategy, seed=seed, params=params,
+                            overwrite=overwrite, allow_shrink=allow_shrink, link=link, table=table, verify=verify,
+                            st_max_seq_length=st_max_seq_length)
     dst = Path(dst).expanduser()
     with opened(src) as (directory, config, reader, shapes):
-        plans = plan_resize(config, shapes, Request(new_length, image_size, strategy, params, table, allow_shrink))
+        plans = plan_resize(config, shapes, options.request())
         check_destination(directory, dst, overwrite=overwrite)
         _check_request(reader, plans, new_length, st_max_seq_length)
-        seed = secrets.randbits(63) if seed is None else seed
-        report = resize_report(directory, dst, plans, config, seed)
-        change = dataclasses.replace(resize_change(reader, config, plans, seed), metadata=report.provenance(),
+        options = options.resolved()
+        report = resize_report(directory, dst, plans, config, options)
+        change = dataclasses.replace(resize_change(reader, config, plans, options.seed), metadata=report.provenance(),
                                      st_max_seq_length=st_max_seq_length)
         with atomic_output(dst, overwrite=overwrite) as tmp:
             written = write_checkpoint(directory, tmp, reader, config, change, link=link, progress=progress)
@@ -317,13 +324,14 @@ def _changed_tensors(
     return out
 
 
-def resize_report(directory: Path, dst: Path, plans: list[GroupPlan], config: Mapping[str, Any], seed: int) -> ResizeReport:
-    """The report of a resize of ``directory`` by ``plans`` (on disk, or in memory before a fine-tune): the
-    first group's numbers (positions before an image grid) at the top."""
+def resize_report(directory: Path, dst: Path, plans: list[GroupPlan], config: Mapping[str, Any],
+                  options: ResizeOptions) -> ResizeReport:
+    """The report of a resize of ``directory`` by ``plans`` (on disk, or in memory before a fine-tune) with
+    ``options`` (resolved): the first group's numbers (positions before an image grid) at the top."""
     main = plans[0]
     report = ResizeReport(
         src=str(directory), dst=str(dst.resolve()), model_type=main.spec.model_type, strategy=main.strategy,
-        params=dict(main.params), seed=seed, old_length=main.layout.usable, new_length=main.new_usable,
+        params=dict(main.params), options=options, old_length=main.layout.usable, new_length=main.new_usable,
         reserved=main.layout.reserved, tables=[t for p in plans for t in p.layout.tables],
         buffers=[b for p in plans for b in p.layout.buffers], dropped=sorted({d for p in plans for d in p.layout.dropped}),
         covered_by=main.spec.covered_by, strategies={p.spec.group: p.strategy for p in plans},
