@@ -81,7 +81,8 @@ def _os_message(exc: OSError) -> str:
 
 def with_options(cls: type, command: str) -> Callable[[F], F]:
     """The command's ``options`` parameter becomes the options of ``cls`` that ``command`` shows, generated from
-    its fields (:func:`posextend.options.with_options`); the command receives their values as one dict."""
+    its fields (:func:`posextend.options.with_options`); the command receives their values as one dict (as the
+    command line gives them: the command reads an option whose ``cli_type`` is not the field's)."""
     return with_cli_options(cls, command, lambda o: typer.Option(*o.flags, help=o.help, metavar=o.metavar))
 
 
@@ -151,15 +152,15 @@ def resize_model(
     """Resize the position table(s) of a checkpoint on disk, without loading the model."""
     from posextend.errors import InvalidLengthError
     from posextend.resize.on_disk import resize_checkpoint
-    from posextend.resize.options import parse_params
+    from posextend.resize.options import parse_image_size, parse_params
 
     length = options["new_length"]
     if length is None and options["image_size"] is None:
         raise InvalidLengthError("Give --length (positions), --image-size (image grids), or both.")
     progress, update = byte_progress("Writing")
     with progress:
-        params = parse_params(options.pop("params"))  # after the check above, as the command always did
-        report = resize_checkpoint(src, dst, progress=update, **options, **params)
+        image_size, params = parse_image_size(options.pop("image_size")), parse_params(options.pop("params"))
+        report = resize_checkpoint(src, dst, image_size=image_size, progress=update, **options, **params)
     params = ", ".join(f"{k}={v}" for k, v in report.params.items())
     if length is not None:
         console.print(

@@ -24,8 +24,7 @@ Help = Union[str, Mapping[str, str], Callable[[], Union[str, Mapping[str, str]]]
 
 
 def option(default: Any = MISSING, help: Help = "", *, commands: tuple[str, ...] = (), flag: str | None = None,
-           short: str | None = None, metavar: str | None = None, cli_type: Any = None,
-           parse: Callable[[Any], Any] | None = None) -> Any:
+           short: str | None = None, metavar: str | None = None, cli_type: Any = None) -> Any:
     """A dataclass field with its command-line form in its metadata.
 
     - ``help``: the text ``--help`` shows; a mapping gives each command its own text and names the
@@ -33,18 +32,18 @@ def option(default: Any = MISSING, help: Help = "", *, commands: tuple[str, ...]
     - ``commands``: the commands that show it, for a single text (none: the option has no flag).
     - ``flag``: the long flag when it is not the name's (``--shrink`` for ``allow_shrink``, or a
       ``--verify/--no-verify`` pair); ``short``: a one-letter alias (``-n``); ``metavar``: the value's name.
-    - ``cli_type``: the command line's type when it is not the field's (an image size given as text);
-      ``parse`` turns that value into the field's (``"448x336"`` into ``(448, 336)``).
+    - ``cli_type``: the command line's type when it is not the field's (an image size given as text, which
+      the command turns into the field's value).
     """
     metadata = {"help": help, "commands": commands, "flag": flag, "short": short, "metavar": metavar,
-                "cli_type": cli_type, "parse": parse}
+                "cli_type": cli_type}
     return field(default=default, metadata=metadata)
 
 
 @dataclass(frozen=True)
 class CliOption:
     """One option of a command, as read from its field: the parameter ``name`` (the field's), its
-    ``flags``, ``help``, ``default`` and ``annotation`` (the command line's type), and ``parse``."""
+    ``flags``, ``help``, ``default``, ``annotation`` (the command line's type) and ``metavar``."""
 
     name: str
     flags: tuple[str, ...]
@@ -52,7 +51,6 @@ class CliOption:
     default: Any
     annotation: Any
     metavar: str | None = None
-    parse: Callable[[Any], Any] | None = None
 
 
 def cli_options(cls: type, command: str) -> list[CliOption]:
@@ -71,7 +69,7 @@ def cli_options(cls: type, command: str) -> list[CliOption]:
         if f.default is None and meta["cli_type"]:
             annotation = annotation | None
         found.append(CliOption(f.name, flags, text[command] if isinstance(text, Mapping) else text, f.default,
-                               annotation, meta["metavar"], meta["parse"]))
+                               annotation, meta["metavar"]))
     return found
 
 
@@ -88,8 +86,8 @@ def _cli_type(hint: Any) -> Any:
 def with_options(cls: type, command: str, marker: Callable[[CliOption], Any]) -> Callable[[F], F]:
     """Decorator: the command function's parameter ``options`` becomes one parameter per option of ``cls``
     that ``command`` shows (its type ``Annotated`` with ``marker(option)``, the command-line framework's
-    description of it, such as ``typer.Option``); the function receives their values, parsed, as one
-    dict ``options`` (field name -> value), ready for ``**options``."""
+    description of it, such as ``typer.Option``); the function receives their values as one dict
+    ``options`` (field name -> value), ready for ``**options``."""
     generated = cli_options(cls, command)
 
     def decorate(fn: F) -> F:
@@ -100,8 +98,7 @@ def with_options(cls: type, command: str, marker: Callable[[CliOption], Any]) ->
 
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            given = {o.name: kwargs.pop(o.name) for o in generated}
-            options = {o.name: o.parse(given[o.name]) if o.parse else given[o.name] for o in generated}
+            options = {o.name: kwargs.pop(o.name) for o in generated}
             return fn(*args, options=options, **kwargs)
 
         wrapper.__signature__ = inspect.Signature([*own[:at], *params, *own[at + 1:]])  # type: ignore[attr-defined]

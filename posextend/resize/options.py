@@ -51,14 +51,14 @@ class ResizeOptions:
         short="-n")
     image_size: int | tuple[int, int] | None = _option(  # pixels: 448, or (height, width)
         None, "New image size in pixels for an image-patch grid (ViT, DINOv2, CLIP's vision tower): 448, or "
-        "HEIGHTxWIDTH such as 448x336.", cli_type=str, parse=parse_image_size)
+        "HEIGHTxWIDTH such as 448x336.", cli_type=str)  # the command reads it (parse_image_size)
     strategy: str | None = _option(
         None, "How to fill the table(s): see `posextend strategies` (default: tile for positions, bicubic for image "
         "grids).", short="-s")
     seed: int | None = _option(None, "Seed for strategies that draw random numbers.")
     params: Mapping[str, Any] | None = _option(
         None, "Strategy parameter key=value (repeatable), e.g. std=matched.", flag="--param", short="-p",
-        cli_type=list[str])  # the command parses them (parse_params) once it has checked the lengths
+        cli_type=list[str])  # the command reads them (parse_params)
     overwrite: bool = _option(False, "Replace DST if it exists.")
     allow_shrink: bool = _option(False, "Allow a length below the current one (cuts positions).", flag="--shrink")
     link: bool = _option(False, "Hard-link shards that need no change instead of copying them.")
