@@ -159,8 +159,8 @@ def resize_model(
         raise InvalidLengthError("Give --length (positions), --image-size (image grids), or both.")
     progress, update = byte_progress("Writing")
     with progress:
-        image_size, params = parse_image_size(options.pop("image_size")), parse_params(options.pop("params"))
-        report = resize_checkpoint(src, dst, image_size=image_size, progress=update, **options, **params)
+        image_size, given = parse_image_size(options.pop("image_size")), parse_params(options.pop("params"))
+        report = resize_checkpoint(src, dst, image_size=image_size, progress=update, **options, **given)
     params = ", ".join(f"{k}={v}" for k, v in report.params.items())
     if length is not None:
         console.print(
