@@ -24,7 +24,7 @@ _LAZY = {
     "resize_table": "tables.strategies",
     "resize_grid": "tables.strategies",
     "finetune": "training.loop",
-    "FinetuneReport": "training.loop",
+    "FinetuneReport": "training.report",
     "FinetuneConfig": "training.options",
     "evaluate": "training.heldout",
     "EvalReport": "scoring.by_position",
@@ -53,7 +53,8 @@ if TYPE_CHECKING:
     from .training.options import FinetuneConfig
     from .families.specs import GRID_SPECS, SPECS, ArchitectureSpec
     from .tables.strategies import available_strategies, get_strategy, register_strategy, resize_grid, resize_table
-    from .training.loop import FinetuneReport, finetune
+    from .training.loop import finetune
+    from .training.report import FinetuneReport
 
 
 def __getattr__(name: str):

@@ -15,8 +15,11 @@ from typing import Annotated, Any, TypeVar
 import typer
 from rich.console import Console
 
-from posextend.version import __version__
 from posextend.errors import PosExtendError
+from posextend.options import with_options as with_cli_options
+from posextend.resize.options import ResizeOptions
+from posextend.training.options import FinetuneConfig
+from posextend.version import __version__
 
 app = typer.Typer(
     name="posextend",
@@ -76,6 +79,13 @@ def _os_message(exc: OSError) -> str:
     return f"{paths}: {exc.strerror or exc}" if paths else str(exc.strerror or exc)
 
 
+def with_options(cls: type, command: str) -> Callable[[F], F]:
+    """The command's ``options`` parameter becomes the options of ``cls`` that ``command`` shows, generated from
+    its fields (:func:`posextend.options.with_options`); the command receives their values as one dict (as the
+    command line gives them: the command reads an option whose ``cli_type`` is not the field's)."""
+    return with_cli_options(cls, command, lambda o: typer.Option(*o.flags, help=o.help, metavar=o.metavar))
+
+
 def _exit_without_teardown() -> None:
     """End a successful file-path command now: torch's interpreter teardown costs ~0.5 s.
 
@@ -115,12 +125,6 @@ def main(
     )
 
 
-def _params(items: list[str] | None) -> dict[str, Any]:
-    from posextend.tables.strategies import parse_param
-
-    return dict(parse_param(item) for item in items or [])
-
-
 def byte_progress(description: str):
     """A rich progress bar in bytes; returns (progress, callback(done, total))."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
@@ -137,43 +141,26 @@ def byte_progress(description: str):
     return progress, update
 
 
-Length = Annotated[int, typer.Option("--length", "-n", help="New length in usable positions (what the tokenizer's model_max_length will say).")]
-Strategy = Annotated[str, typer.Option("--strategy", "-s", help="How to fill the table: see `posextend strategies`.")]
-ResizeStrategy = Annotated[str | None, typer.Option("--strategy", "-s", help="How to fill the table(s): see `posextend strategies` (default: tile for positions, bicubic for image grids).")]
-Seed = Annotated[int | None, typer.Option("--seed", help="Seed for strategies that draw random numbers.")]
-Params = Annotated[list[str] | None, typer.Option("--param", "-p", help="Strategy parameter key=value (repeatable), e.g. std=matched.")]
-
-
 @app.command("resize-model")
 @handle_errors
+@with_options(ResizeOptions, "resize-model")
 def resize_model(
     src: Annotated[str, typer.Argument(help="Checkpoint directory (or a hub id in the local HF cache).")],
     dst: Annotated[Path, typer.Argument(help="Output directory; created atomically.")],
-    length: Annotated[int | None, typer.Option("--length", "-n", help="New length in usable positions (what the tokenizer's model_max_length will say).")] = None,
-    image_size: Annotated[str | None, typer.Option("--image-size", help="New image size in pixels for an image-patch grid (ViT, DINOv2, CLIP's vision tower): 448, or HEIGHTxWIDTH such as 448x336.")] = None,
-    strategy: ResizeStrategy = None,
-    seed: Seed = None,
-    param: Params = None,
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace DST if it exists.")] = False,
-    shrink: Annotated[bool, typer.Option("--shrink", help="Allow a length below the current one (cuts positions).")] = False,
-    link: Annotated[bool, typer.Option("--link", help="Hard-link shards that need no change instead of copying them.")] = False,
-    table: Annotated[str | None, typer.Option("--table", help="Which tables, for a model with several lengths (encoder, decoder, text; see inspect).")] = None,
-    verify: Annotated[bool | None, typer.Option("--verify/--no-verify", help="Check the output on a twin of its written config before it appears (default: for families without a written spec).")] = None,
-    st_max_seq_length: Annotated[int | None, typer.Option("--st-max-seq-length", help="sentence-transformers max_seq_length of the output (default: the new length).")] = None,
+    options: dict[str, Any],
 ) -> None:
     """Resize the position table(s) of a checkpoint on disk, without loading the model."""
-    from posextend.resize.on_disk import resize_checkpoint
     from posextend.errors import InvalidLengthError
+    from posextend.resize.on_disk import resize_checkpoint
+    from posextend.resize.options import parse_image_size, parse_params
 
-    if length is None and image_size is None:
+    length = options["new_length"]
+    if length is None and options["image_size"] is None:
         raise InvalidLengthError("Give --length (positions), --image-size (image grids), or both.")
     progress, update = byte_progress("Writing")
     with progress:
-        report = resize_checkpoint(
-            src, dst, length, strategy, image_size=_image_size(image_size), seed=seed, overwrite=overwrite,
-            allow_shrink=shrink, link=link,
-            table=table, verify=verify, st_max_seq_length=st_max_seq_length, progress=update, **_params(param),
-        )
+        image_size, given = parse_image_size(options.pop("image_size")), parse_params(options.pop("params"))
+        report = resize_checkpoint(src, dst, image_size=image_size, progress=update, **options, **given)
     params = ", ".join(f"{k}={v}" for k, v in report.params.items())
     if length is not None:
         console.print(
@@ -212,19 +199,6 @@ def resize_model(
                       f"{', '.join(report.files_skipped)}", highlight=False)
     console.print(f"  written to {report.dst}", highlight=False)
     _exit_without_teardown()
-
-
-def _image_size(text: str | None) -> int | tuple[int, int] | None:
-    """``"448"`` → 448; ``"448x336"`` → (448, 336) (height x width)."""
-    from posextend.errors import InvalidLengthError
-
-    if text is None:
-        return None
-    parts = text.lower().replace("×", "x").split("x")
-    if len(parts) not in (1, 2) or not all(p.strip().isdigit() for p in parts):
-        raise InvalidLengthError(f"--image-size takes pixels, 448 or HEIGHTxWIDTH (448x336), not {text!r}.")
-    numbers = [int(p) for p in parts]
-    return numbers[0] if len(numbers) == 1 else (numbers[0], numbers[1])
 
 
 @app.command("inspect")
@@ -387,33 +361,13 @@ def _far_range_advice(report) -> None:
 
 @app.command("finetune")
 @handle_errors
+@with_options(FinetuneConfig, "finetune")
 def finetune_cmd(
     src: Annotated[str, typer.Argument(help="Original checkpoint (with --length) or one extended already.")],
     dst: Annotated[Path, typer.Argument(help="Where the fine-tuned model is written (atomically).")],
     data: Data,
-    length: Annotated[int | None, typer.Option("--length", "-n", help="Extend to this many usable positions first.")] = None,
-    decoder_length: Annotated[int | None, typer.Option("--decoder-length", help="Encoder-decoders with a length per stack (LED): extend the decoder's table to this many positions too (--length sizes the encoder's).")] = None,
-    strategy: Annotated[str | None, typer.Option("--strategy", "-s", help="How --length fills the new rows: see `posextend strategies` (default: interpolate for causal LMs with --train all, else tile; from the quality grid).")] = None,
-    steps: Annotated[int | None, typer.Option(help="Optimizer steps (default: 200 for language models, 60 for contrastive).")] = None,
-    train: Annotated[str, typer.Option(help="all (every parameter; best in our benchmark), positions (the table), or new-rows (only rows beyond the old length).")] = "all",
-    lr: Annotated[float | None, typer.Option(help="Learning rate (default: new-rows 3e-3, positions 1e-3; all: causal 1e-3 x min(1, 192/width), masked 1e-4, contrastive 5e-5).")] = None,
-    anchor: Annotated[float | None, typer.Option(help="Weight of the term keeping the source's outputs on inputs within the old length (causal: default 1; contrastive: default 2; seq2seq: default 0, off; 0 turns it off and saves a copy of the model in memory).")] = None,
-    source: Annotated[str | None, typer.Option("--source", help="The original model the anchor holds to, for a SRC resized earlier (default: the original SRC's provenance records, when it is still there).")] = None,
-    schedule: Annotated[str | None, typer.Option(help="Learning rate after a 10% warm-up: constant, or cosine down to 10% (default: cosine for causal LMs and contrastive with --train all, else constant).")] = None,
-    batch_size: Annotated[int, typer.Option(help="Sequences per micro-batch (per process).")] = 4,
-    grad_accum: Annotated[int, typer.Option(help="Micro-batches per optimizer step.")] = 1,
-    mixed_precision: Annotated[str, typer.Option(help="no, fp16 or bf16 (through accelerate).")] = "no",
-    gradient_checkpointing: Annotated[bool, typer.Option("--gradient-checkpointing", help="Trade compute for memory.")] = False,
-    eval_every: Annotated[int, typer.Option(help="Evaluate on held-out data every N steps (0: only before and after).")] = 0,
-    save_every: Annotated[int, typer.Option(help="Save resumable state to DST.state/ every N steps.")] = 0,
-    resume: Annotated[bool, typer.Option("--resume", help="Continue from DST.state/.")] = False,
-    seed: Annotated[int, typer.Option(help="Seed for data order, masking and strategies.")] = 0,
-    old_length: Annotated[int | None, typer.Option(help="Old length of a checkpoint extended by another tool (for new-rows).")] = None,
-    init_head: Annotated[bool, typer.Option("--init-head", help="Train a fresh LM head when SRC has none.")] = False,
-    objective: Annotated[str | None, typer.Option("--objective", help="causal, masked, seq2seq, contrastive or a plug-in's name (default: contrastive for a sentence-transformers model, else the family's LM head: causal, masked or seq2seq).")] = None,
-    buckets: Annotated[int, typer.Option(help="Position buckets in the before/after table.")] = 8,
+    options: dict[str, Any],
     plot: Annotated[Path | None, typer.Option("--plot", help="Save perplexity vs position (before and after) as PNG.")] = None,
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace DST if it exists.")] = False,
 ) -> None:
     """Extend (optionally) and fine-tune so the new positions learn; evaluate before and after."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
@@ -426,13 +380,10 @@ def finetune_cmd(
         TextColumn("loss {task.fields[loss]:.4f}  {task.fields[tps]:,.0f} tok/s"), TimeRemainingColumn(),
         console=err_console, transient=True, disable=not main_process,
     )
-    task = progress.add_task("Training", total=steps or 1, loss=float("nan"), tps=0.0)
+    task = progress.add_task("Training", total=options["steps"] or 1, loss=float("nan"), tps=0.0)
     with progress:
         report = finetune(
-            src, dst, data, length=length, decoder_length=decoder_length, strategy=strategy, steps=steps, train=train, lr=lr, schedule=schedule, batch_size=batch_size,
-            grad_accum=grad_accum, mixed_precision=mixed_precision, gradient_checkpointing=gradient_checkpointing,
-            eval_every=eval_every, save_every=save_every, resume=resume, seed=seed, old_length=old_length,
-            init_head=init_head, objective=objective, anchor=anchor, source=source, buckets=buckets, overwrite=overwrite,
+            src, dst, data, **options,
             progress=lambda step, total, loss, tps: progress.update(task, completed=step, total=total, loss=loss, tps=tps),
         )
     if not report.main_process:
@@ -459,16 +410,14 @@ def finetune_cmd(
 
 @app.command("eval")
 @handle_errors
+@with_options(FinetuneConfig, "eval")
 def eval_cmd(
     model: Annotated[str, typer.Argument(help="Checkpoint directory.")],
     data: Data,
-    length: Annotated[int | None, typer.Option("--length", "-n", help="Sequence length (default: the model's).")] = None,
-    buckets: Annotated[int, typer.Option(help="Number of position buckets.")] = 8,
-    batch_size: Annotated[int, typer.Option(help="Sequences per batch.")] = 4,
+    options: dict[str, Any],
     max_sequences: Annotated[int, typer.Option(help="Evaluate at most this many sequences (0: all).")] = 64,
     json_path: Annotated[Path | None, typer.Option("--json", help="Write the report as JSON.")] = None,
     plot: Annotated[Path | None, typer.Option("--plot", help="Save perplexity vs position as PNG.")] = None,
-    objective: Annotated[str | None, typer.Option("--objective", help="Score as this objective does (default: the one finetune would use: contrastive for a sentence-transformers model, else the family's LM head).")] = None,
     task: Annotated[str | None, typer.Option("--task", help="Embedding models: retrieval tasks built from the data, e.g. passkey,needle.")] = None,
     lengths: Annotated[str, typer.Option("--lengths", help="With --task: document lengths in tokens.")] = "256,512,1024,2048",
     documents: Annotated[int, typer.Option("--documents", help="With --task: documents (and queries) per length.")] = 50,
@@ -486,8 +435,8 @@ def eval_cmd(
     from posextend.training.heldout import evaluate
 
     with err_console.status("Evaluating"):
-        report = evaluate(model, data, length=length, objective=objective, buckets=buckets, batch_size=batch_size,
-                          max_sequences=max_sequences or None, json_path=json_path, plot_path=plot)
+        report = evaluate(model, data, **options, max_sequences=max_sequences or None, json_path=json_path,
+                          plot_path=plot)
     _eval_table(f"{model}: {report.sequences} sequences of {report.length} tokens", {"model": report})
 
 

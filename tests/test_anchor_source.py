@@ -17,6 +17,7 @@ import posextend
 from posextend.training import loop as training
 from posextend.cli import app
 from posextend.training.loop import finetune
+from tiny import loss_nan_at
 
 QUICK = dict(steps=1, batch_size=2, train="all", eval_sequences=2, buckets=2, seed=0)
 
@@ -65,7 +66,7 @@ def _differs(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def test_the_anchor_holds_to_the_recorded_original_not_the_resized_file(gpt, corpus, tmp_path, runs, ids, caplog):
     original, resized = _resized(gpt, tmp_path)
-    with caplog.at_level(logging.INFO, logger="posextend.training.loop"):
+    with caplog.at_level(logging.INFO, logger="posextend.training.setup"):
         report = finetune(resized, tmp_path / "out", [corpus], **QUICK)
     (run,) = runs
     reference = run.cache["source"]
@@ -173,14 +174,14 @@ def _fingerprint(state: Path) -> str:
 
 def test_the_resume_fingerprint_names_the_reference(gpt, corpus, tmp_path):
     original, resized = _resized(gpt, tmp_path)
-    kwargs = dict(QUICK, steps=3, fail_at_step=1)
+    kwargs = dict(QUICK, steps=3)
     fingerprints = {}
     for name, source in (("recorded", None), ("given", gpt)):
-        with pytest.raises(posextend.TrainingError, match="The loss became nan at step 1"):
+        with pytest.raises(posextend.TrainingError, match="The loss became nan at step 1"), loss_nan_at(1):
             finetune(resized, tmp_path / name, [corpus], source=source, **kwargs)
         fingerprints[name] = _fingerprint(tmp_path / f"{name}.state")
     moved = original.rename(tmp_path / "moved")
-    with pytest.raises(posextend.TrainingError, match="The loss became nan at step 1"):
+    with pytest.raises(posextend.TrainingError, match="The loss became nan at step 1"), loss_nan_at(1):
         finetune(resized, tmp_path / "missing", [corpus], **kwargs)
     fingerprints["missing"] = _fingerprint(tmp_path / "missing.state")
     assert len(set(fingerprints.values())) == 3, fingerprints

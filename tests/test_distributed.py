@@ -149,10 +149,13 @@ def test_resume_on_one_process_continues_a_two_process_run(tmp_path, corpus):
     driver = tmp_path / "interrupted.py"
     driver.write_text(
         "import sys, posextend\n"
+        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        "from tiny import loss_nan_at\n"
         "from posextend.training.loop import finetune\n"
         "try:\n"
-        f"    finetune({str(src)!r}, {str(tmp_path / 'resumed')!r}, [{str(corpus)!r}], length=48, steps={STEPS},\n"
-        "             batch_size=1, lr=3e-3, seed=0, fail_at_step=4)\n"
+        "    with loss_nan_at(4):\n"
+        f"        finetune({str(src)!r}, {str(tmp_path / 'resumed')!r}, [{str(corpus)!r}], length=48, steps={STEPS},\n"
+        "                 batch_size=1, lr=3e-3, seed=0)\n"
         "except posextend.TrainingError as exc:\n"
         "    print('stopped:', exc)\n"
     )
@@ -170,7 +173,7 @@ def test_a_process_group_accelerate_does_not_see_is_refused_in_one_line(monkeypa
     from unittest import mock
 
     from posextend.errors import TrainingError
-    from posextend.training.loop import make_accelerator
+    from posextend.training.setup import make_accelerator
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     with mock.patch("accelerate.Accelerator") as accelerator:

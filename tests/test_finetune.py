@@ -19,7 +19,7 @@ from posextend.cli import app
 from posextend.scoring.by_position import bucket_edges, evaluate_model
 from posextend.training.objectives.base import get_objective
 from posextend.training.loop import finetune
-from tiny import FAMILIES, build  # noqa: F401
+from tiny import FAMILIES, build, loss_nan_at  # noqa: F401
 
 def _state(path: Path) -> dict[str, torch.Tensor]:
     return load_file(path / "model.safetensors")
@@ -96,7 +96,8 @@ def test_resume_without_saved_state_is_refused(gpt, corpus, tmp_path):
 
 def test_non_finite_loss_stops_and_keeps_the_last_good_state(gpt, corpus, tmp_path):
     with pytest.raises(posextend.TrainingError, match=r"The loss became nan at step 2; .*last good state \(step 2\)"):
-        finetune(gpt, tmp_path / "out", [corpus], length=48, steps=5, batch_size=2, fail_at_step=2)
+        with loss_nan_at(2):
+            finetune(gpt, tmp_path / "out", [corpus], length=48, steps=5, batch_size=2)
     assert not (tmp_path / "out").exists()
     assert (tmp_path / "out.state" / "posextend.json").read_text().startswith('{"step": 2')
 

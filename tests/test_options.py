@@ -57,3 +57,87 @@ def test_the_fingerprint_follows_what_is_computed_not_how_it_runs():
         assert FinetuneConfig(**{f.name: getattr(base, f.name) for f in fields(base)} | changed).fingerprint(
             processes=1, **key) != same, changed
     assert base.fingerprint(processes=1, **(key | {"data": ["/other"]})) != same
+
+
+def _cli_options(command: str) -> dict[str, object]:
+    """The options of a ``posextend`` command as the command line has them: name -> default."""
+    import typer.main
+
+    from posextend.cli import app
+
+    root = typer.main.get_command(app)  # typer ships its own click: take the context class from the command
+    cmd = root.get_command(root.context_class(root), command)
+    return {p.name: p.default for p in cmd.params if p.param_type_name == "option" and p.name != "help"}
+
+
+def test_the_finetune_and_eval_options_are_the_configs_fields():
+    """Adding a fine-tune option is one field of FinetuneConfig: the commands' options are generated from them."""
+    defaults = {f.name: f.default for f in fields(FinetuneConfig)}
+    api_only = {"eval_sequences"}
+    finetune = _cli_options("finetune")
+    assert set(finetune) - set(defaults) == {"data", "plot"}  # the command's own: positional in finetune(), a PNG
+    assert {k: v for k, v in finetune.items() if k in defaults} == {k: v for k, v in defaults.items() if k not in api_only}
+    shared = {"length", "buckets", "batch_size", "objective"}
+    evaluate = _cli_options("eval")
+    assert {k: v for k, v in evaluate.items() if k in defaults} == {k: defaults[k] for k in shared}
+    assert not set(evaluate) & (set(defaults) - shared)
+
+
+def test_the_resize_options_are_the_resize_options_fields():
+    from posextend.resize.options import ResizeOptions
+
+    assert _cli_options("resize-model") == {f.name: f.default for f in fields(ResizeOptions)}
+
+
+def test_the_commands_hand_the_generated_options_to_the_library(monkeypatch, tmp_path):
+    """What the flags say reaches ``finetune``, ``evaluate`` and ``resize_checkpoint`` under the fields' names."""
+    from typer.testing import CliRunner
+
+    from posextend.cli import app
+
+    seen = {}
+
+    def recording(name):
+        def call(*args, **kwargs):
+            seen[name] = kwargs
+            raise posextend.PosExtendError("recorded")
+        return call
+
+    monkeypatch.setattr("posextend.training.loop.finetune", recording("finetune"))
+    monkeypatch.setattr("posextend.training.heldout.evaluate", recording("eval"))
+    monkeypatch.setattr("posextend.resize.on_disk.resize_checkpoint", recording("resize"))
+    runner = CliRunner()
+    runner.invoke(app, ["finetune", "src", str(tmp_path / "dst"), "-d", "x", "-n", "96", "--anchor", "0",
+                        "--train", "positions", "--gradient-checkpointing", "--source", "orig"])
+    options = {k: v for k, v in seen["finetune"].items() if k != "progress"}
+    expected = {f.name: f.default for f in fields(FinetuneConfig) if f.name != "eval_sequences"}
+    assert options == expected | {"length": 96, "anchor": 0.0, "train": "positions", "gradient_checkpointing": True,
+                                  "source": "orig"}
+    runner.invoke(app, ["eval", "m", "-d", "x", "--batch-size", "2", "--objective", "masked"])
+    assert seen["eval"] == {"length": None, "batch_size": 2, "objective": "masked", "buckets": 8,
+                            "max_sequences": 64, "json_path": None, "plot_path": None}
+    runner.invoke(app, ["resize-model", "src", str(tmp_path / "dst"), "--image-size", "448x336", "-p", "std=0.5",
+                        "--shrink", "--no-verify"])
+    assert {k: v for k, v in seen["resize"].items() if k != "progress"} == {
+        "new_length": None, "image_size": (448, 336), "strategy": None, "seed": None, "overwrite": False,
+        "allow_shrink": True, "link": False, "table": None, "verify": False, "st_max_seq_length": None, "std": 0.5}
+
+
+def test_finetune_takes_no_test_hooks():
+    import inspect
+
+    assert list(inspect.signature(posextend.finetune).parameters) == ["src", "dst", "data", "progress", "options"]
+
+
+def test_the_reports_hold_their_options_and_read_them_as_before():
+    from posextend.training.report import FinetuneReport
+
+    config = FinetuneConfig(steps=3, lr=1e-3, train="positions", objective="causal", anchor=1, schedule="constant")
+    report = FinetuneReport(dst="/out", config=config, old_length=32, new_length=64, tokens=10, seconds=1.0,
+                            tokens_per_second=10.0)
+    assert (report.train, report.steps, report.lr, report.objective, report.anchor) == ("positions", 3, 1e-3, "causal", 1.0)
+    assert list(report.to_dict()) == [
+        "dst", "train", "objective", "steps", "old_length", "new_length", "lr", "batch_size", "grad_accum", "tokens",
+        "seconds", "tokens_per_second", "losses", "eval_losses", "before", "after", "processes", "main_process",
+        "strategy", "anchor", "schedule", "anchor_source", "anchor_note", "notes"]
+    assert report.to_dict()["anchor"] == 1.0 and "config" not in report.to_dict()

@@ -6,12 +6,13 @@ can be found by coincidence of shape.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import transformers
@@ -184,3 +185,32 @@ def bart(path: Path, positions: int = 64, seed: int = 0, model_type: str = "bart
     getattr(transformers, model_name)(config).save_pretrained(path)
     tok.save_pretrained(path)
     return path
+
+
+@contextlib.contextmanager
+def loss_nan_at(step: int) -> Iterator[None]:
+    """Within it, every registered objective's loss is non-finite at optimizer step ``step`` (on every
+    process), as in a run that diverges there: each objective becomes a test objective that wraps its loss."""
+    from posextend.training.objectives.base import available_objectives
+
+    classes = {type(o) for o in available_objectives().values()}
+    own = {cls: cls.__dict__.get("loss") for cls in classes}
+
+    def diverging(loss: Callable) -> Callable:
+        def wrapped(self, run, positions: range, *rest):
+            value, count = loss(self, run, positions, *rest)
+            micro = positions.start // (run.config.batch_size * run.accelerator.num_processes)  # its global number
+            return (value * float("nan") if micro // run.config.grad_accum == step else value), count
+
+        return wrapped
+
+    for cls in classes:
+        cls.loss = diverging(cls.loss)
+    try:
+        yield
+    finally:
+        for cls, loss in own.items():
+            if loss is None:
+                del cls.loss
+            else:
+                cls.loss = loss

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import secrets
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -25,7 +24,8 @@ from posextend.files.sources import check_destination, read_config
 from posextend.families.specs import Layout, names_on_load
 from posextend.families.twin import layout_class
 from posextend.tables.strategies import get_strategy
-from posextend.resize.plan import GroupPlan, ImageSize, Request, plan_resize
+from posextend.resize.options import ResizeOptions
+from posextend.resize.plan import GroupPlan, ImageSize, plan_resize
 from posextend.resize.report import ResizeReport, model_card, resize_report
 from posextend.resize.writer import Change, write_checkpoint
 
@@ -82,16 +82,18 @@ def resize_checkpoint(
         [28, 28]
     """
     start = time.perf_counter()
+    options = ResizeOptions(new_length=new_length, image_size=image_size, strategy=strategy, seed=seed, params=params,
+                            overwrite=overwrite, allow_shrink=allow_shrink, link=link, table=table, verify=verify,
+                            st_max_seq_length=st_max_seq_length)
     dst = Path(dst).expanduser()
     with Checkpoint.open(src) as source:
         reader, config = source.reader, source.config
-        request = Request(new_length, image_size, strategy, params, table, allow_shrink)
-        plans = plan_resize(config, source.shapes, request)
+        plans = plan_resize(config, source.shapes, options.request())
         check_destination(source.directory, dst, overwrite=overwrite)
         _check_request(reader, plans, new_length, st_max_seq_length)
-        seed = secrets.randbits(63) if seed is None else seed
-        report = resize_report(source, dst, plans, seed)
-        change = dataclasses.replace(resize_change(reader, config, plans, seed), metadata=report.provenance(),
+        options = options.resolved()
+        report = resize_report(source, dst, plans, options)
+        change = dataclasses.replace(resize_change(reader, config, plans, options.seed), metadata=report.provenance(),
                                      st_max_seq_length=st_max_seq_length)
         with atomic_output(dst, overwrite=overwrite) as tmp:
             written = write_checkpoint(source.directory, tmp, reader, config, change, link=link, progress=progress)

@@ -12,20 +12,21 @@ from typing import Any
 from posextend.version import __version__
 from posextend.files.checkpoint import Checkpoint
 from posextend.tables.strategies import get_strategy
+from posextend.resize.options import ResizeOptions
 from posextend.resize.plan import GroupPlan
 from posextend.resize.writer import Written
 
 
 @dataclass
 class ResizeReport:
-    """What ``resize_checkpoint`` did."""
+    """What ``resize_checkpoint`` did; ``options``: what it was asked, resolved (``seed`` reads it)."""
 
     src: str
     dst: str
     model_type: str
     strategy: str
     params: dict[str, Any]
-    seed: int
+    options: ResizeOptions  # as resolved: the seed drawn when none was given
     old_length: int
     new_length: int
     reserved: int
@@ -46,6 +47,10 @@ class ResizeReport:
     new_grid: list[int] | None = None
     strategies: dict[str, str] = field(default_factory=dict)  # group -> strategy, when several groups
     transformer_dir: str = ""  # where the resized model sits in src and dst ("0_Transformer" in an older ST folder)
+
+    @property
+    def seed(self) -> int:
+        return self.options.seed
 
     def record(self, written: Written) -> None:
         """Take the writer's account of the files (:class:`Written`)."""
@@ -69,13 +74,13 @@ class ResizeReport:
         }
 
 
-def resize_report(source: Checkpoint, dst: Path, plans: list[GroupPlan], seed: int) -> ResizeReport:
+def resize_report(source: Checkpoint, dst: Path, plans: list[GroupPlan], options: ResizeOptions) -> ResizeReport:
     """The report of a resize of checkpoint ``source`` by ``plans`` (on disk, or in memory before a
-    fine-tune): the first group's numbers (positions before an image grid) at the top."""
+    fine-tune) with ``options`` (resolved): the first group's numbers (positions before an image grid) at the top."""
     main, config = plans[0], source.config
     report = ResizeReport(
         src=str(source.directory), dst=str(dst.resolve()), model_type=main.spec.model_type, strategy=main.strategy,
-        params=dict(main.params), seed=seed, old_length=main.layout.usable, new_length=main.new_usable,
+        params=dict(main.params), options=options, old_length=main.layout.usable, new_length=main.new_usable,
         reserved=main.layout.reserved, tables=[t for p in plans for t in p.layout.tables],
         buffers=[b for p in plans for b in p.layout.buffers], dropped=sorted({d for p in plans for d in p.layout.dropped}),
         covered_by=main.spec.covered_by, strategies={p.spec.group: p.strategy for p in plans},

@@ -8,6 +8,7 @@ fingerprinted for resuming (:meth:`FinetuneConfig.fingerprint`). Nothing below t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 from dataclasses import dataclass, fields, replace
@@ -15,11 +16,15 @@ from pathlib import Path
 from typing import Any, Literal, Protocol, get_args
 
 from posextend.errors import TrainingError
+from posextend.options import option
 
 TrainMode = Literal["new-rows", "positions", "all"]
 TRAIN_MODES = get_args(TrainMode)
 SCHEDULES = ("constant", "cosine")
 PRECISIONS = ("no", "fp16", "bf16")
+# an option's help and flag are in its field (:func:`posextend.options.option`): the CLI's ``finetune`` shows each
+# field, ``eval`` the ones whose help names it
+_option = functools.partial(option, commands=("finetune",))
 # options that change how a run is carried out or reported, not what it computes: a resume may change them
 _NOT_FINGERPRINTED = {"resume", "overwrite", "eval_every", "save_every", "eval_sequences", "buckets",
                       "gradient_checkpointing", "batch_size"}
@@ -65,31 +70,54 @@ class FinetuneConfig:
     - ``source``: the original model the anchor holds to, for a checkpoint extended earlier.
     - ``eval_sequences``, ``buckets``: the held-out evaluation's size and position buckets.
     - ``overwrite``: replace DST if it exists.
+
+    Each field carries its command-line help and flag (:func:`posextend.options.option`): the ``finetune`` and
+    ``eval`` commands are generated from them.
     """
 
-    length: int | None = None
-    decoder_length: int | None = None
-    strategy: str | None = None
-    steps: int | None = None
-    train: TrainMode = "all"
-    lr: float | None = None
-    schedule: Literal["constant", "cosine"] | None = None
-    batch_size: int = 4
-    grad_accum: int = 1
-    mixed_precision: Literal["no", "fp16", "bf16"] = "no"
-    gradient_checkpointing: bool = False
-    eval_every: int = 0
-    save_every: int = 0
-    resume: bool = False
-    seed: int = 0
-    old_length: int | None = None
-    init_head: bool = False
-    objective: str | None = None
-    anchor: float | None = None
-    source: str | Path | None = None
-    eval_sequences: int = 16
-    buckets: int = 8
-    overwrite: bool = False
+    length: int | None = _option(None, {"finetune": "Extend to this many usable positions first.",
+                                        "eval": "Sequence length (default: the model's)."}, short="-n")
+    decoder_length: int | None = _option(
+        None, "Encoder-decoders with a length per stack (LED): extend the decoder's table to this many positions "
+        "too (--length sizes the encoder's).")
+    strategy: str | None = _option(
+        None, "How --length fills the new rows: see `posextend strategies` (default: interpolate for causal LMs "
+        "with --train all, else tile; from the quality grid).", short="-s")
+    steps: int | None = _option(None, "Optimizer steps (default: 200 for language models, 60 for contrastive).")
+    train: TrainMode = _option("all", "all (every parameter; best in our benchmark), positions (the table), or "
+                                      "new-rows (only rows beyond the old length).")
+    lr: float | None = _option(
+        None, "Learning rate (default: new-rows 3e-3, positions 1e-3; all: causal 1e-3 x min(1, 192/width), "
+        "masked 1e-4, contrastive 5e-5).")
+    schedule: Literal["constant", "cosine"] | None = _option(
+        None, "Learning rate after a 10% warm-up: constant, or cosine down to 10% (default: cosine for causal LMs "
+        "and contrastive with --train all, else constant).")
+    batch_size: int = _option(4, {"finetune": "Sequences per micro-batch (per process).",
+                                  "eval": "Sequences per batch."})
+    grad_accum: int = _option(1, "Micro-batches per optimizer step.")
+    mixed_precision: Literal["no", "fp16", "bf16"] = _option("no", "no, fp16 or bf16 (through accelerate).")
+    gradient_checkpointing: bool = _option(False, "Trade compute for memory.")
+    eval_every: int = _option(0, "Evaluate on held-out data every N steps (0: only before and after).")
+    save_every: int = _option(0, "Save resumable state to DST.state/ every N steps.")
+    resume: bool = _option(False, "Continue from DST.state/.")
+    seed: int = _option(0, "Seed for data order, masking and strategies.")
+    old_length: int | None = _option(None, "Old length of a checkpoint extended by another tool (for new-rows).")
+    init_head: bool = _option(False, "Train a fresh LM head when SRC has none.")
+    objective: str | None = _option(None, {
+        "finetune": "causal, masked, seq2seq, contrastive or a plug-in's name (default: contrastive for a "
+                    "sentence-transformers model, else the family's LM head: causal, masked or seq2seq).",
+        "eval": "Score as this objective does (default: the one finetune would use: contrastive for a "
+                "sentence-transformers model, else the family's LM head)."})
+    anchor: float | None = _option(
+        None, "Weight of the term keeping the source's outputs on inputs within the old length (causal: default 1; "
+        "contrastive: default 2; seq2seq: default 0, off; 0 turns it off and saves a copy of the model in memory).")
+    source: str | Path | None = _option(
+        None, "The original model the anchor holds to, for a SRC resized earlier (default: the original SRC's "
+        "provenance records, when it is still there).")
+    eval_sequences: int = _option(16, "Held-out sequences evaluated before and after.", commands=())  # API only
+    buckets: int = _option(8, {"finetune": "Position buckets in the before/after table.",
+                               "eval": "Number of position buckets."})
+    overwrite: bool = _option(False, "Replace DST if it exists.")
 
     @classmethod
     def of(cls, options: dict[str, Any]) -> FinetuneConfig:

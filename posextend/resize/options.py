@@ -1,0 +1,81 @@
+"""The options of a resize on disk, in one frozen dataclass (:class:`ResizeOptions`).
+
+``resize_checkpoint``'s keywords build it (:func:`posextend.resize.on_disk.resize_checkpoint`), its report
+holds it resolved (the seed drawn), and the ``resize-model`` command's options are generated from its
+fields, which carry their help and flag (:func:`posextend.options.option`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from posextend.errors import InvalidLengthError
+from posextend.options import option
+
+if TYPE_CHECKING:
+    from posextend.resize.plan import Request
+
+
+def parse_image_size(text: str | None) -> int | tuple[int, int] | None:
+    """``"448"`` → 448; ``"448x336"`` → (448, 336) (height x width)."""
+    if text is None:
+        return None
+    parts = text.lower().replace("×", "x").split("x")
+    if len(parts) not in (1, 2) or not all(p.strip().isdigit() for p in parts):
+        raise InvalidLengthError(f"--image-size takes pixels, 448 or HEIGHTxWIDTH (448x336), not {text!r}.")
+    numbers = [int(p) for p in parts]
+    return numbers[0] if len(numbers) == 1 else (numbers[0], numbers[1])
+
+
+def parse_params(items: list[str] | None) -> dict[str, Any]:
+    """Strategy parameters given as ``key=value`` texts, as a mapping."""
+    from posextend.tables.strategies import parse_param
+
+    return dict(parse_param(item) for item in items or [])
+
+
+_option = functools.partial(option, commands=("resize-model",))
+
+
+@dataclass(frozen=True)
+class ResizeOptions:
+    """Every option of ``resize_checkpoint`` (see it for their meaning), as its keywords name them."""
+
+    new_length: int | None = _option(
+        None, "New length in usable positions (what the tokenizer's model_max_length will say).", flag="--length",
+        short="-n")
+    image_size: int | tuple[int, int] | None = _option(  # pixels: 448, or (height, width)
+        None, "New image size in pixels for an image-patch grid (ViT, DINOv2, CLIP's vision tower): 448, or "
+        "HEIGHTxWIDTH such as 448x336.", cli_type=str)  # the command reads it (parse_image_size)
+    strategy: str | None = _option(
+        None, "How to fill the table(s): see `posextend strategies` (default: tile for positions, bicubic for image "
+        "grids).", short="-s")
+    seed: int | None = _option(None, "Seed for strategies that draw random numbers.")
+    params: Mapping[str, Any] | None = _option(
+        None, "Strategy parameter key=value (repeatable), e.g. std=matched.", flag="--param", short="-p",
+        cli_type=list[str])  # the command reads them (parse_params)
+    overwrite: bool = _option(False, "Replace DST if it exists.")
+    allow_shrink: bool = _option(False, "Allow a length below the current one (cuts positions).", flag="--shrink")
+    link: bool = _option(False, "Hard-link shards that need no change instead of copying them.")
+    table: str | None = _option(
+        None, "Which tables, for a model with several lengths (encoder, decoder, text; see inspect).")
+    verify: bool | None = _option(
+        None, "Check the output on a twin of its written config before it appears (default: for families without "
+        "a written spec).", flag="--verify/--no-verify")
+    st_max_seq_length: int | None = _option(
+        None, "sentence-transformers max_seq_length of the output (default: the new length).")
+
+    def request(self) -> Request:
+        """What the plan of this resize is asked (:func:`posextend.resize.plan.plan_resize`)."""
+        from posextend.resize.plan import Request
+
+        return Request(self.new_length, self.image_size, self.strategy, self.params, self.table, self.allow_shrink)
+
+    def resolved(self) -> ResizeOptions:
+        """The options with a seed: the given one, else one drawn at random (and reported)."""
+        return self if self.seed is not None else dataclasses.replace(self, seed=secrets.randbits(63))

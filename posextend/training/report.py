@@ -1,0 +1,168 @@
+"""What a fine-tune reports and writes: :class:`FinetuneReport` (its options as resolved, throughput, losses,
+the evaluations before and after) and the output (:func:`save`): the trained model in the source's files and
+layout (:mod:`posextend.training.saving`), its provenance, model card and evaluation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from posextend.files.io import atomic_output
+from posextend.files.checkpoint import Checkpoint
+from posextend.files.sources import MODULES
+from posextend.resize.on_disk import resize_change
+from posextend.resize.report import ResizeReport, model_card, resize_report
+from posextend.resize.options import ResizeOptions
+from posextend.resize.plan import plan_resize
+from posextend.scoring.by_position import EvalReport
+from posextend.training.loading import Loaded
+from posextend.training.options import FinetuneConfig
+from posextend.version import __version__
+
+if TYPE_CHECKING:
+    import torch
+
+    from posextend.training.setup import Run
+
+log = logging.getLogger(__name__)
+
+# the report's keys as plain data (:meth:`FinetuneReport.to_dict`), its options among its own fields
+_KEYS = ("dst", "train", "objective", "steps", "old_length", "new_length", "lr", "batch_size", "grad_accum", "tokens",
+         "seconds", "tokens_per_second", "losses", "eval_losses", "before", "after", "processes", "main_process",
+         "strategy", "anchor", "schedule", "anchor_source", "anchor_note", "notes")
+
+
+@dataclass
+class FinetuneReport:
+    """What ``finetune`` did. ``config``: its options as resolved (the objective's defaults and the lr filled
+    in), which ``train``, ``objective``, ``steps``, ``lr``, ``batch_size``, ``grad_accum``, ``schedule`` and
+    ``anchor`` read."""
+
+    dst: str
+    config: FinetuneConfig
+    old_length: int
+    new_length: int
+    tokens: int
+    seconds: float
+    tokens_per_second: float
+    losses: list[float] = field(default_factory=list)
+    eval_losses: list[tuple[int, float]] = field(default_factory=list)  # (step, held-out loss), with --eval-every
+    before: EvalReport | None = None
+    after: EvalReport | None = None
+    processes: int = 1  # processes that trained together (tokens count all of them)
+    main_process: bool = True  # False on the other processes of a distributed run (they print nothing)
+    strategy: str | None = None  # how the table was extended before training (None: it came extended)
+    anchor_source: str | None = None  # the original model the anchor held to (None: the checkpoint as loaded)
+    anchor_note: str | None = None  # one line: why the anchor could not hold to the original model
+    notes: list[str] = field(default_factory=list)  # the objective's lines about the run (Objective.notes)
+
+    train = property(lambda self: self.config.train)
+    objective = property(lambda self: self.config.objective)
+    steps = property(lambda self: self.config.steps)
+    lr = property(lambda self: self.config.lr)
+    batch_size = property(lambda self: self.config.batch_size)
+    grad_accum = property(lambda self: self.config.grad_accum)
+    schedule = property(lambda self: self.config.schedule)
+    anchor = property(lambda self: float(self.config.anchor or 0.0), doc="The anchor's weight (0: none).")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The report as plain data: its fields (the evaluations as dicts) and the options it reads from
+        ``config``, not the rest of them."""
+        own = asdict(self)
+        return {key: own[key] if key in own else getattr(self, key) for key in _KEYS}
+
+
+def finetune_report(run: Run, dst: Path, evaluations: tuple[EvalReport | None, EvalReport],
+                    losses: tuple[list[float], list[tuple[int, float]]], tokens: int, seconds: float) -> FinetuneReport:
+    """The fine-tune's report: its options, throughput, losses (held-out ones at steps 0 and the last
+    included) and the before/after evaluations."""
+    (before, after), (train_losses, eval_losses), config = evaluations, losses, run.config
+    return FinetuneReport(
+        dst=str(dst.resolve()), config=config, old_length=run.old_length, new_length=run.length, tokens=tokens,
+        seconds=seconds, tokens_per_second=tokens / max(seconds, 1e-9), losses=train_losses,
+        eval_losses=([(0, before.loss)] if before else []) + eval_losses + [(config.steps, after.loss)],
+        before=before, after=after, processes=run.accelerator.num_processes,
+        main_process=run.accelerator.is_main_process, strategy=config.strategy if run.extended else None,
+        anchor_source=str(run.reference.path) if run.reference.path else None, anchor_note=run.reference.note,
+        notes=run.objective.notes(run),
+    )
+
+
+def save(run: Run, dst: Path, report: FinetuneReport, checkpoint: Checkpoint, loaded: Loaded,
+         state_dict: dict[str, torch.Tensor]) -> None:
+    """The fine-tuned model, written by the checkpoint writer of ``resize-model`` into the source's files and
+    layout (:mod:`posextend.training.saving`), with provenance and a model card.
+
+    ``state_dict``: the trained model's full weights (gathered when sharded across processes: FSDP, DeepSpeed).
+    """
+    from posextend.training.saving import changes, write_trained
+
+    seed = run.config.seed
+    with Checkpoint.open(checkpoint) as source:
+        config, reader, directory = source.config, source.reader, source.directory
+        plans = [plan for request in loaded.requests for plan in plan_resize(config, source.shapes, request)]
+        resized = resize_change(reader, config, plans, seed)
+        trained, added = changes(state_dict, run.unwrapped, loaded.files, reader)
+        options = ResizeOptions(new_length=run.length, strategy=run.config.strategy, seed=seed)
+        resize = resize_report(source, dst, plans, options) if plans else None
+        change = dataclasses.replace(resized, tensors={**resized.tensors, **trained}, added=added,
+                                     metadata=_provenance(run, report, source, resize))
+        with atomic_output(dst, overwrite=run.config.overwrite) as tmp:
+            written = write_trained(source, tmp, change, type(loaded.hf_model))
+            _save_modules(loaded, source, tmp, run.config.train)
+            if resize is not None:
+                resize.record(written)
+            (tmp / "README.md").write_text(_card(report, resize, directory))
+            if report.before or report.after:
+                (tmp / "posextend_eval.json").write_text(json.dumps(
+                    {"before": report.before and report.before.to_dict(), "after": report.after.to_dict()}, indent=2))
+    log.info("Saved %s: %d tensors trained, %d added, the rest copied from %s", dst, len(trained), len(added), directory)
+
+
+def _provenance(run: Run, report: FinetuneReport, checkpoint: Checkpoint, resize: ResizeReport | None) -> dict[str, str]:
+    """The output's provenance: the resize the run made (or the original recorded before it, or the
+    checkpoint itself), its lengths, and the fine-tune."""
+    finetune = {"posextend.finetune": json.dumps({"train": report.train, "steps": report.steps, "lr": report.lr,
+                                                   "tokens": report.tokens})}
+    if resize is not None:
+        return {**resize.provenance(), **finetune}
+    recorded = checkpoint.provenance.get("posextend.source", str(checkpoint.directory))
+    return {"posextend.version": __version__,
+            "posextend.source": str(run.reference.path) if run.reference.path else recorded,
+            "posextend.old_length": str(report.old_length), "posextend.new_length": str(report.new_length), **finetune}
+
+
+def _save_modules(loaded: Loaded, checkpoint: Checkpoint, out: Path, train: str) -> None:
+    """A sentence-transformers model's modules beyond the Transformer that trained (a Dense layer, when every
+    parameter trains): saved by the module's own ``save`` over its copied folder."""
+    if train != "all" or loaded.model is loaded.hf_model or not checkpoint.sentence_transformers:
+        return
+    for entry in json.loads((checkpoint.directory / MODULES).read_text()):
+        module = loaded.model[int(entry["idx"])]
+        if getattr(module, "auto_model", None) is not loaded.hf_model and any(True for _ in module.parameters()):
+            module.save(str(out / entry["path"]))
+
+
+def _card(report: FinetuneReport, resize: ResizeReport | None, directory: Path) -> str:
+    """The output's model card: the resize the run made (and the source's card under it), or the source's
+    card as it is; then the fine-tune."""
+    source = directory / "README.md"
+    original = source.read_text(errors="replace") if source.is_file() else ""
+    if resize is not None:
+        head = model_card(resize, original, trained=True).rstrip()
+    else:
+        head = original.rstrip() or f"---\ntags:\n- posextend\n---\n\n# Fine-tuned with posextend {__version__}"
+    lines = [head, "", "## Fine-tune", "",
+             f"- Trained: `{report.train}` for {report.steps} steps ({report.tokens} tokens, lr {report.lr}) "
+             f"at {report.new_length} positions (old length {report.old_length})"]
+    for label, ev in (("before", report.before), ("after", report.after)):
+        if ev is not None and math.isfinite(getattr(ev, ev.score)):
+            lines.append(f"- Held-out {ev.metric} {label}: {getattr(ev, ev.score):.3f}")
+    lines += [f"- {note}" for note in report.notes]
+    return "\n".join(lines) + "\n"
