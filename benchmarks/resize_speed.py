@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from posextend.files.io import Entry, write_safetensors
+from posextend.files.tensorfile import Entry, write_safetensors
 
 SIZES = {  # family, config, shard size
     "tiny": ("gpt2", dict(n_embd=64, n_layer=2, n_head=2), None),

@@ -11,7 +11,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from posextend.errors import DestinationError, SourceError
-from posextend.files.io import CheckpointReader
+from posextend.files.reader import CheckpointReader
 
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "vocab.txt", "merges.txt", "spiece.model",
                     "sentencepiece.bpe.model", "tokenizer.model")

@@ -21,7 +21,9 @@ from typing import TYPE_CHECKING, Any
 
 from posextend.version import __version__
 from posextend.errors import CorruptCheckpointError, InvalidLengthError, StrategyError
-from posextend.files.io import ByteRanges, CheckpointReader, Entry, Source, atomic_output, nonfinite_count
+from posextend.files.atomic import atomic_output
+from posextend.files.reader import CheckpointReader, nonfinite_count
+from posextend.files.tensorfile import ByteRanges, Entry, Source
 from posextend.families.lookup import all_specs, spec_for
 from posextend.resize.plan import GroupPlan, ImageSize, Request, plan_resize
 from posextend.files.sources import check_destination, json_int, opened, read_config, resolve_source, st_config, transformer_dir

@@ -12,7 +12,8 @@ import torch
 
 from posextend.files.sources import MODULES, TOKENIZER_FILES, read_config, resolve_source, transformer_dir
 from posextend.errors import PosExtendError, SourceError, TrainingError
-from posextend.files.io import SAFE_INDEX, read_header
+from posextend.files.reader import SAFE_INDEX
+from posextend.files.tensorfile import read_header
 from posextend.families.lookup import all_specs, spec_for
 from posextend.families.specs import ArchitectureSpec
 

@@ -35,7 +35,8 @@ from posextend.resize.on_disk import ResizeReport, model_card, resize_change, re
 from posextend.training.context import RunContext
 from posextend.errors import TrainingError
 from posextend.scoring.by_position import EvalReport
-from posextend.files.io import atomic_output, output_errors, write_file
+from posextend.files.atomic import atomic_output, write_file
+from posextend.files.oserrors import output_errors
 from posextend.training.loading import AnchorSource, Loaded, anchor_source, is_sentence_transformer, provenance
 from posextend.training.objectives.base import Objective, default_objective, get_objective
 from posextend.training.options import FinetuneConfig
