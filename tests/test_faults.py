@@ -25,7 +25,7 @@ from typer.testing import CliRunner
 
 import posextend
 from posextend import DestinationError, SourceError
-from posextend.files import atomic
+from posextend.files import atomic, copying
 from posextend.files.oserrors import output_errors
 from posextend.cli import app
 
@@ -168,6 +168,25 @@ def test_write_faults_name_the_destination_and_leave_nothing(src, tmp_path, monk
     _check_destination_error(str(info.value), dst, words)
     assert isinstance(info.value.__cause__, OSError)  # --debug still shows the system's error
     assert _left(tmp_path) == []
+
+
+@pytest.mark.parametrize("refusal", [errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, None],
+                         ids=lambda v: errno.errorcode.get(v, "no copy_file_range"))
+def test_a_refused_kernel_copy_writes_the_same_bytes_in_small_buffers(src, tmp_path, monkeypatch, refusal):
+    """Where a file system refuses copy_file_range (or the platform lacks it), the plain copy writes the same
+    files, reading at most BUFFER bytes at a time."""
+    posextend.resize_checkpoint(src, tmp_path / "kernel", NEW, seed=0)
+    asked, reads, real_pread = [], [], os.pread
+    if refusal is None:
+        monkeypatch.delattr(os, "copy_file_range")
+    else:
+        monkeypatch.setattr(os, "copy_file_range", lambda *args: asked.append(args) or _raiser(refusal)())
+    monkeypatch.setattr(copying, "BUFFER", 4096)
+    monkeypatch.setattr(os, "pread", lambda fd, n, offset: reads.append(n) or real_pread(fd, n, offset))
+    posextend.resize_checkpoint(src, tmp_path / "plain", NEW, seed=0)
+    assert tree_digest(tmp_path / "plain") == tree_digest(tmp_path / "kernel")
+    assert max(reads) == 4096 and len(reads) > 1
+    assert bool(asked) == (refusal is not None)
 
 
 @pytest.mark.parametrize("code, words", [(errno.EROFS, "read-only"), (errno.EACCES, "permission denied"),

@@ -55,20 +55,30 @@ def read_tensor(entry: Entry) -> torch.Tensor:
     return torch.frombuffer(data, dtype=dtypes[entry.dtype]).reshape(entry.shape)
 
 
-# Exponent bits of IEEE formats: all ones means NaN or Inf.
-_EXPONENT = {"F64": ("<u8", 0x7FF0000000000000), "F32": ("<u4", 0x7F800000), "F16": ("<u2", 0x7C00),
-             "BF16": ("<u2", 0x7F80)}
+# IEEE formats: bytes a value takes, and its exponent bits (all ones means NaN or Inf).
+_EXPONENT = {"F64": (8, 0x7FF0000000000000), "F32": (4, 0x7F800000), "F16": (2, 0x7C00), "BF16": (2, 0x7F80)}
+_SCAN = 4 * 1024 * 1024  # bytes read at a time (a multiple of every size above)
 
 
 def nonfinite_count(entry: Entry) -> int | None:
-    """NaN/Inf values in a safetensors tensor, from its bits (no torch); None for other dtypes."""
+    """NaN/Inf values in a safetensors tensor, from its bits (no torch, no numpy); None for other dtypes.
+
+    A value's exponent bits lie in its two highest bytes, the last two of each value (little-endian):
+    a value is NaN or Inf where both hold all of their bits, which two byte lookups tell.
+    """
     if entry.dtype not in _EXPONENT:
         return None if entry.dtype.startswith("F8") else 0
-    import numpy as np
-
-    kind, mask = _EXPONENT[entry.dtype]
-    bits = np.fromfile(entry.file, dtype=kind, count=entry.nbytes // np.dtype(kind).itemsize, offset=entry.start)
-    return int(np.count_nonzero((bits & mask) == mask))
+    size, mask = _EXPONENT[entry.dtype]
+    high, low = (mask >> 8 * (size - 1)) & 0xFF, (mask >> 8 * (size - 2)) & 0xFF
+    all_high, all_low = (bytes(b & bits == bits for b in range(256)) for bits in (high, low))
+    count, left = 0, entry.nbytes
+    with reading(entry.file), open(entry.file, "rb") as f:
+        f.seek(entry.start)
+        while left > 0 and (data := f.read(min(left, _SCAN))):
+            hits = (int.from_bytes(data[size - 1::size].translate(all_high), "little")
+                    & int.from_bytes(data[size - 2::size].translate(all_low), "little"))
+            count, left = count + hits.bit_count(), left - len(data)
+    return count
 
 
 class CheckpointReader:
