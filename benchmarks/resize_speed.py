@@ -20,7 +20,7 @@ then times whole processes (wall clock, peak RSS of the process tree's largest m
               "startup + torch" is `python -c "import posextend.cli, torch"`, with the framework
               that non-row strategies need (posextend imports it in the background while copying)
 The target table compares `posextend` (a subprocess, so its start-up counts) with "cp + fsync" plus
-"python"; --target times only those three. --baseline DIR adds "posextend (baseline)":
+"python"; --target times only those three. --baseline DIR (repeatable) adds "posextend (DIR)":
 resize-model with DIR on PYTHONPATH (a source tree of another commit), in the same rounds, for a
 before/after on one machine.
 The source files are read once before timing so every method starts from a warm page cache,
@@ -149,7 +149,10 @@ def measure(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, f
 
 
 TARGET = ("posextend", "cp + fsync", "python")  # what --target times
-BASELINE = "posextend (baseline)"
+
+
+def baseline(tree: Path) -> str:
+    return f"posextend ({tree})"
 
 
 def methods_for(size: str, src: Path, config: dict, nfiles: int, args: argparse.Namespace) -> dict[str, list[str]]:
@@ -175,10 +178,10 @@ def methods_for(size: str, src: Path, config: dict, nfiles: int, args: argparse.
                     "naive": [sys.executable, "-c", NAIVE_VIT, str(src), "DST", str(n)]}
     if nfiles == 1:
         methods.pop("posextend --link", None)
-    if args.baseline:
-        methods[BASELINE] = methods["posextend"]
+    for tree in args.baseline:
+        methods[baseline(tree)] = methods["posextend"]
     if args.target:
-        methods = {m: cmd for m, cmd in methods.items() if m in (*TARGET, BASELINE)}
+        methods = {m: cmd for m, cmd in methods.items() if m in TARGET or m.startswith("posextend (")}
     return methods
 
 
@@ -193,8 +196,8 @@ def run_size(size: str, args: argparse.Namespace) -> tuple[int, int, dict[str, t
                 pass
     methods = methods_for(size, src, json.loads((src / "config.json").read_text()), len(files), args)
     envs = {m: None for m in methods}
-    if args.baseline:  # the older tree's package first on the path
-        envs[BASELINE] = {**os.environ, "PYTHONPATH": str(args.baseline.resolve())}
+    for tree in args.baseline:  # that tree's package first on the path
+        envs[baseline(tree)] = {**os.environ, "PYTHONPATH": str(tree.resolve())}
     walls: dict[str, list[float]] = {m: [] for m in methods}
     rsss: dict[str, list[float]] = {m: [] for m in methods}
     dst = args.workdir / "dst"
@@ -228,9 +231,8 @@ def print_target(rows: list) -> None:
     print("|---|---|---|---|---|---|---|---|")
     for size, nbytes, _, results in rows:
         synced, python = results["cp + fsync"][0], results["python"][0]
-        for method in ("posextend", BASELINE):
-            if method in results:
-                wall, rss = results[method]
+        for method, (wall, rss) in results.items():
+            if method.startswith("posextend"):
                 print(f"| {size} | {nbytes / 2**30:.2f} GiB | {method} | {wall:.2f} | {rss:.0f} | {synced:.2f} | "
                       f"{python:.2f} | {wall / (synced + python):.2f}× |")
 
@@ -261,7 +263,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, help="repetitions (default 3; --target: 5)")
     ap.add_argument("--target", action="store_true",
                     help="only resize-model, cp + fsync and python -c pass: the target's table")
-    ap.add_argument("--baseline", type=Path, help="also time resize-model from this source tree (an older commit)")
+    ap.add_argument("--baseline", type=Path, action="append", default=[],
+                    help="also time resize-model from this source tree (an older commit); repeatable")
     ap.add_argument("--workdir", type=Path, default=Path(".bench"))
     ap.add_argument("--keep", action="store_true", help="keep the built checkpoints for the next run")
     args = ap.parse_args()
