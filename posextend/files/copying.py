@@ -97,22 +97,26 @@ class _Writeback:
     def __init__(self) -> None:
         self.ranges: queue.SimpleQueue[tuple[int, int, int]] = queue.SimpleQueue()
         self.lock = threading.Lock()
-        self.thread: threading.Thread | None = None
+        self.pid: int | None = None  # the process whose thread it is (a forked child starts its own)
 
     def start(self, fd: int, offset: int, count: int) -> None:
         """Have ``count`` bytes of ``fd`` at ``offset`` written to disk soon (where the system can)."""
         if _libc_sync_file_range() is None:
             return
         with self.lock:
-            if self.thread is None:
-                self.thread = threading.Thread(target=self._run, name="posextend-writeback", daemon=True)
-                self.thread.start()
-        self.ranges.put((os.dup(fd), offset, count))
+            if self.pid != os.getpid():
+                self.ranges, self.pid = queue.SimpleQueue(), os.getpid()
+                threading.Thread(target=self._run, args=(self.ranges,), name="posextend-writeback", daemon=True).start()
+        try:
+            self.ranges.put((os.dup(fd), offset, count))
+        except OSError:  # out of descriptors: the fsync writes this range
+            pass
 
-    def _run(self) -> None:
+    @staticmethod
+    def _run(ranges: queue.SimpleQueue[tuple[int, int, int]]) -> None:
         sync_file_range = _libc_sync_file_range()
         while True:
-            fd, offset, count = self.ranges.get()
+            fd, offset, count = ranges.get()
             try:
                 sync_file_range(fd, offset, count, _SYNC_FILE_RANGE_WRITE)  # a failure only leaves it to the fsync
             finally:
