@@ -6,23 +6,13 @@ page cache, or a reflink where the file system has one). Where a file system ref
 systems on older kernels, network and FUSE file systems: EXDEV, ENOSYS, EINVAL, EOPNOTSUPP) or the
 platform lacks it, the rest is copied with reads and writes of :data:`BUFFER` bytes; that plain copy
 also tells which side an I/O error came from.
-
-The kernel keeps copied bytes in the page cache until something writes them to disk; the atomic
-output's fsync then waits for all of them at once, after the copy (as ``cp`` followed by ``sync``
-does). Here each chunk the kernel copied is handed to a background thread that starts writing it to
-disk at once (Linux ``sync_file_range``): the disk writes while the copy goes on, and the fsync finds
-little left to do. Durability is still the fsync's (:mod:`posextend.files.atomic`).
 """
 
 from __future__ import annotations
 
 import os
-import queue
 import shutil
-import sys
-import threading
 from collections.abc import Callable
-from functools import lru_cache
 from pathlib import Path
 
 from posextend.errors import CorruptCheckpointError
@@ -71,75 +61,18 @@ def _plain_copy(src_fd: int, dst_fd: int, start: int, count: int, progress: Prog
             progress(len(chunk))
 
 
-_SYNC_FILE_RANGE_WRITE = 2  # linux/fs.h: start writing the range's dirty pages, do not wait
-
-
-@lru_cache(maxsize=1)
-def _libc_sync_file_range() -> Callable[..., int] | None:
-    """libc's ``sync_file_range`` (Linux), or None."""
-    if not sys.platform.startswith("linux"):
-        return None
-    import ctypes
-
-    try:
-        func = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):
-        return None
-    func.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
-    func.restype = ctypes.c_int
-    return func
-
-
-class _Writeback:
-    """A daemon thread that starts writing copied ranges to disk while the copy goes on (see the module's
-    docstring); it holds its own descriptor of each file, so the copier may close it meanwhile."""
-
-    def __init__(self) -> None:
-        self.ranges: queue.SimpleQueue[tuple[int, int, int]] = queue.SimpleQueue()
-        self.lock = threading.Lock()
-        self.pid: int | None = None  # the process whose thread it is (a forked child starts its own)
-
-    def start(self, fd: int, offset: int, count: int) -> None:
-        """Have ``count`` bytes of ``fd`` at ``offset`` written to disk soon (where the system can)."""
-        if _libc_sync_file_range() is None:
-            return
-        with self.lock:
-            if self.pid != os.getpid():
-                self.ranges, self.pid = queue.SimpleQueue(), os.getpid()
-                threading.Thread(target=self._run, args=(self.ranges,), name="posextend-writeback", daemon=True).start()
-        try:
-            self.ranges.put((os.dup(fd), offset, count))
-        except OSError:  # out of descriptors: the fsync writes this range
-            pass
-
-    @staticmethod
-    def _run(ranges: queue.SimpleQueue[tuple[int, int, int]]) -> None:
-        sync_file_range = _libc_sync_file_range()
-        while True:
-            fd, offset, count = ranges.get()
-            try:
-                sync_file_range(fd, offset, count, _SYNC_FILE_RANGE_WRITE)  # a failure only leaves it to the fsync
-            finally:
-                os.close(fd)
-
-
-_writeback = _Writeback()
-
-
 def _copy_range(src_fd: int, dst, start: int, count: int, progress: Progress | None, source: Path) -> None:
     """Copy ``count`` bytes from ``src_fd`` (the file ``source``) at ``start`` to the current end of ``dst``:
-    by the kernel, each chunk then written back in the background, and with a plain copy from where the
-    kernel stopped (see the module's docstring)."""
+    by the kernel, then with a plain copy from where it stopped (see the module's docstring)."""
     dst.flush()
     dst_fd = dst.fileno()
-    offset, end, written = start, start + count, os.lseek(dst_fd, 0, os.SEEK_CUR)
+    offset, end = start, start + count
     while offset < end:
         done = _kernel_copy(src_fd, dst_fd, min(end - offset, CHUNK), offset)
         if done <= 0:
             _plain_copy(src_fd, dst_fd, offset, end - offset, progress, source)
             return
-        _writeback.start(dst_fd, written, done)
-        offset, written = offset + done, written + done
+        offset += done
         if progress:
             progress(done)
 
