@@ -1,8 +1,10 @@
 """Resize speed and memory: posextend vs the naive transformers path vs `cp`, side by side.
 
-    python benchmarks/resize_speed.py                      # small, medium, xl; 3 repetitions
+    python benchmarks/resize_speed.py --target             # medium: resize-model vs cp + sync + python, 5 runs
+    python benchmarks/resize_speed.py                      # small, medium, xl; every method; 3 repetitions
     python benchmarks/resize_speed.py --sizes vit-l        # ViT-L/16, 224 -> 448 px
     python benchmarks/resize_speed.py --sizes tiny vit-tiny --reps 1
+    python benchmarks/resize_speed.py --target --baseline /tmp/before   # and an older tree's resize-model
 
 Builds random GPT-2-shaped checkpoints (fp32; xl sharded into 2 GB files) and ViT ones under --workdir,
 then times whole processes (wall clock, peak RSS of the process tree's largest member):
@@ -13,12 +15,18 @@ then times whole processes (wall clock, peak RSS of the process tree's largest m
   For ViT, posextend is `resize-model SRC DST --image-size 2*image_size` (bicubic, in torch).
   cp          `cp -r SRC DST`; "cp + fsync" also fsyncs the copy (`sync DST DST/*`), as posextend
               does before its output appears (durable after a crash or power cut)
+  python      `python -c pass`: the interpreter's start-up, which any Python tool pays
   startup     `posextend --version`: the interpreter and the tool, with no work;
               "startup + torch" is `python -c "import posextend.cli, torch"`, with the framework
               that non-row strategies need (posextend imports it in the background while copying)
+The target table compares `posextend` (a subprocess, so its start-up counts) with "cp + fsync" plus
+"python"; --target times only those three. --baseline DIR (repeatable) adds "posextend (DIR)":
+resize-model with DIR on PYTHONPATH (a source tree of another commit), in the same rounds, for a
+before/after on one machine.
 The source files are read once before timing so every method starts from a warm page cache,
 and `sync` runs before each timed command. Repetitions go round robin over the methods, so
 the disk's state after one method's writes does not always fall on the same next method.
+What the script builds under --workdir is removed at the end (unless --keep).
 """
 
 from __future__ import annotations
@@ -32,13 +40,10 @@ import shutil
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
 import transformers
-
-from posextend.files.io import Entry, write_safetensors
 
 SIZES = {  # family, config, shard size
     "tiny": ("gpt2", dict(n_embd=64, n_layer=2, n_head=2), None),
@@ -93,6 +98,8 @@ print(wall, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024, rc)
 
 def build_checkpoint(path: Path, size: str) -> Path:
     """A random checkpoint written tensor by tensor (never holding the model in memory)."""
+    from posextend.files.tensorfile import Entry, write_safetensors
+
     if (path / "config.json").exists():
         return path
     family, kwargs, shard_bytes = SIZES[size]
@@ -133,79 +140,105 @@ def build_checkpoint(path: Path, size: str) -> Path:
     return path
 
 
-def measure(cmd: list[str]) -> tuple[float, float]:
-    out = subprocess.run([sys.executable, "-c", MEASURE, *cmd], capture_output=True, text=True, check=True)
+def measure(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, float]:
+    out = subprocess.run([sys.executable, "-c", MEASURE, *cmd], capture_output=True, text=True, check=True, env=env)
     wall, rss, rc = out.stdout.split()
     if rc != "0":
         raise SystemExit(f"command failed ({rc}): {' '.join(cmd)}")
     return float(wall), float(rss)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sizes", nargs="+", default=["small", "medium", "xl"], choices=list(SIZES))
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--workdir", type=Path, default=Path(".bench"))
-    ap.add_argument("--keep", action="store_true", help="keep the built checkpoints for the next run")
-    args = ap.parse_args()
-    posextend_bin = str(Path(sys.executable).with_name("posextend"))
-    rows = []
-    for size in args.sizes:
-        family = SIZES[size][0]
-        src = build_checkpoint(args.workdir / f"{family}-{size}", size)
-        files = sorted(src.glob("*.safetensors"))
-        nbytes = sum(f.stat().st_size for f in files)
-        for f in files:  # warm the page cache
-            with open(f, "rb") as h:
-                while h.read(1 << 26):
-                    pass
-        config = json.loads((src / "config.json").read_text())
-        methods = {
-            "startup": [posextend_bin, "--version"],
-            "startup + torch": [sys.executable, "-c", "import posextend.cli, torch"],
-            "cp": ["cp", "-r", str(src), "DST"],
-            # what posextend does on top of a copy: every written file and the folder on disk before the rename
-            "cp + fsync": ["sh", "-c", 'cp -r "$0" "$1" && sync "$1" "$1"/*', str(src), "DST"],
-        }
-        if family == "gpt2":  # the table doubled (tile: row bytes copied), and interpolated
-            n = 2 * config["n_positions"]
-            resize = [posextend_bin, "resize-model", str(src), "DST", "--length", str(n)]
-            methods |= {"posextend": resize, "posextend --link": [*resize, "--link"],
-                        "posextend interpolate": [*resize, "--strategy", "interpolate"],
-                        "naive": [sys.executable, "-c", NAIVE, str(src), "DST", str(n)]}
-        else:  # the image size doubled: the grid resampled bicubic (computed in torch)
-            n = 2 * config["image_size"]
-            methods |= {"posextend": [posextend_bin, "resize-model", str(src), "DST", "--image-size", str(n)],
-                        "naive": [sys.executable, "-c", NAIVE_VIT, str(src), "DST", str(n)]}
-        if len(files) == 1:
-            methods.pop("posextend --link", None)
-        walls: dict[str, list[float]] = {m: [] for m in methods}
-        rsss: dict[str, list[float]] = {m: [] for m in methods}
-        dst = args.workdir / "dst"
-        for rep in range(args.reps):  # round robin, so no method always runs right after the same one
-            for method, cmd in methods.items():
-                shutil.rmtree(dst, ignore_errors=True)
-                os.sync()
-                wall, rss = measure([str(dst) if c == "DST" else c for c in cmd])
-                walls[method].append(wall)
-                rsss[method].append(rss)
-                if rep == 0 and method == "posextend" and len(files) > 1:
-                    same = sum(filecmp.cmp(f, dst / f.name, shallow=False) for f in files)
-                    print(f"  {size}: {same} of {len(files)} shards byte-identical to the source (not rewritten)")
-                if rep == 0 and method == "posextend --link":
-                    linked = sum(os.stat(f).st_ino == os.stat(dst / f.name).st_ino for f in files)
-                    print(f"  {size}: {linked} of {len(files)} shards hard-linked (same inode)")
-        results = {m: (statistics.median(walls[m]), max(rsss[m])) for m in methods}
-        for method, (wall, rss) in results.items():
-            print(f"  {size} {method:17s} {wall:7.2f} s  {rss:8.0f} MiB  (runs: "
-                  + ", ".join(f"{w:.2f}" for w in walls[method]) + ")", flush=True)
-        rows.append((size, nbytes, len(files), results))
-        shutil.rmtree(args.workdir / "dst", ignore_errors=True)
-        if not args.keep:
-            shutil.rmtree(src)
+TARGET = ("posextend", "cp + fsync", "python")  # what --target times
 
-    print(f"\nfp32 checkpoints: GPT-2's table doubled, ViT's image size doubled; median of {args.reps} runs; "
-          f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}\n")
+
+def baseline(tree: Path) -> str:
+    return f"posextend ({tree})"
+
+
+def methods_for(size: str, src: Path, config: dict, nfiles: int, args: argparse.Namespace) -> dict[str, list[str]]:
+    """The commands timed on checkpoint ``src`` (DST stands for the output), by method."""
+    posextend_bin = str(Path(sys.executable).with_name("posextend"))
+    methods = {
+        "python": [sys.executable, "-c", "pass"],
+        "startup": [posextend_bin, "--version"],
+        "startup + torch": [sys.executable, "-c", "import posextend.cli, torch"],
+        "cp": ["cp", "-r", str(src), "DST"],
+        # what posextend does on top of a copy: every written file and the folder on disk before the rename
+        "cp + fsync": ["sh", "-c", 'cp -r "$0" "$1" && sync "$1" "$1"/*', str(src), "DST"],
+    }
+    if SIZES[size][0] == "gpt2":  # the table doubled (tile: row bytes copied), and interpolated
+        n = 2 * config["n_positions"]
+        resize = [posextend_bin, "resize-model", str(src), "DST", "--length", str(n)]
+        methods |= {"posextend": resize, "posextend --link": [*resize, "--link"],
+                    "posextend interpolate": [*resize, "--strategy", "interpolate"],
+                    "naive": [sys.executable, "-c", NAIVE, str(src), "DST", str(n)]}
+    else:  # the image size doubled: the grid resampled bicubic (computed in torch)
+        n = 2 * config["image_size"]
+        methods |= {"posextend": [posextend_bin, "resize-model", str(src), "DST", "--image-size", str(n)],
+                    "naive": [sys.executable, "-c", NAIVE_VIT, str(src), "DST", str(n)]}
+    if nfiles == 1:
+        methods.pop("posextend --link", None)
+    for tree in args.baseline:
+        methods[baseline(tree)] = methods["posextend"]
+    if args.target:
+        methods = {m: cmd for m, cmd in methods.items() if m in TARGET or m.startswith("posextend (")}
+    return methods
+
+
+def run_size(size: str, args: argparse.Namespace) -> tuple[int, int, dict[str, tuple[float, float]]]:
+    """Time every method on checkpoint ``size``, round robin; (bytes, files, method -> (median wall, max RSS))."""
+    src = build_checkpoint(args.workdir / f"{SIZES[size][0]}-{size}", size)
+    files = sorted(src.glob("*.safetensors"))
+    nbytes = sum(f.stat().st_size for f in files)
+    for f in files:  # warm the page cache
+        with open(f, "rb") as h:
+            while h.read(1 << 26):
+                pass
+    methods = methods_for(size, src, json.loads((src / "config.json").read_text()), len(files), args)
+    envs = {m: None for m in methods}
+    for tree in args.baseline:  # that tree's package first on the path
+        envs[baseline(tree)] = {**os.environ, "PYTHONPATH": str(tree.resolve())}
+    walls: dict[str, list[float]] = {m: [] for m in methods}
+    rsss: dict[str, list[float]] = {m: [] for m in methods}
+    dst = args.workdir / "dst"
+    for rep in range(args.reps):  # round robin, so no method always runs right after the same one
+        for method, cmd in methods.items():
+            shutil.rmtree(dst, ignore_errors=True)
+            os.sync()
+            wall, rss = measure([str(dst) if c == "DST" else c for c in cmd], envs[method])
+            walls[method].append(wall)
+            rsss[method].append(rss)
+            if rep == 0 and method == "posextend" and len(files) > 1:
+                same = sum(filecmp.cmp(f, dst / f.name, shallow=False) for f in files)
+                print(f"  {size}: {same} of {len(files)} shards byte-identical to the source (not rewritten)")
+            if rep == 0 and method == "posextend --link":
+                linked = sum(os.stat(f).st_ino == os.stat(dst / f.name).st_ino for f in files)
+                print(f"  {size}: {linked} of {len(files)} shards hard-linked (same inode)")
+    shutil.rmtree(dst, ignore_errors=True)
+    results = {m: (statistics.median(walls[m]), max(rsss[m])) for m in methods}
+    for method, (wall, rss) in results.items():
+        print(f"  {size} {method:20s} {wall:7.2f} s  {rss:8.0f} MiB  (runs: "
+              + ", ".join(f"{w:.2f}" for w in walls[method]) + ")", flush=True)
+    if not args.keep:
+        shutil.rmtree(src)
+    return nbytes, len(files), results
+
+
+def print_target(rows: list) -> None:
+    """The target: resize-model (a whole process) against cp -r + sync plus the interpreter's start-up."""
+    print("\n| size | checkpoint | method | wall s | peak RSS MiB | cp + fsync s | python -c pass s "
+          "| wall / (cp + fsync + python) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for size, nbytes, _, results in rows:
+        synced, python = results["cp + fsync"][0], results["python"][0]
+        for method, (wall, rss) in results.items():
+            if method.startswith("posextend"):
+                print(f"| {size} | {nbytes / 2**30:.2f} GiB | {method} | {wall:.2f} | {rss:.0f} | {synced:.2f} | "
+                      f"{python:.2f} | {wall / (synced + python):.2f}× |")
+
+
+def print_all(rows: list) -> None:
+    """Every method against cp, and the naive path against posextend."""
     print("| size | checkpoint | files | method | wall s | peak RSS MiB | wall vs cp | wall vs cp + startup "
           "| wall vs cp + fsync + startup | wall vs cp + fsync + startup + torch |")
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -222,6 +255,37 @@ def main() -> None:
         naive, interpolated = results["naive"], results.get("posextend interpolate")
         print(f"| {size} | {naive[0] / results['posextend'][0]:.1f}× | {naive[1] / results['posextend'][1]:.1f}× | "
               + (f"{naive[0] / interpolated[0]:.1f}× |" if interpolated else "- |"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", nargs="+", choices=list(SIZES), help="default: small medium xl (--target: medium)")
+    ap.add_argument("--reps", type=int, help="repetitions (default 3; --target: 5)")
+    ap.add_argument("--target", action="store_true",
+                    help="only resize-model, cp + fsync and python -c pass: the target's table")
+    ap.add_argument("--baseline", type=Path, action="append", default=[],
+                    help="also time resize-model from this source tree (an older commit); repeatable")
+    ap.add_argument("--workdir", type=Path, default=Path(".bench"))
+    ap.add_argument("--keep", action="store_true", help="keep the built checkpoints for the next run")
+    args = ap.parse_args()
+    args.sizes = args.sizes or (["medium"] if args.target else ["small", "medium", "xl"])
+    args.reps = args.reps or (5 if args.target else 3)
+    made = not args.workdir.exists()
+    rows = []
+    try:
+        for size in args.sizes:
+            rows.append((size, *run_size(size, args)))
+    finally:
+        shutil.rmtree(args.workdir / "dst", ignore_errors=True)
+        if made and not args.keep:
+            shutil.rmtree(args.workdir, ignore_errors=True)
+    print(f"\nfp32 checkpoints: GPT-2's table doubled, ViT's image size doubled; median of {args.reps} runs; "
+          f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+          f"load average {os.getloadavg()[0]:.1f}\n")
+    if not args.target:
+        print_all(rows)
+    if all(m in results for _, _, _, results in rows for m in TARGET):
+        print_target(rows)
 
 
 if __name__ == "__main__":

@@ -294,7 +294,8 @@ def _diagnostics(src: str, compare: str | None, out: Path | None, table: str | N
     analysis = {label: analyze(t).to_dict() for label, t in tables.items()}
     if out:
         from posextend.resize.inspection import read_position_table
-        from posextend.files.io import output_errors, write_file
+        from posextend.files.atomic import write_file
+        from posextend.files.oserrors import output_errors
 
         write_file(out / "analysis.json", json.dumps(analysis, indent=2))
         lengths = [t.shape[0] for t in tables.values()]
@@ -473,7 +474,7 @@ def _retrieval(model: str, data: list[Path], tasks: str, lengths: str, documents
     if report.short_input_cosine is not None:
         console.print(f"  short inputs: mean cosine to {reference}: {report.short_input_cosine:.4f}", highlight=False)
     if json_path:
-        from posextend.files.io import write_file
+        from posextend.files.atomic import write_file
 
         write_file(json_path, json.dumps(report.to_dict(), indent=2))
 

@@ -25,7 +25,8 @@ from typer.testing import CliRunner
 
 import posextend
 from posextend import DestinationError, SourceError
-from posextend.files import io as pio
+from posextend.files import atomic, copying
+from posextend.files.oserrors import output_errors
 from posextend.cli import app
 
 NEW = 64
@@ -169,6 +170,25 @@ def test_write_faults_name_the_destination_and_leave_nothing(src, tmp_path, monk
     assert _left(tmp_path) == []
 
 
+@pytest.mark.parametrize("refusal", [errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, None],
+                         ids=lambda v: errno.errorcode.get(v, "no copy_file_range"))
+def test_a_refused_kernel_copy_writes_the_same_bytes_in_small_buffers(src, tmp_path, monkeypatch, refusal):
+    """Where a file system refuses copy_file_range (or the platform lacks it), the plain copy writes the same
+    files, reading at most BUFFER bytes at a time."""
+    posextend.resize_checkpoint(src, tmp_path / "kernel", NEW, seed=0)
+    asked, reads, real_pread = [], [], os.pread
+    if refusal is None:
+        monkeypatch.delattr(os, "copy_file_range")
+    else:
+        monkeypatch.setattr(os, "copy_file_range", lambda *args: asked.append(args) or _raiser(refusal)())
+    monkeypatch.setattr(copying, "BUFFER", 4096)
+    monkeypatch.setattr(os, "pread", lambda fd, n, offset: reads.append(n) or real_pread(fd, n, offset))
+    posextend.resize_checkpoint(src, tmp_path / "plain", NEW, seed=0)
+    assert tree_digest(tmp_path / "plain") == tree_digest(tmp_path / "kernel")
+    assert max(reads) == 4096 and len(reads) > 1
+    assert bool(asked) == (refusal is not None)
+
+
 @pytest.mark.parametrize("code, words", [(errno.EROFS, "read-only"), (errno.EACCES, "permission denied"),
                                          (errno.EPERM, "permission denied"), (errno.ENOSPC, "no space left")],
                          ids=lambda v: errno.errorcode.get(v, v))
@@ -186,7 +206,7 @@ def test_temp_dir_faults_leave_not_even_the_parents_made(src, tmp_path, monkeypa
 
 def test_final_rename_fault_leaves_nothing(src, tmp_path, monkeypatch):
     dst = tmp_path / "out"
-    monkeypatch.setattr(pio, "_libc_renameat2", lambda: None)  # the plain rename
+    monkeypatch.setattr(atomic, "_libc_renameat2", lambda: None)  # the plain rename
     real_rename = os.rename
 
     def rename(a, b, *args, **kwargs):
@@ -248,27 +268,27 @@ def test_unreadable_source_shard_is_a_source_error(src, tmp_path, monkeypatch):
 
 def test_output_errors_tell_the_sides_apart(tmp_path):
     dst = tmp_path / "out"
-    with pytest.raises(SourceError, match="elsewhere.json disappeared"), pio.output_errors(dst):
+    with pytest.raises(SourceError, match="elsewhere.json disappeared"), output_errors(dst):
         (tmp_path / "elsewhere.json").read_text()
-    with pytest.raises(DestinationError, match="Input/output error"), pio.output_errors(dst):  # a file of the output
+    with pytest.raises(DestinationError, match="Input/output error"), output_errors(dst):  # a file of the output
         raise OSError(errno.EIO, os.strerror(errno.EIO), str(tmp_path / ".out.posextend-1-abcd1234" / "x"))
-    with pytest.raises(DestinationError, match="no space left"), pio.output_errors(dst):  # shutil names the source
+    with pytest.raises(DestinationError, match="no space left"), output_errors(dst):  # shutil names the source
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp_path / "src" / "tokenizer.json"))
-    with pytest.raises(DestinationError, match="no space left"), pio.output_errors(dst):  # Rust libraries' I/O errors
+    with pytest.raises(DestinationError, match="no space left"), output_errors(dst):  # Rust libraries' I/O errors
         raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
-    with pytest.raises(ValueError, match="not an OS error"), pio.output_errors(dst):  # anything else passes through
+    with pytest.raises(ValueError, match="not an OS error"), output_errors(dst):  # anything else passes through
         raise ValueError("not an OS error")
 
 
 def test_write_file_is_whole_or_nothing(tmp_path, monkeypatch):
-    path = pio.write_file(tmp_path / "reports" / "eval.json", "{}\n")
+    path = atomic.write_file(tmp_path / "reports" / "eval.json", "{}\n")
     assert path.read_text() == "{}\n" and _left(path.parent) == ["eval.json"]
     reference = tmp_path / "reference"
     reference.write_text("")
     assert path.stat().st_mode == reference.stat().st_mode  # the usual mode, not a temporary file's 0600
     monkeypatch.setattr(os, "fsync", _raiser(errno.EDQUOT))
     with pytest.raises(DestinationError, match="quota exceeded") as info:
-        pio.write_file(tmp_path / "reports" / "other.json", "{}")
+        atomic.write_file(tmp_path / "reports" / "other.json", "{}")
     assert str(tmp_path / "reports" / "other.json") in str(info.value)
     assert _left(path.parent) == ["eval.json"]
 
@@ -291,12 +311,12 @@ def test_cli_turns_a_stray_os_error_into_one_line(monkeypatch, tmp_path):
 @functools.cache
 def _exchange_missing(where: str) -> str | None:
     """Why renameat2(RENAME_EXCHANGE) does not work in ``where``; None if it does."""
-    if pio._libc_renameat2() is None:
+    if atomic._libc_renameat2() is None:
         return "no renameat2 in this libc"
     with tempfile.TemporaryDirectory(dir=where) as d:
         (Path(d) / "a").mkdir()
         (Path(d) / "b").mkdir()
-        if not pio._renameat2(Path(d) / "a", Path(d) / "b", pio._RENAME_EXCHANGE):
+        if not atomic._renameat2(Path(d) / "a", Path(d) / "b", atomic._RENAME_EXCHANGE):
             return "this file system cannot exchange names (RENAME_EXCHANGE)"
     return None
 
@@ -307,7 +327,7 @@ def test_overwrite_swaps_without_dst_ever_missing(src, tmp_path, monkeypatch):
     dst = tmp_path / "out"
     posextend.resize_checkpoint(src, dst, 50)
     events = []
-    real_renameat2, real_rename = pio._renameat2, os.rename
+    real_renameat2, real_rename = atomic._renameat2, os.rename
 
     def renameat2(a, b, flags):
         events.append(("renameat2", flags, _n_positions(dst)))  # dst whole right before ...
@@ -319,10 +339,10 @@ def test_overwrite_swaps_without_dst_ever_missing(src, tmp_path, monkeypatch):
         events.append(("rename", *args))
         return real_rename(*args, **kwargs)
 
-    monkeypatch.setattr(pio, "_renameat2", renameat2)
+    monkeypatch.setattr(atomic, "_renameat2", renameat2)
     monkeypatch.setattr(os, "rename", rename)
     posextend.resize_checkpoint(src, dst, NEW, overwrite=True)
-    assert events == [("renameat2", pio._RENAME_EXCHANGE, 50), ("done", True, NEW)]  # one exchange, no plain rename
+    assert events == [("renameat2", atomic._RENAME_EXCHANGE, 50), ("done", True, NEW)]  # one exchange, no plain rename
     assert _left(tmp_path) == ["out"]
 
 
@@ -338,7 +358,7 @@ def _fake_renameat2(code: int):
 @pytest.mark.parametrize("libc", ["without renameat2", "EINVAL", "ENOSYS"])
 def test_overwrite_falls_back_to_two_renames(src, tmp_path, monkeypatch, libc):
     fake = None if libc.startswith("without") else _fake_renameat2(getattr(errno, libc))
-    monkeypatch.setattr(pio, "_libc_renameat2", lambda: fake)
+    monkeypatch.setattr(atomic, "_libc_renameat2", lambda: fake)
     dst = tmp_path / "out"
     posextend.resize_checkpoint(src, dst, 50)
     renames, real_rename = [], os.rename
@@ -356,7 +376,7 @@ def test_overwrite_falls_back_to_two_renames(src, tmp_path, monkeypatch, libc):
 
 
 def test_failed_second_rename_puts_the_old_output_back(src, tmp_path, monkeypatch):
-    monkeypatch.setattr(pio, "_libc_renameat2", lambda: None)
+    monkeypatch.setattr(atomic, "_libc_renameat2", lambda: None)
     dst = tmp_path / "out"
     posextend.resize_checkpoint(src, dst, 50)
     before = tree_digest(dst)
@@ -420,14 +440,14 @@ def test_stale_holders_go_only_when_dst_is_there_and_their_writer_is_dead(src, t
     shutil.copytree(dst, finished / "old")
     running = tmp_path / f".out.posextend-old-{os.getpid()}-efgh5678"  # a live writer's
     shutil.copytree(dst, running / "old")
-    assert pio._remove_stale_temps(dst) is False
+    assert atomic._remove_stale_temps(dst) is False
     assert _left(tmp_path) == [running.name, "out"] and tree_digest(dst) == before
 
 
 def _fsynced(monkeypatch) -> list[tuple[str, str]]:
     """Record fsyncs (the path synced) and renames, in order."""
     events = []
-    real_fsync, real_renameat2, real_rename = os.fsync, pio._renameat2, os.rename
+    real_fsync, real_renameat2, real_rename = os.fsync, atomic._renameat2, os.rename
 
     def fsync(fd):
         events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
@@ -442,7 +462,7 @@ def _fsynced(monkeypatch) -> list[tuple[str, str]]:
         return real_rename(a, b, *args, **kwargs)
 
     monkeypatch.setattr(os, "fsync", fsync)
-    monkeypatch.setattr(pio, "_renameat2", renameat2)
+    monkeypatch.setattr(atomic, "_renameat2", renameat2)
     monkeypatch.setattr(os, "rename", rename)
     return events
 
@@ -450,7 +470,7 @@ def _fsynced(monkeypatch) -> list[tuple[str, str]]:
 def test_every_file_and_directory_is_fsynced_before_the_rename(tmp_path, monkeypatch):
     events = _fsynced(monkeypatch)
     dst = tmp_path / "out"
-    with pio.atomic_output(dst) as tmp:
+    with atomic.atomic_output(dst) as tmp:
         (tmp / "config.json").write_text("{}")
         (tmp / "sub").mkdir()
         (tmp / "sub" / "weights.bin").write_bytes(b"x" * 4096)

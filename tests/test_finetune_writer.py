@@ -19,7 +19,8 @@ from safetensors import safe_open
 from tiny import FAMILIES, build
 
 import posextend
-from posextend.files.io import SAFE_INDEX, CheckpointReader, read_header
+from posextend.files.reader import SAFE_INDEX, CheckpointReader
+from posextend.files.tensorfile import read_header
 from posextend.training.loading import provenance
 from posextend.training.saving import file_names
 

@@ -4,7 +4,7 @@ A command (``resize-model``, ``inspect``, ``finetune``, ``eval``) resolves the c
 once and passes the :class:`Checkpoint` down. Each fact about it (where its transformers model sits,
 its config, its sentence-transformers settings, its weights, their shapes, its provenance) is read
 from disk the first time it is asked for, with the errors :mod:`posextend.files.sources` and
-:mod:`posextend.files.io` raise, and then kept: a command asks for them in the order it needs them,
+:mod:`posextend.files.reader` raise, and then kept: a command asks for them in the order it needs them,
 so a damaged checkpoint fails where it failed before.
 """
 
@@ -18,7 +18,8 @@ from typing import Any
 
 from posextend.errors import PosExtendError
 from posextend.files import sources
-from posextend.files.io import SAFE_INDEX, CheckpointReader, read_header
+from posextend.files.reader import CheckpointReader, SAFE_INDEX
+from posextend.files.tensorfile import read_header
 
 
 @dataclass(frozen=True, eq=False)
@@ -56,7 +57,7 @@ class Checkpoint:
     @classmethod
     def open(cls, src: str | Path | Checkpoint) -> Checkpoint:
         """The checkpoint ``src`` names with its model located, its config read and its weights opened
-        lazily (:class:`~posextend.files.io.CheckpointReader`), in that order; use it in a ``with``."""
+        lazily (:class:`~posextend.files.reader.CheckpointReader`), in that order; use it in a ``with``."""
         checkpoint = cls.resolve(src)
         checkpoint.config  # noqa: B018 - read now: the errors come in the order of the files
         checkpoint.reader  # noqa: B018

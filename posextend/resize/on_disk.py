@@ -19,7 +19,9 @@ from typing import Any
 
 from posextend.errors import CorruptCheckpointError, InvalidLengthError, StrategyError
 from posextend.files.checkpoint import Checkpoint
-from posextend.files.io import ByteRanges, CheckpointReader, Entry, Source, atomic_output, nonfinite_count
+from posextend.files.atomic import atomic_output
+from posextend.files.reader import CheckpointReader, nonfinite_count
+from posextend.files.tensorfile import ByteRanges, Entry, Source
 from posextend.files.sources import check_destination, read_config
 from posextend.families.specs import Layout, names_on_load
 from posextend.families.twin import layout_class

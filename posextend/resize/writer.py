@@ -21,7 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from posextend.files.io import BIN_INDEX, SAFE_INDEX, SAFE_SINGLE, CheckpointReader, Entry, Source, copy_file, prefetch_torch, write_safetensors
+from posextend.files.copying import copy_file
+from posextend.files.reader import BIN_INDEX, SAFE_INDEX, SAFE_SINGLE, CheckpointReader, prefetch_torch
+from posextend.files.tensorfile import Entry, Source, write_safetensors
 from posextend.resize.plan import GroupPlan, ImageSize
 from posextend.files.sources import ST_CONFIG, TOKENIZER_FILES, st_config, transformer_dir
 from posextend.families.specs import IMAGE_COUNT_FIELD

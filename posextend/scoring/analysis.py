@@ -216,7 +216,7 @@ def _save(fig, path: Path, plt) -> Path:
     """Write ``fig`` to ``path`` whole or not at all (OS errors as a DestinationError naming it)."""
     import io
 
-    from posextend.files.io import write_file
+    from posextend.files.atomic import write_file
 
     fig.tight_layout()
     buf = io.BytesIO()

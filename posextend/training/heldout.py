@@ -76,7 +76,7 @@ def evaluate(
     )
     report = chosen.evaluate(run)
     if json_path:
-        from posextend.files.io import write_file
+        from posextend.files.atomic import write_file
 
         write_file(json_path, json.dumps(report.to_dict(), indent=2))
     if plot_path:

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from posextend.files.io import atomic_output
+from posextend.files.atomic import atomic_output
 from posextend.files.checkpoint import Checkpoint
 from posextend.files.sources import MODULES
 from posextend.resize.on_disk import resize_change

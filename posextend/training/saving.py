@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 from posextend.errors import TrainingError, VerificationError
 from posextend.files.checkpoint import Checkpoint
-from posextend.files.io import CheckpointReader, Entry, Source, dtype_code, torch_dtypes
+from posextend.files.reader import CheckpointReader
+from posextend.files.tensorfile import Entry, Source, dtype_code, torch_dtypes
 from posextend.families.specs import names_on_load
 from posextend.resize.writer import Change, Written, write_checkpoint
 

@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from posextend.errors import TrainingError
-from posextend.files.io import output_errors, write_file
+from posextend.files.atomic import write_file
+from posextend.files.oserrors import output_errors
 from posextend.files.checkpoint import Checkpoint
 from posextend.resize.plan import Request
 from posextend.scoring.by_position import EvalReport
