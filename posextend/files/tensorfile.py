@@ -105,12 +105,13 @@ def read_header(path: Path) -> tuple[list[Entry], dict[str, str]]:
 
 
 ByteRanges = tuple[tuple[Path, int, int], ...]  # (file, start, end) pieces, copied in order
-Source = Callable[[], "torch.Tensor"] | ByteRanges | None
+# what a written tensor holds: made by a call, byte ranges of a file copied in order, or (None) its own bytes
+TensorData = Callable[[], "torch.Tensor"] | ByteRanges | None
 
 
 def write_safetensors(
     path: Path,
-    items: list[tuple[Entry, Source]],
+    items: list[tuple[Entry, TensorData]],
     metadata: Mapping[str, str],
     *,
     progress: Progress | None = None,
@@ -137,7 +138,7 @@ def write_safetensors(
                 copier.add(*piece)
 
 
-def _header(items: list[tuple[Entry, Source]], metadata: Mapping[str, str]) -> bytes:
+def _header(items: list[tuple[Entry, TensorData]], metadata: Mapping[str, str]) -> bytes:
     """The safetensors header of ``items`` in order, padded to 8 bytes."""
     header: dict[str, object] = {"__metadata__": dict(metadata)} if metadata else {}
     offset = 0

@@ -43,11 +43,11 @@ def extend_model(
         2048
         >>> vit = posextend.extend_model(AutoModel.from_pretrained("google/vit-base-patch16-224"), image_size=448)
     """
-    extend(model, Request(new_length, image_size, strategy, params, table, allow_shrink), seed)
+    resize_in_memory(model, Request(new_length, image_size, strategy, params, table, allow_shrink), seed)
     return model
 
 
-def extend(model: nn.Module, request: Request, seed: int | None) -> None:
+def resize_in_memory(model: nn.Module, request: Request, seed: int | None) -> None:
     """:func:`extend_model`'s work, for a caller holding a :class:`~posextend.resize.plan.Request` (the fine-tune,
     which keeps it: its written checkpoint follows the same request)."""
     config = model.config.to_dict()

@@ -21,7 +21,7 @@ from posextend.errors import CorruptCheckpointError, InvalidLengthError, Strateg
 from posextend.files.checkpoint import Checkpoint
 from posextend.files.atomic import atomic_output
 from posextend.files.reader import CheckpointReader, nonfinite_count
-from posextend.files.tensorfile import ByteRanges, Entry, Source
+from posextend.files.tensorfile import ByteRanges, Entry, TensorData
 from posextend.files.sources import check_destination, read_config
 from posextend.families.specs import Layout, names_on_load
 from posextend.families.twin import layout_class
@@ -137,14 +137,14 @@ def resize_change(reader: CheckpointReader, config: Mapping[str, Any], plans: li
 
 def _changed_tensors(
     reader: CheckpointReader, config: Mapping[str, Any], plan: GroupPlan, seed: int,
-) -> dict[str, tuple[tuple[int, ...], Source]]:
+) -> dict[str, tuple[tuple[int, ...], TensorData]]:
     """Each table and buffer of ``plan``: its written shape and how to make it."""
     strat = get_strategy(plan.strategy)
     layout, out = plan.layout, {}
     for name in layout.tables:
         entry = reader.entries[name]
         if strat.rows and reader.format == "safetensors":  # a row strategy: copy the rows' bytes
-            make: Source = table_rows(entry, layout.reserved, strat.rows(layout.usable, plan.new_usable), plan.new_usable)
+            make: TensorData = row_byte_ranges(entry, layout.reserved, strat.rows(layout.usable, plan.new_usable), plan.new_usable)
         else:
             make = (lambda n=name: plan.resize(reader.get(n), seed=seed, context=config))
         out[name] = (plan.table_shape(entry.shape), make)
@@ -206,7 +206,7 @@ def _model_names(names: frozenset[str], tables: tuple[str, ...], config: Mapping
     return out
 
 
-def table_rows(entry: Entry, reserved: int, rows: list[int], new_length: int) -> ByteRanges:
+def row_byte_ranges(entry: Entry, reserved: int, rows: list[int], new_length: int) -> ByteRanges:
     """Byte ranges of a table made of its ``reserved`` leading rows, then usable rows ``rows``."""
     usable = entry.shape[0] - reserved
     if len(rows) != new_length or any(not 0 <= r < usable for r in rows):

@@ -101,13 +101,13 @@ class GroupPlan:
 @dataclass(frozen=True)
 class Request:
     """What a resize asks for, as both doors take it: a new length and/or image size, the strategy and its
-    ``params``, the group of positions (``table``) in a model with several, and whether it may shrink."""
+    ``params``, the group of positions (``group``: ``table=`` in the public API) in a model with several, and whether it may shrink."""
 
     new_length: int | None = None
     image_size: int | ImageSize | None = None
     strategy: str | None = None
     params: Mapping[str, Any] | None = None
-    table: str | None = None
+    group: str | None = None
     allow_shrink: bool = False
 
 
@@ -116,7 +116,7 @@ def plan_resize(config: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]
     """The groups to resize (positions first, then the image grid), checked; nothing is computed yet.
 
     ``request.strategy`` (with its ``params``) applies to the groups whose grid rank it handles; the others
-    get their rank's default. ``request.table`` names the group of positions in a model with several
+    get their rank's default. ``request.group`` names the group of positions in a model with several
     (``"decoder"``), or the grid's group when only an image size is given. ``cls``: the model's class, in memory.
     """
     if request.new_length is None and request.image_size is None:
@@ -129,7 +129,7 @@ def plan_resize(config: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]
         check_rank(strategy, ranks[0])  # raises, naming the strategies that fit
     plans = []
     for rank in ranks:
-        spec = spec_for(config, cls=cls, table=request.table if rank == 1 or len(ranks) == 1 else None, rank=rank)
+        spec = spec_for(config, cls=cls, table=request.group if rank == 1 or len(ranks) == 1 else None, rank=rank)
         layout = spec.locate(shapes, config)
         target, new_grid = _target(spec, layout, config, request, rank, in_memory=cls is not None)
         default = spec.grid.strategy if rank == 2 and spec.grid.strategy else DEFAULTS[rank]

@@ -23,7 +23,7 @@ from typing import Any
 
 from posextend.files.copying import copy_file
 from posextend.files.reader import BIN_INDEX, SAFE_INDEX, SAFE_SINGLE, CheckpointReader, prefetch_torch
-from posextend.files.tensorfile import Entry, Source, write_safetensors
+from posextend.files.tensorfile import Entry, TensorData, write_safetensors
 from posextend.resize.plan import GroupPlan, ImageSize
 from posextend.files.sources import ST_CONFIG, TOKENIZER_FILES, st_config, transformer_dir
 from posextend.families.specs import IMAGE_COUNT_FIELD
@@ -63,8 +63,8 @@ class Change:
     - ``metadata``: provenance, added to every rewritten header and the index.
     """
 
-    tensors: Mapping[str, tuple[tuple[int, ...], Source]] = field(default_factory=dict)
-    added: tuple[tuple[Entry, Source], ...] = ()
+    tensors: Mapping[str, tuple[tuple[int, ...], TensorData]] = field(default_factory=dict)
+    added: tuple[tuple[Entry, TensorData], ...] = ()
     dropped: frozenset[str] = frozenset()
     plans: tuple[GroupPlan, ...] = ()
     metadata: Mapping[str, str] = field(default_factory=dict)
@@ -144,12 +144,12 @@ def _write_weights(
 
 
 def _file_plans(reader: CheckpointReader, sources: Mapping[Path, list[Entry]], change: Change
-                ) -> dict[Path, list[tuple[Entry, Source]]]:
+                ) -> dict[Path, list[tuple[Entry, TensorData]]]:
     """Per source file, each kept tensor's output entry and how to make it (None: copy its bytes), and the
     added tensors in the last file. Within a file, copied bytes come first and new tensors last
     (safetensors allows any order), so the copy runs while torch is still being imported."""
 
-    def plan(entry: Entry) -> tuple[Entry, Source]:
+    def plan(entry: Entry) -> tuple[Entry, TensorData]:
         if entry.name in change.tensors:  # same dtype, new shape
             shape, make = change.tensors[entry.name]
             return dataclasses.replace(entry, shape=shape), make

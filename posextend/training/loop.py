@@ -65,20 +65,20 @@ def _epoch_order(n: int, seed: int, epoch: int) -> torch.Tensor:
     return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
 
 
-def batch_positions(k: int, batch_size: int, world: int = 1, rank: int = 0) -> range:
-    """Global sample numbers of micro-batch ``k`` on process ``rank``.
+def batch_positions(k: int, batch_size: int, processes: int = 1, process: int = 0) -> range:
+    """Global sample numbers of micro-batch ``k`` on process number ``process``.
 
     Sample ``p`` is sequence ``order(epoch = p // n)[p % n]``; its random choices (masks) are
     drawn from a generator seeded by ``(seed, p)``. So a run is the same function of its
     global batch whatever the number of processes, and resumes on any number of them.
     """
-    start = (k * world + rank) * batch_size
+    start = (k * processes + process) * batch_size
     return range(start, start + batch_size)
 
 
-def batch_indices(k: int, batch_size: int, n: int, seed: int, world: int = 1, rank: int = 0) -> torch.Tensor:
-    """Sequence indices of micro-batch ``k`` on process ``rank``: a pure function of its arguments."""
-    return torch.stack([_epoch_order(n, seed, p // n)[p % n] for p in batch_positions(k, batch_size, world, rank)])
+def batch_indices(k: int, batch_size: int, n: int, seed: int, processes: int = 1, process: int = 0) -> torch.Tensor:
+    """Sequence indices of micro-batch ``k`` on process number ``process``: a pure function of its arguments."""
+    return torch.stack([_epoch_order(n, seed, p // n)[p % n] for p in batch_positions(k, batch_size, processes, process)])
 
 
 

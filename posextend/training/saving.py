@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from posextend.errors import TrainingError, VerificationError
 from posextend.files.checkpoint import Checkpoint
 from posextend.files.reader import CheckpointReader
-from posextend.files.tensorfile import Entry, Source, dtype_code, torch_dtypes
+from posextend.files.tensorfile import Entry, TensorData, dtype_code, torch_dtypes
 from posextend.families.specs import names_on_load
 from posextend.resize.writer import Change, Written, write_checkpoint
 
@@ -110,7 +110,7 @@ def _added(hf_model: torch.nn.Module, root: str, names: Mapping[str, str], reade
 
 
 def changes(state: Mapping[str, torch.Tensor], model: torch.nn.Module, files: FileNames, reader: CheckpointReader
-            ) -> tuple[dict[str, tuple[tuple[int, ...], Source]], tuple[tuple[Entry, Source], ...]]:
+            ) -> tuple[dict[str, tuple[tuple[int, ...], TensorData]], tuple[tuple[Entry, TensorData], ...]]:
     """The trained model's tensors that differ from the files (new value or shape), by file name, in the
     file's dtype; and the parameters the files lack. ``state``: the trained model's state dict (full, when
     sharded across processes); ``model``: the trained model (the parameters that did not train hold the
@@ -119,7 +119,7 @@ def changes(state: Mapping[str, torch.Tensor], model: torch.nn.Module, files: Fi
 
     dtypes = torch_dtypes()
     frozen = {name for name, p in model.named_parameters() if not p.requires_grad}  # the file's values: observed on loading
-    tensors: dict[str, tuple[tuple[int, ...], Source]] = {}
+    tensors: dict[str, tuple[tuple[int, ...], TensorData]] = {}
     for name, file_name in files.names.items():
         entry, shape = reader.entries[file_name], tuple(state[name].shape)
         if name in frozen and shape == entry.shape:

@@ -100,7 +100,7 @@ def setup(checkpoint: Checkpoint, dst: Path, data: Sequence[str | Path], config:
 
     docs = chosen.documents(data)
     loaded, length, old_len, extended, anchor = _load(chosen, checkpoint, config)
-    decoder_length = _extend_decoder(loaded, config)  # None: the decoder shares the run's length
+    decoder_length = _resize_decoder(loaded, config)  # None: the decoder shares the run's length
     model, tokenizer = loaded.model, loaded.tokenizer
     if config.train == "new-rows" and old_len >= length:
         raise TrainingError(
@@ -169,7 +169,7 @@ def _load(chosen: Objective, checkpoint: Checkpoint, config: FinetuneConfig) -> 
         loaded.extras["source"] = chosen.copy_reference(loaded)
     loaded.files = _file_names(loaded, checkpoint)  # as loaded: before the table is extended or trained
     if extended:
-        _extend(loaded, Request(length, strategy=config.strategy, table=loaded.spec.group if loaded.decoder else None),
+        _resize(loaded, Request(length, strategy=config.strategy, group=loaded.spec.group if loaded.decoder else None),
                 config.seed)
     return loaded, length, old_len, extended, anchor
 
@@ -181,11 +181,11 @@ def _file_names(loaded: Loaded, checkpoint: Checkpoint) -> FileNames:
         return file_names(loaded.model, loaded.hf_model, source.reader, source.config)
 
 
-def _extend(loaded: Loaded, request: Request, seed: int) -> None:
+def _resize(loaded: Loaded, request: Request, seed: int) -> None:
     """Carry out ``request`` on the loaded model in place, and keep it: the written checkpoint follows it."""
-    from posextend.resize.in_memory import extend
+    from posextend.resize.in_memory import resize_in_memory
 
-    extend(loaded.hf_model, request, seed)
+    resize_in_memory(loaded.hf_model, request, seed)
     loaded.requests.append(request)
 
 
@@ -211,7 +211,7 @@ def _new_rows_only(tables: list[torch.nn.Parameter], keep: list[int]) -> list[to
     return [t.detach()[:k].clone() for t, k in zip(tables, keep)]
 
 
-def _extend_decoder(loaded: Loaded, config: FinetuneConfig) -> int | None:
+def _resize_decoder(loaded: Loaded, config: FinetuneConfig) -> int | None:
     """Extend the decoder's own table to ``config.decoder_length`` (LED); the decoder's length after, or
     None for a family whose stacks share one length (the run's)."""
     want, decoder = config.decoder_length, loaded.decoder
@@ -222,7 +222,7 @@ def _extend_decoder(loaded: Loaded, config: FinetuneConfig) -> int | None:
                 "or it has one stack): leave the decoder's length unset; length=N sizes every table.")
         return None
     if want is not None and want != decoder.usable:
-        _extend(loaded, Request(want, strategy=config.strategy, table=decoder.spec.group), config.seed)
+        _resize(loaded, Request(want, strategy=config.strategy, group=decoder.spec.group), config.seed)
     return want or decoder.usable
 
 
