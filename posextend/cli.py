@@ -343,6 +343,20 @@ def strategies_cmd() -> None:
     console.print(table)
 
 
+class _ListsObjectives(typer.core.TyperCommand):
+    """A command whose ``--objective`` help ends with the registered objectives (plug-ins included), each with
+    its help line: listed when the command runs or shows its help, since the objectives import torch."""
+
+    def get_params(self, ctx: Any) -> list[Any]:
+        params = super().get_params(ctx)
+        for param in params:
+            if param.name == "objective" and not getattr(param, "lists_objectives", False):
+                from posextend.training.objectives import objectives_help
+
+                param.help, param.lists_objectives = f"{param.help}\n\n{objectives_help()}", True
+        return params
+
+
 Data = Annotated[list[Path], typer.Option("--data", "-d", help="Text file, directory of them, or JSON Lines with a 'text' field (repeatable).")]
 
 
@@ -378,7 +392,7 @@ def _far_range_advice(report) -> None:
                   f"{far / original - 1:.0%} above the original range's {original:.1f}:[/] {step}.", highlight=False)
 
 
-@app.command("finetune")
+@app.command("finetune", cls=_ListsObjectives)
 @handle_errors
 def finetune_cmd(
     src: Annotated[str, typer.Argument(help="Original checkpoint (with --length) or one extended already.")],
@@ -403,7 +417,7 @@ def finetune_cmd(
     seed: Annotated[int, typer.Option(help="Seed for data order, masking and strategies.")] = 0,
     old_length: Annotated[int | None, typer.Option(help="Old length of a checkpoint extended by another tool (for new-rows).")] = None,
     init_head: Annotated[bool, typer.Option("--init-head", help="Train a fresh LM head when SRC has none.")] = False,
-    objective: Annotated[str | None, typer.Option("--objective", help="causal, masked, seq2seq, contrastive or a plug-in's name (default: contrastive for a sentence-transformers model, else the family's LM head: causal, masked or seq2seq).")] = None,
+    objective: Annotated[str | None, typer.Option("--objective", help="The objective to train with (default: the one the registry prefers for SRC: contrastive for a sentence-transformers model, else the one whose head the family has). Registered objectives:")] = None,
     buckets: Annotated[int, typer.Option(help="Position buckets in the before/after table.")] = 8,
     plot: Annotated[Path | None, typer.Option("--plot", help="Save perplexity vs position (before and after) as PNG.")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace DST if it exists.")] = False,
@@ -450,7 +464,7 @@ def finetune_cmd(
         console.print(f"  plot: {plot}", highlight=False)
 
 
-@app.command("eval")
+@app.command("eval", cls=_ListsObjectives)
 @handle_errors
 def eval_cmd(
     model: Annotated[str, typer.Argument(help="Checkpoint directory.")],
@@ -461,7 +475,7 @@ def eval_cmd(
     max_sequences: Annotated[int, typer.Option(help="Evaluate at most this many sequences (0: all).")] = 64,
     json_path: Annotated[Path | None, typer.Option("--json", help="Write the report as JSON.")] = None,
     plot: Annotated[Path | None, typer.Option("--plot", help="Save perplexity vs position as PNG.")] = None,
-    objective: Annotated[str | None, typer.Option("--objective", help="Score as this objective does (default: the one finetune would use: contrastive for a sentence-transformers model, else the family's LM head).")] = None,
+    objective: Annotated[str | None, typer.Option("--objective", help="Score as this objective does (default: the one finetune would use). Registered objectives:")] = None,
     task: Annotated[str | None, typer.Option("--task", help="Embedding models: retrieval tasks built from the data, e.g. passkey,needle.")] = None,
     lengths: Annotated[str, typer.Option("--lengths", help="With --task: document lengths in tokens.")] = "256,512,1024,2048",
     documents: Annotated[int, typer.Option("--documents", help="With --task: documents (and queries) per length.")] = 50,

@@ -3,7 +3,7 @@
 ``finetune`` is setup (load through the objective, extend, cut the data into samples, choose
 what trains), the shared loop (accumulation, resume, NaN, Ctrl-C, progress, distribution) and
 saving through the atomic writer. What is trained and how it is scored is the objective's
-(:mod:`posextend.objectives`). Samples are addressed by their global number: the order is a
+(:mod:`posextend.training.objectives`). Samples are addressed by their global number: the order is a
 pure function of (seed, epoch) and every random choice of a sample of (seed, number), so a run
 on N processes equals one process with the same global batch, and ``resume`` continues a run
 on any number of processes. Several processes::
@@ -223,7 +223,8 @@ def _setup(directory: Path, dst: Path, data: Sequence[str | Path], config: Finet
     run = _Run(accelerator=accelerator, model=prepared, unwrapped=accelerator.unwrap_model(prepared),
                tokenizer=tokenizer, config=config, spec=loaded.spec, train_seqs=train_seqs,
                eval_seqs=eval_seqs[: config.eval_sequences], length=length, old_length=old_len,
-               short_inputs_fixed=config.train == "new-rows", cache=dict(loaded.extras), objective=chosen,
+               short_inputs_fixed=config.train == "new-rows", objective=chosen,
+               source=loaded.source, state=chosen.State(),
                optimizer=optimizer, scheduler=scheduler, tables=tables, saved_rows=saved_rows, decoder_length=decoder_length,
                state_dir=dst.with_name(dst.name + ".state"), fingerprint=fingerprint, extended=extended,
                reference=anchor)
@@ -250,9 +251,9 @@ def _load(chosen: Objective, directory: Path, config: FinetuneConfig) -> tuple[L
     anchor = (anchor_source(directory, source, old_length=old_len, length=length, extended=extended)
               if anchored else AnchorSource())
     if anchor.path is not None:  # the original, at its own length
-        loaded.extras["source"] = chosen.read_reference(anchor.path, init_head=init_head)
+        loaded.source = chosen.read_reference(anchor.path, init_head=init_head)
     elif may_swap:  # no original to hold to: the checkpoint as loaded, before it is extended
-        loaded.extras["source"] = chosen.copy_reference(loaded)
+        loaded.source = chosen.copy_reference(loaded)
     loaded.files = _file_names(loaded, directory)  # as loaded: before the table is extended or trained
     if extended:
         _extend(loaded, Request(length, strategy=config.strategy, table=loaded.spec.group if loaded.decoder else None),
@@ -424,7 +425,7 @@ def finetune(
 
     ``options`` are :class:`~posextend.training.options.FinetuneConfig`'s fields (``length``, ``steps``, ``train``,
     ``lr``, ``objective``, ``anchor``, ``seed`` …); those left out take the objective's defaults
-    (:mod:`posextend.objectives`: 200 steps for language models, 60 for ``contrastive``; lr and
+    (:mod:`posextend.training.objectives`: 200 steps for language models, 60 for ``contrastive``; lr and
     schedule by ``train``: with ``all``, causal LMs 1e-3 × min(1, 192 / width) from
     ``interpolate``, contrastive 5e-5, both with a cosine decay; ``tile`` and a constant lr
     otherwise). ``anchor``: the weight of the objective's term that keeps the source model's

@@ -58,8 +58,8 @@ class FinetuneConfig:
     - ``seed``: data order, masking and strategies.
     - ``old_length``: the old length of a checkpoint extended by another tool (for ``new-rows``).
     - ``init_head``: train a fresh LM head when the checkpoint has none.
-    - ``objective``: ``causal``, ``masked``, ``contrastive`` or a plug-in (default: ``contrastive`` for a
-      sentence-transformers folder, else the family's LM head).
+    - ``objective``: a registered objective's name (:func:`posextend.training.objectives.available_objectives`;
+      default: the one the registry prefers for the checkpoint, :func:`posextend.training.objectives.default_objective`).
     - ``anchor``: weight of the objective's term that keeps the source's outputs on inputs within the
       old length (causal 1, contrastive 2, seq2seq 0; 0 turns it off).
     - ``source``: the original model the anchor holds to, for a checkpoint extended earlier.
