@@ -107,7 +107,7 @@ class Objective:
 
     def accepts(self, checkpoint: CheckpointFacts) -> bool:
         """Whether this objective is a default for ``checkpoint`` (of those that are, the one of the highest
-        ``priority`` is chosen). None by default: a plug-in is used when named, unless it says otherwise."""
+        ``priority`` is chosen). False by default: a plug-in is used when named, unless it says otherwise."""
         return False
 
     def has_head(self, checkpoint: CheckpointFacts) -> bool:
