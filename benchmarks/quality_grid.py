@@ -44,7 +44,8 @@ from quality import SETTINGS, build_reference
 import posextend
 from posextend.scoring.text import pack, read_documents
 from posextend.scoring.by_position import evaluate_model, position_losses
-from posextend.training.objectives.base import CausalLM, get_objective, register_objective
+from posextend.training.objectives import get_objective, register_objective
+from posextend.training.objectives.causal import CausalLM
 from posextend.training.loop import finetune
 
 HELDOUT = ("emma.txt", "northangerabbey.txt")
@@ -100,7 +101,7 @@ class PoSE(CausalLM):
         ids = torch.stack(ids)
         out = run.model(input_ids=batch, position_ids=ids.to(device), labels=batch)
         loss = out.loss
-        if "source" in run.cache:  # the anchor, on each window's first part (read at the source's positions)
+        if run.source is not None:  # the anchor, on each window's first part (read at the source's positions)
             first = (torch.arange(n, device=device)[None] < torch.tensor(cuts, device=device)[:, None]).float()
             loss = loss + self.anchor * self.source_kl(run, batch, out.logits, first)
         return loss, batch.shape[0] * (n - 1)

@@ -33,8 +33,8 @@ _LAZY = {
     "GRID_SPECS": "families.specs",
     "spec_for": "families.lookup",
     "all_specs": "families.lookup",
-    "register_objective": "training.objectives.base",
-    "available_objectives": "training.objectives.base",
+    "register_objective": "training.objectives",
+    "available_objectives": "training.objectives",
     "evaluate_retrieval": "scoring.retrieval",
 }
 
@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from .scoring.by_position import EvalReport
     from .training.heldout import evaluate
     from .families.lookup import all_specs, spec_for
-    from .training.objectives.base import available_objectives, register_objective
+    from .training.objectives import available_objectives, register_objective
     from .scoring.retrieval import evaluate_retrieval
     from .resize.in_memory import extend_model
     from .training.options import FinetuneConfig

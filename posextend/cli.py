@@ -325,6 +325,20 @@ def strategies_cmd() -> None:
     console.print(table)
 
 
+class _ListsObjectives(typer.core.TyperCommand):
+    """A command whose ``--objective`` help ends with the registered objectives (plug-ins included), each with
+    its help line: listed when the command runs or shows its help, since the objectives import torch."""
+
+    def get_params(self, ctx: Any) -> list[Any]:
+        params = super().get_params(ctx)
+        for param in params:
+            if param.name == "objective" and not getattr(param, "lists_objectives", False):
+                from posextend.training.objectives import objectives_help
+
+                param.help, param.lists_objectives = f"{param.help}\n\n{objectives_help()}", True
+        return params
+
+
 Data = Annotated[list[Path], typer.Option("--data", "-d", help="Text file, directory of them, or JSON Lines with a 'text' field (repeatable).")]
 
 
@@ -360,7 +374,7 @@ def _far_range_advice(report) -> None:
                   f"{far / original - 1:.0%} above the original range's {original:.1f}:[/] {step}.", highlight=False)
 
 
-@app.command("finetune")
+@app.command("finetune", cls=_ListsObjectives)
 @handle_errors
 @with_options(FinetuneConfig, "finetune")
 def finetune_cmd(
@@ -409,7 +423,7 @@ def finetune_cmd(
         console.print(f"  plot: {plot}", highlight=False)
 
 
-@app.command("eval")
+@app.command("eval", cls=_ListsObjectives)
 @handle_errors
 @with_options(FinetuneConfig, "eval")
 def eval_cmd(

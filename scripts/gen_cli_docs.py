@@ -43,7 +43,8 @@ def _section(cmd, path: str, level: int) -> list[str]:
     if doc:
         lines += [doc, ""]
     lines += ["```text", f"{path} {' '.join(cmd.collect_usage_pieces(ctx))}".strip(), "```", ""]
-    params = [p for p in cmd.params if not getattr(p, "hidden", False)]
+    # get_params, as --help: a command may complete its options' help then (finetune lists the objectives)
+    params = [p for p in cmd.get_params(ctx) if p.name != "help" and not getattr(p, "hidden", False)]
     if params:
         lines += ["| argument / option | help |", "|---|---|"]
         lines += [_row(p, ctx) for p in params]

@@ -191,7 +191,9 @@ def _python(source: str, cwd: Path, where: Block) -> str:
     from posextend.training.objectives import base as objectives
     from posextend.tables import strategies
 
-    registries = [(r.items, dict(r.items)) for r in (strategies._REGISTRY, objectives._REGISTRY)]
+    # the plug-ins first (once a registry has loaded them it never does again): a block that loads them would
+    # otherwise leave them out of the registry once it is restored (the CLI reference lists the objectives)
+    registries = [(r.items, dict(r.available())) for r in (strategies._REGISTRY, objectives._REGISTRY)]
     out = io.StringIO()
     old = Path.cwd()
     os.chdir(cwd)

@@ -253,7 +253,8 @@ def test_contrastive_anchor_keeps_short_inputs_near_the_source(minilm, corpus, t
     from sentence_transformers import SentenceTransformer
 
     from posextend.training.objectives import base as objectives
-    from posextend.training.objectives.base import Contrastive, register_objective
+    from posextend.training.objectives import register_objective
+    from posextend.training.objectives.contrastive import Contrastive
 
     register_objective("contrastive-no-anchor", description="The contrastive objective without its anchor term.")(
         type("NoAnchor", (Contrastive,), {"anchor": 0.0}))

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 import posextend
-from posextend.training.objectives.base import (
-    CausalLM, Objective, available_objectives, default_objective, get_objective, register_objective,
+from posextend.training.objectives import (
+    Objective, available_objectives, default_objective, get_objective, register_objective,
 )
+from posextend.training.objectives.causal import CausalLM
 from posextend.training.loop import finetune
 
 
@@ -16,9 +19,12 @@ def test_every_objective_implements_the_contract():
     objectives = available_objectives()
     assert {"causal", "masked", "contrastive"} <= set(objectives)
     for name, objective in objectives.items():
-        assert objective.name == name and len(objective.description) > 20
-        for method in ("load", "loss", "evaluate"):
+        assert objective.name == name and len(objective.description) > 20 and objective.metric
+        for method in ("loss", "evaluate"):
             assert getattr(type(objective), method) is not getattr(Objective, method), f"{name} lacks {method}"
+        # it loads through the base class's load: it names the class that loads its head, or loads its own way
+        assert objective.model_class or type(objective).load_model is not Objective.load_model, name
+        assert dataclasses.is_dataclass(objective.State), name
 
 
 def test_registration_refuses_duplicates_and_non_objectives():
@@ -92,7 +98,7 @@ def test_contrastive_queries_are_passages_of_the_documents_and_one_inserted_pass
     from types import SimpleNamespace
 
     from posextend.training.context import sample_generator
-    from posextend.training.objectives.base import PASSAGE_TOKENS, Contrastive
+    from posextend.training.objectives.contrastive import PASSAGE_TOKENS, Contrastive
 
     pool = torch.arange(50 * 200).reshape(50, 200)  # every token distinct: a passage is found where it came from
     batch = pool[:3] + 100_000

@@ -63,7 +63,8 @@ def test_an_objective_plugin_is_discovered(tmp_path, monkeypatch):
     monkeypatch.setattr(objectives._REGISTRY, "items", dict(objectives._REGISTRY.items))
     monkeypatch.setattr(objectives._REGISTRY, "plugins_loaded", False)
     _install_plugin(tmp_path, monkeypatch, "posextend.objectives", (
-        "from posextend.training.objectives.base import CausalLM, register_objective\n"
+        "from posextend.training.objectives import register_objective\n"
+        "from posextend.training.objectives.causal import CausalLM\n"
         "@register_objective('causal-copy', description='The causal objective under another name (a test).')\n"
         "class Copy(CausalLM):\n    pass\n"))
     found = objectives.available_objectives()
@@ -96,7 +97,8 @@ def test_an_objective_from_outside_the_package_runs_through_the_cli(gpt, corpus,
     monkeypatch.setattr(objectives._REGISTRY, "plugins_loaded", False)
     _install_plugin(tmp_path, monkeypatch, "posextend.objectives", (
         "import dataclasses\n"
-        "from posextend.training.objectives.base import CausalLM, register_objective\n"
+        "from posextend.training.objectives import register_objective\n"
+        "from posextend.training.objectives.causal import CausalLM\n"
         "@register_objective('causal-renamed', description='The causal objective with its own metric (a test).')\n"
         "class Renamed(CausalLM):\n"
         "    def evaluate(self, run):\n"

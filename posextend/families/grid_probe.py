@@ -325,7 +325,7 @@ def _observe_field(
         model_type=model_type, prefix=base, tables=tuple(_relative(t, base) for t in tables),
         length_keys=(image_key,), reserved=prefix, buffers=tuple(BufferRule(_name_pattern(n, base), k, o)
                                                                   for n, k, o in rules),
-        head="other", note="probed", group=group_name(image_key), grid=grid,
+        note="probed", group=group_name(image_key), grid=grid,
     )
 
 

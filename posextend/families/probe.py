@@ -56,28 +56,6 @@ def group_name(path: str) -> str:
     return _GROUP_NAMES.get(leaf, "model")
 
 
-def _head(config: Mapping[str, Any], cls: type) -> str:
-    name = cls.__name__
-    if name.endswith(("ForCausalLM", "LMHeadModel")):
-        return "causal"
-    if name.endswith("ForMaskedLM"):
-        return "masked"
-    from transformers.models.auto.modeling_auto import (
-        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
-        MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
-    )
-
-    model_type = config.get("model_type", "")
-    if config.get("is_encoder_decoder") and model_type in MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES:
-        return "seq2seq"
-    if model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES:
-        return "masked"
-    if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not config.get("is_encoder_decoder"):
-        return "causal"
-    return "other"
-
-
 def observe(config: Mapping[str, Any], cls: type | None = None) -> tuple[ArchitectureSpec, ...]:
     """The specs (one per length field that drives a learned table) observed on twins.
 
@@ -202,7 +180,7 @@ def _group(
     return ArchitectureSpec(
         model_type=model_type, prefix=base, tables=tuple(_relative(t, base) for t in tables + companions),
         length_keys=(path,), reserved=first,
-        config_counts_reserved=counts_reserved, buffers=rules, head=_head(config, cls),
+        config_counts_reserved=counts_reserved, buffers=rules,
         note="probed", group=group_name(path),
     )
 

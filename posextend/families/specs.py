@@ -24,7 +24,6 @@ if TYPE_CHECKING:
     import torch
 
 BufferKind = Literal["arange", "zeros", "toeplitz"]
-Head = Literal["causal", "masked", "seq2seq", "other"]
 
 
 @dataclass(frozen=True)
@@ -301,8 +300,6 @@ class ArchitectureSpec:
     - ``buffers``: length-dependent buffers, rebuilt to the new number of rows.
     - ``dropped``: patterns of obsolete tensors left out of the output because current
       transformers rejects them as unexpected and no version needs them.
-    - ``head``: the family's language-model head: causal LM, masked LM, or ``seq2seq`` / ``other``
-      (the fine-tune's default objective follows it; ``seq2seq`` and ``other`` have none yet).
     - ``note``: ``""`` for a written spec, ``"probed"`` for one observed on twins (:mod:`.probe`).
     - ``group``: what a user calls these tables when a model has several lengths
       (``text``, ``encoder``, ``decoder``, ``vision``; ``model`` when it has one).
@@ -320,7 +317,6 @@ class ArchitectureSpec:
     config_counts_reserved: bool = False
     buffers: tuple[BufferRule, ...] = ()
     dropped: tuple[str, ...] = ()
-    head: Head = "masked"
     note: str = ""
     group: str = "model"
     grid: GridSpec | None = None
@@ -475,7 +471,6 @@ def _seq2seq(model_type: str, offset: int) -> ArchitectureSpec:
     """BART-style encoder-decoders: two tables, each ``offset`` rows longer than the config says."""
     return ArchitectureSpec(
         model_type, "model", ("encoder.embed_positions.weight", "decoder.embed_positions.weight"), reserved=offset,
-        head="seq2seq",
     )
 
 
@@ -484,7 +479,7 @@ def _vision(model_type: str, prefix: str, table: str, reserved: int, *, grid: Gr
             optional: tuple[str, ...] = ()) -> ArchitectureSpec:
     """An image-patch grid after ``reserved`` prefix tokens, sized by ``grid`` (``image_size / patch_size``)."""
     return ArchitectureSpec(model_type, prefix, (table,), length_keys=(grid.image_key,), reserved=reserved,
-                            buffers=buffers, head="other", group=group, grid=grid, optional=optional)
+                            buffers=buffers, group=group, grid=grid, optional=optional)
 
 
 def _vision_tower(model_type: str, reserved: int, *, group: str = "model", config: str = "") -> ArchitectureSpec:
@@ -551,22 +546,20 @@ SPECS: dict[str, ArchitectureSpec] = {
             buffers=(BufferRule(r"(^|\.)(attn|crossattention)\.bias$", "toeplitz"),),
             # A constant (-1e4) older checkpoints stored; 4.x ignored it, 5.x reports it unexpected.
             dropped=(r"(^|\.)(attn|crossattention)\.masked_bias$",),
-            head="causal",
         ),
         ArchitectureSpec(
             "gpt_neo", "transformer", ("wpe.weight",),
             # causal mask, banded for local-attention layers: both depend only on i - j
             buffers=(BufferRule(r"(^|\.)attn\.attention\.bias$", "toeplitz"),),
             dropped=(r"(^|\.)attn\.attention\.masked_bias$",),
-            head="causal",
         ),
         ArchitectureSpec(
             "gpt_bigcode", "transformer", ("wpe.weight",), length_keys=("n_positions",),
-            buffers=(BufferRule(r"^(transformer\.)?bias$", "toeplitz"),), head="causal",
+            buffers=(BufferRule(r"^(transformer\.)?bias$", "toeplitz"),),
         ),
         ArchitectureSpec(
             "openai-gpt", "transformer", ("positions_embed.weight",), length_keys=("n_positions",),
-            buffers=(BufferRule(r"^(transformer\.)?position_ids$", "arange"), _CAUSAL_MASK), head="causal",
+            buffers=(BufferRule(r"^(transformer\.)?position_ids$", "arange"), _CAUSAL_MASK),
         ),
         _bert_like("bert", "bert"),
         _bert_like("big_bird", "bert"),
@@ -600,9 +593,9 @@ SPECS: dict[str, ArchitectureSpec] = {
             "flaubert", "transformer", ("position_embeddings.weight",),
             buffers=(BufferRule(r"^(transformer\.)?position_ids$", "arange"),),
         ),
-        ArchitectureSpec("opt", "model", ("decoder.embed_positions.weight",), reserved=2, head="causal"),
-        ArchitectureSpec("biogpt", "biogpt", ("embed_positions.weight",), reserved=2, head="causal"),
-        _bert_like("bert-generation", "bert", head="causal"),
+        ArchitectureSpec("opt", "model", ("decoder.embed_positions.weight",), reserved=2),
+        ArchitectureSpec("biogpt", "biogpt", ("embed_positions.weight",), reserved=2),
+        _bert_like("bert-generation", "bert"),
         _seq2seq("bart", 2),
         _seq2seq("mbart", 2),
         _seq2seq("plbart", 2),

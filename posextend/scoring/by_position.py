@@ -137,16 +137,12 @@ def position_losses(
     return total, count
 
 
-#: What a language model's held-out numbers are, by its head: the one place reports take the label from.
-LM_METRICS = {"causal": "perplexity", "masked": "masked-LM perplexity"}
-
-
 def report_from(
     total: torch.Tensor, count: torch.Tensor, edges: Sequence[int], *, objective: str, sequences: int,
-    old_length: int | None = None, metric: str | None = None,
+    old_length: int | None = None, metric: str = "perplexity",
 ) -> EvalReport:
     """The report of per-position losses ``total`` over ``count`` items, by the buckets ``edges`` cut.
-    ``metric``: what the numbers are (default: the language-model head ``objective``'s label)."""
+    ``metric``: what the numbers are (the scoring objective's ``metric``)."""
     buckets = []
     for lo, hi in zip(edges[:-1], edges[1:]):
         n = float(count[lo:hi].sum())
@@ -157,7 +153,7 @@ def report_from(
     return EvalReport(
         objective=objective, length=len(total), sequences=sequences, loss=loss,
         perplexity=math.exp(min(loss, 50)) if n else float("nan"), tokens=int(n), buckets=buckets,
-        old_length=old_length, metric=metric or LM_METRICS.get(objective, "perplexity"),
+        old_length=old_length, metric=metric,
     )
 
 

@@ -6,7 +6,7 @@ The training loop (:mod:`posextend.training.loop`) builds it and hands it to the
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from posextend.training.options import FinetuneConfig
@@ -37,8 +37,9 @@ class RunContext:
     - ``length`` / ``old_length``: the run's number of positions, and the source's; ``decoder_length``: an
       encoder-decoder's decoder positions where it has a length of its own (LED; None: ``length``).
     - ``short_inputs_fixed``: only new rows train, so outputs on inputs within the old length never change.
-    - ``cache``: the objective's per-run objects (its loss module; ``"source"``, the frozen model its
-      anchor holds to, when kept: :attr:`source`).
+    - ``source``: the frozen model the objective's anchor term compares with, when the run keeps one.
+    - ``state``: the objective's per-run state, an instance of its ``State`` dataclass (its loss
+      modules, what it found once), made empty for each run.
     """
 
     accelerator: Any
@@ -53,12 +54,8 @@ class RunContext:
     old_length: int
     decoder_length: int | None = None
     short_inputs_fixed: bool = False
-    cache: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def source(self) -> torch.nn.Module | None:
-        """The frozen source model the anchor term compares with, when the run keeps one."""
-        return self.cache.get("source")
+    source: torch.nn.Module | None = None
+    state: Any = None
 
     def generator(self, position: int) -> torch.Generator:
         """Global sample ``position``'s generator: every random choice of that sample comes from it, so a run

@@ -40,7 +40,7 @@ class Loaded:
     reserved: int
     tables: tuple[str, ...]
     old_length: int | None  # from posextend provenance, when the checkpoint was extended by it
-    extras: dict[str, Any] = field(default_factory=dict)  # the objective's own objects for the run (a frozen source)
+    source: torch.nn.Module | None = None  # the frozen model the objective's anchor holds to (when it keeps one)
     decoder: Stack | None = None  # an encoder-decoder's decoder with a length of its own (LED); ``spec`` is the encoder's
     requests: list[Request] = field(default_factory=list)  # the resizes a fine-tune made in memory, in order
     files: FileNames | None = None  # where the trained tensors sit in the checkpoint's files (set by a fine-tune)
@@ -104,19 +104,17 @@ def _stack(spec: ArchitectureSpec, shapes: dict[str, tuple[int, ...]], config: d
     return Stack(spec, tuple(prefix + t for t in layout.tables), layout.usable, layout.reserved)
 
 
-def load_language_model(src: str | Path | Checkpoint, objective: str, *, init_head: bool = False) -> Loaded:
-    """The checkpoint with the head ``objective`` (``causal``, ``masked`` or ``seq2seq``) needs, and its tokenizer."""
-    import transformers
-
+def load_headed_model(src: str | Path | Checkpoint, model_class: Any, head: str, objective: str, *,
+                      init_head: bool = False) -> Loaded:
+    """The checkpoint loaded by ``model_class`` (a transformers auto class: the head objective ``objective``
+    trains, called ``head`` in messages), and its tokenizer. A checkpoint without that head is refused
+    unless ``init_head`` asks for a fresh one."""
     checkpoint = Checkpoint.resolve(src)
     directory, model_dir = checkpoint.directory, checkpoint.model_dir  # an older ST folder: its 0_Transformer/
     tokenizer = load_tokenizer(model_dir)
-    classes = {"causal": transformers.AutoModelForCausalLM, "masked": transformers.AutoModelForMaskedLM,
-               "seq2seq": transformers.AutoModelForSeq2SeqLM}
-    model, info = classes[objective].from_pretrained(model_dir, output_loading_info=True)
+    model, info = model_class.from_pretrained(model_dir, output_loading_info=True)
     missing = sorted(info["missing_keys"])
     if missing:
-        head = {"causal": "causal-LM", "masked": "masked-LM", "seq2seq": "sequence-to-sequence"}[objective]
         if not init_head:
             raise TrainingError(
                 f"{directory} has no {head} head ({len(missing)} missing weights, e.g. {missing[0]}); "
@@ -136,11 +134,6 @@ def model_directory(directory: Path | Checkpoint) -> Path:
     """The folder of ``directory``'s transformers model: ``directory`` itself, or the Transformer module's
     folder of an older sentence-transformers folder (``0_Transformer/``), found as resizing finds it."""
     return Checkpoint.of(directory).model_dir
-
-
-def config_head(directory: Path | Checkpoint) -> str:
-    """The language-model head of a checkpoint's family (its spec's): ``causal``, ``masked``, ``seq2seq`` or ``other``."""
-    return stack_specs(Checkpoint.of(directory).config)[0].head
 
 
 # ------------------------------------------------------------------------------ the anchor's reference

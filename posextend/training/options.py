@@ -63,8 +63,8 @@ class FinetuneConfig:
     - ``seed``: data order, masking and strategies.
     - ``old_length``: the old length of a checkpoint extended by another tool (for ``new-rows``).
     - ``init_head``: train a fresh LM head when the checkpoint has none.
-    - ``objective``: ``causal``, ``masked``, ``contrastive`` or a plug-in (default: ``contrastive`` for a
-      sentence-transformers folder, else the family's LM head).
+    - ``objective``: a registered objective's name (:func:`posextend.training.objectives.available_objectives`;
+      default: the one the registry prefers for the checkpoint, :func:`posextend.training.objectives.default_objective`).
     - ``anchor``: weight of the objective's term that keeps the source's outputs on inputs within the
       old length (causal 1, contrastive 2, seq2seq 0; 0 turns it off).
     - ``source``: the original model the anchor holds to, for a checkpoint extended earlier.
@@ -104,10 +104,9 @@ class FinetuneConfig:
     old_length: int | None = _option(None, "Old length of a checkpoint extended by another tool (for new-rows).")
     init_head: bool = _option(False, "Train a fresh LM head when SRC has none.")
     objective: str | None = _option(None, {
-        "finetune": "causal, masked, seq2seq, contrastive or a plug-in's name (default: contrastive for a "
-                    "sentence-transformers model, else the family's LM head: causal, masked or seq2seq).",
-        "eval": "Score as this objective does (default: the one finetune would use: contrastive for a "
-                "sentence-transformers model, else the family's LM head)."})
+        "finetune": "The objective to train with (default: the one the registry prefers for SRC: contrastive for "
+                    "a sentence-transformers model, else the one whose head the family has). Registered objectives:",
+        "eval": "Score as this objective does (default: the one finetune would use). Registered objectives:"})
     anchor: float | None = _option(
         None, "Weight of the term keeping the source's outputs on inputs within the old length (causal: default 1; "
         "contrastive: default 2; seq2seq: default 0, off; 0 turns it off and saves a copy of the model in memory).")

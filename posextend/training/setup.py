@@ -137,7 +137,8 @@ def setup(checkpoint: Checkpoint, dst: Path, data: Sequence[str | Path], config:
     run = Run(accelerator=accelerator, model=prepared, unwrapped=accelerator.unwrap_model(prepared),
               tokenizer=tokenizer, config=config, spec=loaded.spec, train_seqs=train_seqs,
               eval_seqs=eval_seqs[: config.eval_sequences], length=length, old_length=old_len,
-              short_inputs_fixed=config.train == "new-rows", cache=dict(loaded.extras), objective=chosen,
+              short_inputs_fixed=config.train == "new-rows", objective=chosen,
+              source=loaded.source, state=chosen.State(),
               optimizer=optimizer, scheduler=scheduler, tables=tables, saved_rows=saved_rows, decoder_length=decoder_length,
               state_dir=dst.with_name(dst.name + ".state"), fingerprint=fingerprint, extended=extended,
               reference=anchor)
@@ -164,9 +165,9 @@ def _load(chosen: Objective, checkpoint: Checkpoint, config: FinetuneConfig) -> 
     anchor = (anchor_source(checkpoint, source, old_length=old_len, length=length, extended=extended)
               if anchored else AnchorSource())
     if anchor.path is not None:  # the original, at its own length
-        loaded.extras["source"] = chosen.read_reference(anchor.original, init_head=init_head)
+        loaded.source = chosen.read_reference(anchor.original, init_head=init_head)
     elif may_swap:  # no original to hold to: the checkpoint as loaded, before it is extended
-        loaded.extras["source"] = chosen.copy_reference(loaded)
+        loaded.source = chosen.copy_reference(loaded)
     loaded.files = _file_names(loaded, checkpoint)  # as loaded: before the table is extended or trained
     if extended:
         _resize(loaded, Request(length, strategy=config.strategy, group=loaded.spec.group if loaded.decoder else None),

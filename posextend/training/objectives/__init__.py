@@ -1,6 +1,26 @@
 """Fine-tune objectives, one file each, behind one registry (built-ins and entry-point plug-ins alike).
 
-An objective sees a run only through :class:`posextend.training.context.RunContext`; it imports nothing
-from the loop. May import: ``posextend.training.context``, ``posextend.training.options``,
-``posextend.training.loading`` and every layer below ``posextend.training``.
+The plug-in API: a plug-in writes ``from posextend.training.objectives import Objective, register_objective``
+(see :mod:`posextend.training.objectives.base`). Importing this package (or any module in it) registers
+the built-ins: :mod:`posextend.training.objectives.causal`, :mod:`posextend.training.objectives.masked` and
+:mod:`posextend.training.objectives.contrastive`; :mod:`posextend.training.objectives.seq2seq` is registered
+through the ``posextend.objectives`` entry point, as a third-party objective is. An objective sees a run
+only through :class:`posextend.training.context.RunContext`; it imports nothing from the loop. May import:
+``posextend.training.context``, ``posextend.training.options``, ``posextend.training.loading`` and every
+layer below ``posextend.training``.
 """
+
+from posextend.training.context import RunContext
+from posextend.training.objectives.base import (
+    CheckpointFacts,
+    Objective,
+    available_objectives,
+    default_objective,
+    get_objective,
+    objectives_help,
+    register_objective,
+)
+from posextend.training.objectives import causal, contrastive, masked  # noqa: F401  (they register the built-ins)
+
+__all__ = ["CheckpointFacts", "Objective", "RunContext", "available_objectives", "default_objective", "get_objective",
+           "objectives_help", "register_objective"]

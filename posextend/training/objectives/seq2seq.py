@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Container, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -26,8 +27,8 @@ import torch
 from posextend.training.context import RunContext, sample_generator
 from posextend.errors import TrainingError
 from posextend.scoring.by_position import EvalReport, bucket_edges, report_from
-from posextend.training.loading import Loaded, load_language_model
-from posextend.training.objectives.base import Objective, register_objective, without_dropout
+from posextend.training.loading import Loaded
+from posextend.training.objectives.base import CheckpointFacts, Objective, register_objective
 
 GAP_RATIO = 0.15  # the share of the source's tokens masked, PEGASUS's
 SENTENCE_TOKENS = 24  # a typical sentence, to set the number of gaps
@@ -122,26 +123,39 @@ def _collate(sources: list[list[int]], targets: list[list[int]], pad: int | None
     return inputs
 
 
+@dataclass
+class Gaps:
+    """The run's per-run state: the tokenizer's framing and sentence ends (found once), and the longest target."""
+
+    framing: tuple[list[int], list[int]] | None = None
+    ends: frozenset[int] | None = None
+    longest_target: int = 0  # in a training batch at the run's length (:meth:`GapSentences.notes`)
+
+
 @register_objective("seq2seq", description="Encoder-decoders: masked sentences spread over the source are generated "
                                            "(gap-sentence generation, as PEGASUS).")
 class GapSentences(Objective):
     """Gap-sentence generation (see the module doc). ``tile`` fills the new rows, as LED copies BART's."""
 
-    head = "seq2seq"
+    model_class = "AutoModelForSeq2SeqLM"
+    head = "sequence-to-sequence"
+    metric = METRICS[False]  # with pairs for data: METRICS[True]
+    priority = 30  # above masked: BART's family has a masked-LM class too
+    State = Gaps
     strategy = {"new-rows": "tile", "positions": "tile", "all": "tile"}  # LED's copies
     lr = {"new-rows": 3e-3, "positions": 1e-3, "all": 1e-4}
     schedule = {"new-rows": "constant", "positions": "constant", "all": "cosine"}
     anchor = ANCHOR
 
-    def load(self, directory: Path, *, init_head: bool) -> Loaded:
-        loaded = load_language_model(directory, "seq2seq", init_head=init_head)
+    def accepts(self, checkpoint: CheckpointFacts) -> bool:
+        """An encoder-decoder family with a generation head."""
+        return self.has_head(checkpoint) and bool(checkpoint.config.get("is_encoder_decoder"))
+
+    def check(self, loaded: Loaded, directory: Path) -> None:
+        """The tokenizer must have a mask token: it stands where each masked sentence was."""
         if loaded.tokenizer.mask_token_id is None:
             raise TrainingError(f"The tokenizer of {directory} has no mask token, which gap-sentence generation "
                                 "puts where each sentence was; add one (tokenizer.add_special_tokens) and save it.")
-        without_dropout(loaded.model)
-        if self.anchor:  # the source model, frozen, before its table is extended
-            loaded.extras["source"] = self.copy_reference(loaded)
-        return loaded
 
     def documents(self, paths: Sequence[str | Path]) -> Sequence[str] | list[tuple[str, str]]:
         """Supervised ``(source, target)`` pairs where the data is JSON Lines holding them, else raw texts."""
@@ -170,10 +184,10 @@ class GapSentences(Objective):
         """The model's inputs (sources of at most ``length`` tokens, default the run's; targets of at most
         the decoder's, padded with -100) and, per target token, the source position it is scored at: its
         mask's (raw text), or the source's last (pairs: binned by how long a source was read)."""
-        tok = run.tokenizer
-        if "framing" not in run.cache:
-            run.cache["framing"] = framing(tok)
-        before, after = run.cache["framing"]
+        tok, state = run.tokenizer, run.state
+        if state.framing is None:
+            state.framing = framing(tok)
+        before, after = state.framing
         length = length or run.length
         inner = length - len(before) - len(after)
         room = min(length, run.decoder_length or length) - len(before) - len(after)  # what the decoder reads
@@ -183,16 +197,16 @@ class GapSentences(Objective):
             wheres = [[-1] * len(before) + [len(before) + len(s) + len(after) - 1] * len(t) + [-1] * len(after)
                       for s, t in pairs]
         else:
-            if "ends" not in run.cache:
-                run.cache["ends"] = sentence_ends(tok)
-            cut = [gaps(row, run.cache["ends"], inner, tok.mask_token_id, g, target_tokens=room)
+            if state.ends is None:
+                state.ends = sentence_ends(tok)
+            cut = [gaps(row, state.ends, inner, tok.mask_token_id, g, target_tokens=room)
                    for row, g in zip(rows.tolist(), generators)]
             pairs = [(source, target) for source, target, _ in cut]
             wheres = [[-1] * len(before) + [w + len(before) for w in where] + [-1] * len(after) for _, _, where in cut]
         sources = [before + s + after for s, _ in pairs]
         targets = [before + t + after for _, t in pairs]
         if run.unwrapped.training and length == run.length:
-            run.cache["longest_target"] = max(run.cache.get("longest_target", 0), max(map(len, targets)))
+            state.longest_target = max(state.longest_target, max(map(len, targets)))
         return _collate(sources, targets, tok.pad_token_id, run.accelerator.device), wheres
 
     def loss(self, run: RunContext, positions: range, batch: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -201,26 +215,16 @@ class GapSentences(Objective):
         it was trained to), so that training the new range keeps the old one."""
         inputs, _ = self.batch(run, batch, [run.generator(p) for p in positions])
         loss = run.model(**inputs).loss
-        if "source" in run.cache and not run.short_inputs_fixed and run.old_length < run.length:
+        if run.source is not None and not run.short_inputs_fixed and run.old_length < run.length:
             short, _ = self.batch(run, batch, [run.generator(p) for p in positions], length=run.old_length)
-            loss = loss + self.anchor * self.source_kl(run, short)
+            keep = (short["labels"] != -100).float()  # the target tokens
+            loss = loss + self.anchor * self.source_kl(run, short, run.model(**short).logits, keep)
         return loss, int((inputs["labels"] != -100).sum())
-
-    @staticmethod
-    def source_kl(run: RunContext, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Mean KL divergence, over the target tokens, of the model's predictions from the frozen source's."""
-        source = run.cache["source"].to(run.accelerator.device)
-        logits = run.model(**inputs).logits.float()
-        with torch.no_grad():
-            target = source(**inputs).logits.float().log_softmax(-1)
-        kl = torch.nn.functional.kl_div(logits.log_softmax(-1), target, log_target=True, reduction="none").sum(-1)
-        keep = (inputs["labels"] != -100).float()
-        return (kl * keep).sum() / keep.sum().clamp(min=1)
 
     def notes(self, run: RunContext) -> list[str]:
         """How far the decoder's positions were trained: BART-like families have one length for both
         stacks, so the decoder's table grew too, but its targets (masked sentences, summaries) are short."""
-        longest = run.cache.get("longest_target")
+        longest = run.state.longest_target
         if not longest:
             return []
         if run.short_inputs_fixed and run.decoder_length is not None:  # new rows only, a decoder of its own length

@@ -1,0 +1,195 @@
+"""The ``contrastive`` objective: embedding models (sentence-transformers folders) learn to read long documents.
+
+A short passage drawn anywhere in a long document must retrieve that document among the batch's
+(sentence-transformers' ``MultipleNegativesRankingLoss``); an anchor keeps short inputs where the source
+model put them (``EmbedDistillLoss``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from posextend.errors import DataError, TrainingError
+from posextend.scoring.by_position import Bucket, EvalReport, bucket_edges
+from posextend.scoring.text import framed
+from posextend.training.context import RunContext
+from posextend.training.loading import Loaded, is_sentence_transformer, loaded
+from posextend.training.objectives.base import CheckpointFacts, Objective, register_objective, without_dropout
+
+PASSAGE_TOKENS = 32
+
+
+def _features(rows, tokenizer, device) -> dict[str, torch.Tensor]:
+    """:func:`posextend.scoring.text.framed` on ``device``."""
+    return {k: v.to(device) for k, v in framed(rows, tokenizer).items()}
+
+
+@dataclass
+class Losses:
+    """The run's sentence-transformers loss modules, made on first use (they hold the trained model)."""
+
+    ranking: Any = None  # MultipleNegativesRankingLoss
+    distill: Any = None  # EmbedDistillLoss, for the anchor
+
+
+@register_objective(
+    "contrastive",
+    description="Embedding models: a passage drawn anywhere in a long document retrieves it (in-batch negatives).",
+)
+class Contrastive(Objective):
+    """Self-supervised from raw text: sample ``p`` is a window of ``length`` tokens (the document).
+    Its queries are ``passages`` passages of :data:`PASSAGE_TOKENS` tokens starting at uniformly
+    drawn positions (so every position is trained), plus, with ``inserted``, a passage of another
+    window written into the document at a random depth: a sentence that stands out from its
+    surroundings, which the document's embedding must keep. Each set of queries is scored against
+    the batch's documents with sentence-transformers' ``MultipleNegativesRankingLoss`` (the other
+    documents of the global batch are negatives), so one costly pass over the long documents
+    serves every query. An ``anchor`` keeps short inputs near the frozen source model's
+    embeddings (``EmbedDistillLoss``); pooling and normalisation are the checkpoint's own modules."""
+
+    head = "sentence-transformers"
+    metric = "retrieval accuracy@1"
+    priority = 40  # a sentence-transformers folder is an embedding model, whatever its transformer's head
+    State = Losses
+    unused_parameters = True  # the transformer's own pooler, when the checkpoint pools otherwise
+    # measured (README): 60 steps of 4 x 2048 tokens (7 minutes on 2 CPU cores), lr 5e-5 decayed (cosine) and
+    # anchor 2 kept short inputs at cosine 0.963 and read 1024 tokens as well as 40 constant steps at anchor 1
+    # (0.927); 40 steps at anchor 2 lost 1024 (needle 0.14)
+    steps = 60
+    lr = {"new-rows": 1e-3, "positions": 1e-3, "all": 5e-5}
+    schedule = {"new-rows": "constant", "positions": "constant", "all": "cosine"}
+    anchor = 2.0  # weight of the term that keeps short inputs where the source model put them
+    passages = 8  # passages drawn from each document per step
+    inserted = True  # plus one passage of another window, inserted into the document
+
+    def accepts(self, checkpoint: CheckpointFacts) -> bool:
+        """A sentence-transformers folder."""
+        return checkpoint.sentence_transformer
+
+    def load_model(self, directory: Path, *, init_head: bool) -> Loaded:
+        """The sentence-transformers model (its pooling and normalisation modules included), attention dropout off."""
+        if not is_sentence_transformer(directory):
+            raise TrainingError(
+                f"{directory} is not a sentence-transformers model (no modules.json); the contrastive objective "
+                "trains embedding models. Save it with SentenceTransformer.save(), or use the masked objective."
+            )
+        from sentence_transformers import SentenceTransformer
+
+        model = SentenceTransformer(str(directory), device="cpu")
+        without_dropout(model[0].auto_model, attention_only=True)
+        return loaded(model, model[0].auto_model, model.tokenizer, self.name, directory)
+
+    def check(self, result: Loaded, directory: Path) -> None:
+        """The anchor compares embeddings of passages: the old length must hold one."""
+        old = min(result.usable, result.old_length or result.usable)
+        if self.anchor and old < PASSAGE_TOKENS + 2:
+            raise TrainingError(
+                f"The contrastive anchor compares embeddings of {PASSAGE_TOKENS}-token passages, which {directory}'s "
+                f"old length of {old} positions cannot read: set the anchor to 0.")
+
+    def samples(self, tokenizer, documents: Sequence[str], length: int) -> torch.Tensor:
+        from posextend.scoring.text import pack
+
+        if length < PASSAGE_TOKENS + 4:
+            raise DataError(f"Contrastive training needs documents longer than {PASSAGE_TOKENS + 4} tokens.")
+        return pack(tokenizer, documents, length - 2)  # [CLS] and [SEP] are added around each window
+
+    def _loss_fn(self, run: RunContext):
+        state: Losses = run.state
+        if state.ranking is None:
+            from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
+
+            state.ranking = MultipleNegativesRankingLoss(run.unwrapped, gather_across_devices=run.accelerator.num_processes > 1)
+        return state.ranking
+
+    def _distill_fn(self, run: RunContext):
+        state: Losses = run.state
+        if state.distill is None:
+            from sentence_transformers.sentence_transformer.losses import EmbedDistillLoss
+
+            state.distill = EmbedDistillLoss(run.unwrapped, distance_metric="cosine")
+        return state.distill
+
+    def _queries(self, run: RunContext, batch: torch.Tensor, generators: list[torch.Generator]
+                 ) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
+        """The documents (with their inserted passages) and the sets of queries, one query per
+        document in each set; every draw comes from the document's own generator."""
+        span = batch.shape[1] - PASSAGE_TOKENS
+        documents, sets = batch.clone(), []
+        if self.inserted:
+            pool, inserted = run.train_seqs, []
+            for document, g in zip(documents, generators):
+                other = pool[int(torch.randint(len(pool), (1,), generator=g))]
+                start = int(torch.randint(other.shape[0] - PASSAGE_TOKENS + 1, (1,), generator=g))
+                at = int(torch.randint(span + 1, (1,), generator=g))
+                document[at : at + PASSAGE_TOKENS] = other[start : start + PASSAGE_TOKENS]
+                inserted.append(other[start : start + PASSAGE_TOKENS])
+            sets.append(inserted)
+        for _ in range(self.passages):
+            starts = [int(torch.randint(span + 1, (1,), generator=g)) for g in generators]
+            sets.append([document[s : s + PASSAGE_TOKENS] for document, s in zip(documents, starts)])
+        return documents, sets
+
+    def loss(self, run: RunContext, positions: range, batch: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """The ranking loss of each set of queries against the documents (averaged over the sets),
+        plus ``anchor`` × the cosine distance between the model's and the source model's embeddings
+        of short inputs: the first set's queries, and each document's head, cut at a width drawn
+        log-uniformly between a passage and the old length."""
+        generators = [run.generator(p) for p in positions]
+        device = run.accelerator.device
+        documents, sets = self._queries(run, batch, generators)
+        d = run.model(_features(list(documents), run.tokenizer, device))["sentence_embedding"]
+        queries = [_features(rows, run.tokenizer, device) for rows in sets]
+        embedded = [run.model(q)["sentence_embedding"] for q in queries]
+        loss = sum(self._loss_fn(run).compute_loss_from_embeddings([q, d], None) for q in embedded) / len(embedded)
+        source = run.source
+        if source is not None and not run.short_inputs_fixed:
+            widest = min(run.old_length, run.length) - 2
+            widths = [round(math.exp(math.log(PASSAGE_TOKENS) + float(torch.rand((), generator=g))
+                                     * math.log(widest / PASSAGE_TOKENS))) for g in generators]
+            heads = _features([row[:w] for row, w in zip(batch, widths)], run.tokenizer, device)
+            source.to(device)  # where the model trains (nothing moves once there)
+            with torch.no_grad():
+                targets = [source(heads)["sentence_embedding"], source(queries[0])["sentence_embedding"]]
+            distance = self._distill_fn(run).compute_loss_from_embeddings(
+                [run.model(heads)["sentence_embedding"], embedded[0]], targets)
+            loss = loss + self.anchor * distance
+        return loss, batch.shape[0]
+
+    @torch.no_grad()
+    def evaluate(self, run: RunContext) -> EvalReport:
+        """Retrieval of every held-out document by passages taken from each position bucket:
+        accuracy@1 and the ranking loss per bucket (``perplexity`` holds exp(loss))."""
+        was_training = run.model.training
+        run.model.eval()
+        docs = run.eval_seqs
+        span = docs.shape[1] - PASSAGE_TOKENS
+        edges = bucket_edges(docs.shape[1] + 2, run.config.buckets,
+                             old_length=run.old_length if run.old_length < run.length else None)
+        device = run.accelerator.device
+        d = torch.cat([run.model(_features(list(docs[i : i + run.config.batch_size]), run.tokenizer, device))
+                       ["sentence_embedding"] for i in range(0, len(docs), run.config.batch_size)])
+        d = torch.nn.functional.normalize(d, dim=1)
+        buckets, losses, hits = [], [], []
+        for lo, hi in zip(edges[:-1], edges[1:]):
+            start = min(max(0, (lo + hi) // 2 - 1 - PASSAGE_TOKENS // 2), span)  # a passage centred in the bucket
+            q = run.model(_features([row[start : start + PASSAGE_TOKENS] for row in docs], run.tokenizer,
+                                    device))["sentence_embedding"]
+            scores = 20.0 * torch.nn.functional.normalize(q, dim=1) @ d.T  # MNRL's scale
+            target = torch.arange(len(docs), device=scores.device)
+            loss = float(torch.nn.functional.cross_entropy(scores, target))
+            hit = float((scores.argmax(1) == target).float().mean())
+            buckets.append(Bucket(lo, hi, loss, math.exp(min(loss, 50)), len(docs), accuracy=hit))
+            losses.append(loss)
+            hits.append(hit)
+        run.model.train(was_training)
+        loss = sum(losses) / len(losses)
+        return EvalReport("contrastive", docs.shape[1] + 2, len(docs), loss, math.exp(min(loss, 50)),
+                          len(docs) * len(buckets), buckets, run.old_length if run.old_length < run.length else None,
+                          accuracy=sum(hits) / len(hits), metric=self.metric)
