@@ -277,34 +277,17 @@ def _fmt(value: Any) -> str:
     return f"{value:.3f}" if isinstance(value, float) else str(value)
 
 
-def _diagnostics(src: str, compare: str | None, out: Path | None, table: str | None = None,
-                 checkpoint: Any = None) -> dict[str, dict[str, Any]]:
-    """``checkpoint``: ``src`` resolved (:class:`~posextend.files.checkpoint.Checkpoint`), when the caller has it."""
+def _diagnostics(src: str, compare: str | None, out: Path | None, table: str | None, checkpoint: Any
+                 ) -> dict[str, dict[str, Any]]:
+    """``inspect --plot/--compare``: ``src`` (resolved: ``checkpoint``) and ``compare``, labelled by folder name."""
     from posextend.files.checkpoint import Checkpoint
-    from posextend.scoring.analysis import analyze, plot, plot_grid, table_of
+    from posextend.scoring.analysis import diagnose
 
     names = [Path(src).name or str(src), Path(compare).name if compare else ""]
     if names[0] == names[1]:
         names = [str(src), str(compare)]
-    checkpoints = [checkpoint or Checkpoint.resolve(src)]
-    tables = {names[0]: table_of(checkpoints[0], table)}
-    if compare:
-        checkpoints.append(Checkpoint.resolve(compare))
-        tables[names[1]] = table_of(checkpoints[1], table)
-    analysis = {label: analyze(t).to_dict() for label, t in tables.items()}
-    if out:
-        from posextend.resize.inspection import read_position_table
-        from posextend.files.atomic import write_file
-        from posextend.files.oserrors import output_errors
-
-        write_file(out / "analysis.json", json.dumps(analysis, indent=2))
-        lengths = [t.shape[0] for t in tables.values()]
-        grids = {label: read_position_table(c, table, grid=True) for label, c in zip(names, checkpoints)}
-        with output_errors(out):
-            plot(tables, out, mark=min(lengths) if len(set(lengths)) > 1 else None)
-            if all(g.dim() == 3 for g in grids.values()):  # image grids: similarity to reference patches on the grid
-                plot_grid({k: g.float() for k, g in grids.items()}, out)
-    return analysis
+    checkpoints = {names[0]: checkpoint, **({names[1]: Checkpoint.resolve(compare)} if compare else {})}
+    return diagnose(checkpoints, table, out)
 
 
 @app.command("strategies")

@@ -12,6 +12,7 @@ Example::
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -223,3 +224,24 @@ def _save(fig, path: Path, plt) -> Path:
     fig.savefig(buf, format=Path(path).suffix.lstrip(".") or "png", dpi=110)
     plt.close(fig)
     return write_file(path, buf.getvalue())
+
+
+def diagnose(checkpoints: dict[str, Checkpoint], table: str | None = None, out: Path | None = None
+             ) -> dict[str, dict[str, Any]]:
+    """What each labelled checkpoint's table learned (:func:`analyze`, by label); with ``out``, also
+    ``analysis.json`` and the plots (:func:`plot`; image grids: :func:`plot_grid`) written there."""
+    tables = {label: table_of(c, table) for label, c in checkpoints.items()}
+    analysis = {label: analyze(t).to_dict() for label, t in tables.items()}
+    if out:
+        from posextend.files.atomic import write_file
+        from posextend.files.oserrors import output_errors
+        from posextend.resize.inspection import read_position_table
+
+        write_file(out / "analysis.json", json.dumps(analysis, indent=2))
+        lengths = [t.shape[0] for t in tables.values()]
+        grids = {label: read_position_table(c, table, grid=True) for label, c in checkpoints.items()}
+        with output_errors(out):
+            plot(tables, out, mark=min(lengths) if len(set(lengths)) > 1 else None)
+            if all(g.dim() == 3 for g in grids.values()):  # image grids: similarity to reference patches on the grid
+                plot_grid({k: g.float() for k, g in grids.items()}, out)
+    return analysis
