@@ -35,7 +35,7 @@ import transformers
 
 import posextend
 from posextend.scoring.text import pack, read_documents
-from posextend.scoring.by_position import evaluate_model, plot_reports
+from posextend.scoring.by_position import score_model, plot_reports
 from posextend.training.loop import finetune
 
 MODES = ("new-rows", "positions", "all")
@@ -120,7 +120,7 @@ def build_reference(cache: Path, train_files: list[Path], s: dict, seed: int) ->
 
 def evaluate(path: Path, sequences: torch.Tensor, buckets: int, old: int | None):
     model = transformers.AutoModelForCausalLM.from_pretrained(path)
-    return evaluate_model(model, sequences, "causal", buckets=buckets, old_length=old, batch_size=8)
+    return score_model(model, sequences, "causal", buckets=buckets, old_length=old, batch_size=8)
 
 
 def main() -> None:

@@ -43,7 +43,7 @@ from quality import SETTINGS, build_reference
 
 import posextend
 from posextend.scoring.text import pack, read_documents
-from posextend.scoring.by_position import evaluate_model, position_losses
+from posextend.scoring.by_position import score_model, position_losses
 from posextend.training.objectives import get_objective, register_objective
 from posextend.training.objectives.causal import CausalLM
 from posextend.training.loop import finetune
@@ -157,7 +157,7 @@ def pose_objective(factor: int) -> str:
 def perplexities(path: Path, seqs: torch.Tensor, old: int) -> tuple[float, float]:
     """(original range, far range) perplexity of the model at ``path`` on ``seqs``."""
     model = transformers.AutoModelForCausalLM.from_pretrained(path)
-    report = evaluate_model(model, seqs, "causal", buckets=4, batch_size=8)
+    report = score_model(model, seqs, "causal", buckets=4, batch_size=8)
     new = seqs.shape[1]
     return report.range_perplexity(0, old), report.range_perplexity(new // 2, new)
 
@@ -167,8 +167,8 @@ def source_scores(ref: Path, seqs: torch.Tensor, old: int) -> dict[str, float]:
     the first ``old`` positions of each long sequence (the original range), and on the far range's
     tokens read through a sliding window (what the source itself makes of those tokens)."""
     model = transformers.AutoModelForCausalLM.from_pretrained(ref)
-    in_range = evaluate_model(model, seqs.reshape(-1, old), "causal", buckets=1, batch_size=8).perplexity
-    original = evaluate_model(model, seqs[:, :old], "causal", buckets=1, batch_size=8).perplexity
+    in_range = score_model(model, seqs.reshape(-1, old), "causal", buckets=1, batch_size=8).perplexity
+    original = score_model(model, seqs[:, :old], "causal", buckets=1, batch_size=8).perplexity
     return {"in_range": in_range, "original": original, "far_window": window_perplexity(model, seqs, old)}
 
 

@@ -26,7 +26,7 @@ _LAZY = {
     "finetune": "training.loop",
     "FinetuneReport": "training.report",
     "FinetuneConfig": "training.options",
-    "evaluate": "training.heldout",
+    "evaluate": "training.evaluate",
     "EvalReport": "scoring.by_position",
     "ArchitectureSpec": "families.specs",
     "SPECS": "families.specs",
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from .resize.on_disk import resize_checkpoint
     from .resize.report import ResizeReport
     from .scoring.by_position import EvalReport
-    from .training.heldout import evaluate
+    from .training.evaluate import evaluate
     from .families.lookup import all_specs, spec_for
     from .training.objectives import available_objectives, register_objective
     from .scoring.retrieval import evaluate_retrieval

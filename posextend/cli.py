@@ -430,7 +430,7 @@ def eval_cmd(
     if task:
         _retrieval(model, data, task, lengths, documents, mode, max_tokens, reference, json_path, haystack)
         return
-    from posextend.training.heldout import evaluate
+    from posextend.training.evaluate import evaluate
 
     with err_console.status("Evaluating"):
         report = evaluate(model, data, **options, max_sequences=max_sequences or None, json_path=json_path,

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 import posextend
 from posextend.cli import app
-from posextend.scoring.by_position import bucket_edges, evaluate_model
+from posextend.scoring.by_position import bucket_edges, score_model
 from posextend.training.objectives.base import get_objective
 from posextend.training.loop import finetune
 from tiny import FAMILIES, build, loss_nan_at  # noqa: F401
@@ -114,7 +114,7 @@ def test_eval_buckets_cover_every_position_once(gpt, corpus):
     tok = transformers.AutoTokenizer.from_pretrained(gpt)
     seqs = split(pack(tok, read_documents([corpus]), 32))[1][:4]
     model = transformers.AutoModelForCausalLM.from_pretrained(gpt)
-    report = evaluate_model(model, seqs, "causal", buckets=4)
+    report = score_model(model, seqs, "causal", buckets=4)
     assert sum(b.tokens for b in report.buckets) == report.tokens == len(seqs) * 31
 
 

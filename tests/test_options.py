@@ -104,7 +104,7 @@ def test_the_commands_hand_the_generated_options_to_the_library(monkeypatch, tmp
         return call
 
     monkeypatch.setattr("posextend.training.loop.finetune", recording("finetune"))
-    monkeypatch.setattr("posextend.training.heldout.evaluate", recording("eval"))
+    monkeypatch.setattr("posextend.training.evaluate.evaluate", recording("eval"))
     monkeypatch.setattr("posextend.resize.on_disk.resize_checkpoint", recording("resize"))
     runner = CliRunner()
     runner.invoke(app, ["finetune", "src", str(tmp_path / "dst"), "-d", "x", "-n", "96", "--anchor", "0",

@@ -19,7 +19,7 @@ from posextend.files import sources
 def lookups(monkeypatch) -> Counter:
     """How often each path was resolved (``"resolve"``) and each model folder's config read (``"config"``),
     by whichever module calls them (each module that imported the functions by name gets the counted ones)."""
-    import posextend.training.heldout
+    import posextend.training.evaluate
     import posextend.training.loop  # noqa: F401  (every module a command calls, imported)
 
     counts: Counter = Counter()

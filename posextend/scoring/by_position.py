@@ -157,7 +157,7 @@ def report_from(
     )
 
 
-def evaluate_model(
+def score_model(
     model: torch.nn.Module,
     sequences: torch.Tensor,
     objective: str,

@@ -5,7 +5,7 @@ Owns :mod:`.options` (``FinetuneConfig``), :mod:`.context` (what an objective se
 set up: loaded, extended, its samples, optimizer and schedule), :mod:`.loop` (``finetune``: the shared
 loop), :mod:`.report` (``FinetuneReport``, and the output with its provenance and model card),
 :mod:`.saving` (the trained tensors written into the source's files by :mod:`posextend.resize.writer`),
-:mod:`.heldout` (``evaluate``, the ``eval`` command) and :mod:`.objectives` (one file per objective,
+:mod:`.evaluate` (``evaluate``, the ``eval`` command) and :mod:`.objectives` (one file per objective,
 behind a registry). May import every layer below it: ``posextend.errors``, ``posextend.registry``,
 ``posextend.options``, ``posextend.version``, ``posextend.tables``,
 ``posextend.files``, ``posextend.families``, ``posextend.resize``, ``posextend.scoring``.

@@ -224,15 +224,15 @@ class Objective:
 
 
 class LanguageModel(Objective):
-    """A language model scored on held-out text by position (:func:`posextend.scoring.by_position.evaluate_model`):
+    """A language model scored on held-out text by position (:func:`posextend.scoring.by_position.score_model`):
     ``scoring`` is ``causal`` (every next token) or ``masked`` (BERT-masked tokens)."""
 
     scoring: ClassVar[str]
 
     def evaluate(self, run: RunContext) -> EvalReport:
-        from posextend.scoring.by_position import evaluate_model
+        from posextend.scoring.by_position import score_model
 
-        report = evaluate_model(run.model, run.eval_seqs, self.scoring, tokenizer=run.tokenizer,
+        report = score_model(run.model, run.eval_seqs, self.scoring, tokenizer=run.tokenizer,
                                 buckets=run.config.buckets, old_length=run.old_length if run.old_length < run.length else None,
                                 batch_size=run.config.batch_size, seed=run.config.seed)
         return dataclasses.replace(report, metric=self.metric)
