@@ -25,9 +25,11 @@ from posextend.files.io import ByteRanges, CheckpointReader, Entry, Source, atom
 from posextend.families.lookup import all_specs, spec_for
 from posextend.resize.plan import GroupPlan, ImageSize, Request, plan_resize
 from posextend.files.sources import check_destination, json_int, opened, read_config, resolve_source, st_config, transformer_dir
-from posextend.families.specs import Layout, names_on_load, table_rows as rows_of
+from posextend.families.renames import names_on_load
+from posextend.families.specs import Layout, table_rows as rows_of
 from posextend.tables.strategies import get_strategy
-from posextend.families.twin import get_path, layout_class
+from posextend.families.configs import get_path
+from posextend.families.twin import layout_class
 from posextend.resize.writer import Change, Written, write_checkpoint
 
 if TYPE_CHECKING:

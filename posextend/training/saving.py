@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from posextend.errors import TrainingError, VerificationError
 from posextend.files.io import CheckpointReader, Entry, Source, dtype_code, torch_dtypes
 from posextend.files.sources import transformer_dir
-from posextend.families.specs import names_on_load
+from posextend.families.renames import names_on_load
 from posextend.resize.writer import Change, Written, write_checkpoint
 
 if TYPE_CHECKING:
