@@ -29,8 +29,8 @@ _LAZY = {
     "evaluate": "training.evaluate",
     "EvalReport": "scoring.by_position",
     "ArchitectureSpec": "families.specs",
-    "SPECS": "families.specs",
-    "GRID_SPECS": "families.specs",
+    "SPECS": "families.catalogue",
+    "GRID_SPECS": "families.catalogue",
     "spec_for": "families.lookup",
     "all_specs": "families.lookup",
     "register_objective": "training.objectives",
@@ -51,7 +51,8 @@ if TYPE_CHECKING:
     from .scoring.retrieval import evaluate_retrieval
     from .resize.in_memory import extend_model
     from .training.options import FinetuneConfig
-    from .families.specs import GRID_SPECS, SPECS, ArchitectureSpec
+    from .families.catalogue import GRID_SPECS, SPECS
+    from .families.specs import ArchitectureSpec
     from .tables.strategies import available_strategies, get_strategy, register_strategy, resize_grid, resize_table
     from .training.loop import finetune
     from .training.report import FinetuneReport

@@ -46,7 +46,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 import posextend  # noqa: E402
-from posextend.families import twin# noqa: E402
+from posextend.families import configs, twin, twin_runs  # noqa: E402
 from posextend.families.lookup import all_specs  # noqa: E402
 from posextend.families.probe import length_fields  # noqa: E402
 
@@ -111,8 +111,8 @@ def default_config(model_type: str) -> dict:
 def capped(config: dict) -> dict:
     out = config
     for path in length_fields(config):
-        if twin.get_path(out, path) > LENGTH_CAP:
-            out = twin.set_path(out, path, LENGTH_CAP)
+        if configs.get_path(out, path) > LENGTH_CAP:
+            out = configs.set_path(out, path, LENGTH_CAP)
     return out
 
 
@@ -127,8 +127,8 @@ def holds_table(config: dict, cls: type) -> str:
         model = twin.build(config, device="meta", cls=cls)
     except Exception:
         return ""
-    lengths = {twin.get_path(config, f) for f in length_fields(config)}
-    patches = any("patch_size" in sub for _, sub in twin.sub_configs(config))
+    lengths = {configs.get_path(config, f) for f in length_fields(config)}
+    patches = any("patch_size" in sub for _, sub in configs.sub_configs(config))
     kind = ""
     for _, p in twin.absolute_position_tables(model):
         shape = tuple(p.shape)
@@ -177,9 +177,9 @@ def _stack_inputs(model, path: str, lengths: dict[str, int], config: dict) -> di
     """Token inputs of module ``path``: each stack (``input_ids``, ``decoder_input_ids`` ...) gets random
     plain tokens of its length in ``lengths`` (else 5 + its index), the same for the same lengths."""
     module = model.get_submodule(path) if path else model
-    inputs = twin.forward_inputs(model, module, torch.zeros((1, 5), dtype=torch.long))
+    inputs = twin_runs.forward_inputs(model, module, torch.zeros((1, 5), dtype=torch.long))
     for i, key in enumerate(_stacks(inputs)):
-        inputs[key] = twin.random_tokens(config, lengths.get(key, 5 + i), seed=i)
+        inputs[key] = twin_runs.random_tokens(config, lengths.get(key, 5 + i), seed=i)
     if "bbox" in inputs:  # layout models: one box per token of the first stack
         inputs["bbox"] = torch.zeros((*inputs[_stacks(inputs)[0]].shape, 4), dtype=torch.long)
     return inputs
@@ -196,7 +196,7 @@ def _run(model, path: str, inputs: dict[str, torch.Tensor], watch: dict[str, tor
     import contextlib
 
     module = model.get_submodule(path) if path else model
-    watching = twin._Lookups(watch) if watch else contextlib.nullcontext()
+    watching = twin_runs._Lookups(watch) if watch else contextlib.nullcontext()
     with watching, torch.no_grad(), twin._quiet():
         torch.manual_seed(0)
         out = module(**inputs)
@@ -207,9 +207,9 @@ def _outermost(model, tables: list[str], config: dict) -> tuple[str, dict[str, t
     """The outermost module around ``tables`` that runs on token ids alone (the whole model where it can;
     CLIPModel wants pixel values too: its text model), and its outputs on short inputs."""
     failures = []
-    for path in twin._paths_around(tables):
+    for path in twin_runs._paths_around(tables):
         module = model.get_submodule(path) if path else model
-        if twin.forward_inputs(model, module, torch.zeros((1, 5), dtype=torch.long)) is None:
+        if twin_runs.forward_inputs(model, module, torch.zeros((1, 5), dtype=torch.long)) is None:
             continue
         try:
             return path, _run(model, path, _stack_inputs(model, path, {}, config))[0]
@@ -283,12 +283,12 @@ def check_written(src: Path, dst: Path, cls: type, spec, new: int) -> None:
 
 def _runs(model, config: dict) -> bool:
     """Whether the model's outermost module that takes token ids runs on 5 tokens."""
-    ids = torch.full((1, 5), twin.safe_token(config), dtype=torch.long)
+    ids = torch.full((1, 5), twin_runs.safe_token(config), dtype=torch.long)
     for name, module in model.named_modules():
-        if name.count(".") > 1 or twin.forward_inputs(model, module, ids) is None:
+        if name.count(".") > 1 or twin_runs.forward_inputs(model, module, ids) is None:
             continue
         try:
-            twin.forward_output(model, name, ids)
+            twin_runs.forward_output(model, name, ids)
             return True
         except Exception:
             continue
@@ -299,7 +299,7 @@ def _tiny_twin(config: dict, cls: type):
     """(model, shrunk config): widths shrunk if that twin runs, else layers only; or the failure."""
     failure, first = "", None
     for widths in (True, False):
-        small = twin.shrink(config, widths=widths)
+        small = configs.shrink(config, widths=widths)
         try:
             model = twin.build(small, cls=cls)
         except Exception as exc:
@@ -450,11 +450,12 @@ def check_grid_written(src: Path, dst: Path, cls: type, spec, size: tuple[int, i
     assert spec.grid.grid(config) == tuple(n // p for n, p in zip(size, spec.grid.sizes(config)[1])), \
         "config does not state the new image size"
     tables = [t for t in spec.table_names(frozenset(dict(loaded.named_parameters())))]
-    pixels = torch.randn(1, twin.num_channels(config), *size, generator=torch.Generator().manual_seed(0))
+    pixels = torch.randn(1, twin_runs.num_channels(config), *size, generator=torch.Generator().manual_seed(0))
     run_time = spec.grid.reference == "run-time"
-    for path in twin._paths_around(tables):
+    for path in twin_runs._paths_around(tables):
         module = loaded.get_submodule(path) if path else loaded
-        if not twin._accepts(module, "pixel_values") or (run_time and not twin._accepts(module, "interpolate_pos_encoding")):
+        if not twin_runs._accepts(module, "pixel_values") or (
+                run_time and not twin_runs._accepts(module, "interpolate_pos_encoding")):
             continue
         try:
             after = _tensors(_forward(module, pixels))
@@ -545,7 +546,7 @@ def markdown(results: list[Result]) -> str:
         "|---|" + "---|" * len(OUTCOMES),
         *(f"| {k} | " + " | ".join(str(v.get(o, 0)) for o in OUTCOMES) + " |" for k, v in layout_counts(results).items()),
         "",
-        "- **spec**: a written spec in `posextend/families/specs.py`; **probed**: observed on a twin of the model's own config.",
+        "- **spec**: a written spec in `posextend/families/catalogue.py`; **probed**: observed on a twin of the model's own config.",
         "- **refused**: no learned absolute 1-D table (rotary, relative, sinusoidal, none), with the reason.",
         "- **grid-probed**: a 2-D image-patch grid without a written spec, observed on twins (`posextend/families/grid_probe.py`) "
         "and resized here to twice the image size: clean `from_pretrained`, a forward at the new size, and where the "

@@ -22,9 +22,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from census import _class_for, capped, default_config  # noqa: E402
 
-from posextend.families import twin# noqa: E402
+from posextend.families import configs  # noqa: E402
 from posextend.errors import PosExtendError  # noqa: E402
-from posextend.families.grid_probe import image_fields, observe_grids  # noqa: E402
+from posextend.families.grid_fields import image_fields  # noqa: E402
+from posextend.families.grid_probe import observe_grids  # noqa: E402
 
 LIMIT_S = 120
 
@@ -64,7 +65,7 @@ def probe_one(model_type: str) -> dict:
             out.update(outcome="no-twin", reason="no model class")
             return out
         config["architectures"] = [cls.__name__]
-        config = twin.shrink(capped(config))
+        config = configs.shrink(capped(config))
         out["cls"] = cls.__name__
         if not image_fields(config):
             out.update(outcome="refused", reason="no image_size and patch_size in its config")

@@ -22,12 +22,13 @@ from safetensors import safe_open
 from typer.testing import CliRunner
 
 import posextend
-from posextend.families import twin
+from posextend.families import configs, twin, twin_runs
 from posextend.cli import app
 from posextend.errors import InvalidLengthError
-from posextend.families.grid_probe import image_fields, observe_grids
+from posextend.families.catalogue import VISION_TOWERS
+from posextend.families.grid_fields import image_fields
+from posextend.families.grid_probe import observe_grids
 from posextend.families.lookup import all_specs, spec_for
-from posextend.families.specs import VISION_TOWERS
 
 IMAGE, PATCH = 40, 8
 PROCESSOR = {"do_resize": True, "size": {"height": IMAGE, "width": IMAGE}}
@@ -55,9 +56,9 @@ def tiny_config(model_type: str, cls: type, image: int = IMAGE, patch: int = PAT
     """The default config, widths and layers shrunk, every image tower at ``image`` px of ``patch`` px."""
     config = transformers.AutoConfig.for_model(model_type).to_dict()
     config.update(model_type=model_type, architectures=[cls.__name__])
-    config = twin.shrink(config)
+    config = configs.shrink(config)
     for image_key, patch_key in image_fields(config):
-        config = twin.set_path(twin.set_path(config, image_key, image), patch_key, patch)
+        config = configs.set_path(configs.set_path(config, image_key, image), patch_key, patch)
     return config
 
 
@@ -134,11 +135,11 @@ def test_probed_grid_equals_run_time_interpolation(families, tmp_path, model_typ
     processor = json.loads((tmp_path / "out" / "preprocessor_config.json").read_text())
     assert processor["size"] == {"height": h, "width": w}
     written = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert twin.get_path(written, spec.grid.image_key) == (h if h == w else [h, w])
+    assert configs.get_path(written, spec.grid.image_key) == (h if h == w else [h, w])
 
     original, resized = load_clean(src, cls), load_clean(tmp_path / "out", cls)
-    batch = next((v for _, sub in twin.sub_configs(config) if isinstance(v := sub.get("num_frames"), int)), 2)  # X-CLIP
-    pixels = torch.randn(batch, twin.num_channels(config), h, w, generator=torch.Generator().manual_seed(1))
+    batch = next((v for _, sub in configs.sub_configs(config) if isinstance(v := sub.get("num_frames"), int)), 2)  # X-CLIP
+    pixels = torch.randn(batch, twin_runs.num_channels(config), h, w, generator=torch.Generator().manual_seed(1))
     got = _output(resized, pixels)
     assert torch.isfinite(got).all()
     if spec.grid.reference == "run-time":
@@ -181,7 +182,7 @@ def test_refusals_name_the_reason():
     """Hiera's table grows with the image, but not as prefix rows + the patch grid (its stride is not its patch)."""
     hiera = transformers.HieraConfig().to_dict() | {"model_type": "hiera", "architectures": ["HieraModel"]}
     with pytest.raises(posextend.PosExtendError, match="position_embeddings .* no learned table of prefix rows"):
-        observe_grids(twin.shrink(hiera))
+        observe_grids(configs.shrink(hiera))
     owl = tiny_config("owlvit", transformers.OwlViTModel)
     assert [s.group for s in all_specs(owl)] == ["text", "vision"]
 
@@ -293,7 +294,7 @@ def test_a_grid_used_at_any_image_size_is_refused_as_adapted_per_image(tmp_path,
     cls = _class(model_type)
     config = transformers.AutoConfig.for_model(model_type).to_dict()
     config.update(model_type=model_type, architectures=[cls.__name__])
-    config = twin.shrink(config)
+    config = configs.shrink(config)
     with pytest.raises(posextend.RunTimeGridError, match=r"ran on (\d+)x\1 and \d+x\d+ images with one table \S*position_embedding"):
         spec_for(config, rank=2)
     src = tmp_path / "src"
@@ -306,7 +307,7 @@ def test_a_grid_used_at_any_image_size_is_refused_as_adapted_per_image(tmp_path,
 def test_a_grid_the_image_size_sizes_is_not_taken_for_an_adapted_one():
     """SAM's ViT sizes its [1, H, W, D] grid by image_size and runs at that size only: a grid to resize (its
     image size sizes it), never one adapted per image, although its twin would also run at another size."""
-    sam = twin.shrink(transformers.SamVisionConfig().to_dict() | {"model_type": "sam_vision_model",
+    sam = configs.shrink(transformers.SamVisionConfig().to_dict() | {"model_type": "sam_vision_model",
                                                                   "architectures": ["SamVisionModel"]})
     (spec,) = observe_grids(sam)
     assert spec.tables == ("vision_encoder.pos_embed",) and spec.grid.image_key == "image_size"

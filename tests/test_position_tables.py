@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import transformers
 
-from posextend.families import twin
+from posextend.families import configs, twin
 
 
 def _tables(model_type: str) -> list[str]:
-    config = twin.shrink(transformers.AutoConfig.for_model(model_type).to_dict())
+    config = configs.shrink(transformers.AutoConfig.for_model(model_type).to_dict())
     return [name for name, _ in twin.absolute_position_tables(twin.build(config, device="meta"))]
 
 
@@ -19,4 +19,4 @@ def test_box_coordinate_tables_are_not_position_tables():
     layoutlm = _tables("layoutlm")
     assert layoutlm == ["embeddings.position_embeddings.weight"]
     assert any("x_position_embeddings" in n for n, _ in twin.build(
-        twin.shrink(transformers.AutoConfig.for_model("layoutlm").to_dict()), device="meta").named_parameters())
+        configs.shrink(transformers.AutoConfig.for_model("layoutlm").to_dict()), device="meta").named_parameters())

@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 import posextend
-from posextend.families import twin
+from posextend.families import configs, twin, twin_runs
 from posextend.cli import app
 from posextend.errors import (
     CorruptCheckpointError,
@@ -41,7 +41,7 @@ def cli(*args):
 def twin_config(model_type: str, **overrides) -> dict:
     cfg = transformers.AutoConfig.for_model(model_type, **overrides).to_dict()
     cfg["model_type"] = model_type
-    return twin.shrink(cfg)
+    return configs.shrink(cfg)
 
 
 def save_twin(path: Path, model_type: str, cls: type, *, after_shrink: dict | None = None, **overrides) -> Path:
@@ -97,7 +97,7 @@ def mpnet_st(tmp_path_factory, minilm) -> Path:
     (src / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 20, "do_lower_case": False}))
     (src / "1_Pooling").mkdir()
     pooling = json.loads((minilm / "1_Pooling" / "config.json").read_text())
-    (src / "1_Pooling" / "config.json").write_text(json.dumps({**pooling, "word_embedding_dimension": twin.TINY_WIDTH}))
+    (src / "1_Pooling" / "config.json").write_text(json.dumps({**pooling, "word_embedding_dimension": configs.TINY_WIDTH}))
     (src / "2_Normalize").mkdir()
     assert [m["type"].rsplit(".", 1)[1] for m in json.loads((src / "modules.json").read_text())] == [
         "Transformer", "Pooling", "Normalize"]
@@ -121,7 +121,7 @@ def test_mpnet_sentence_transformer_resized(mpnet_st, tmp_path):
     assert config_of(dst)["max_position_embeddings"] == NEW + 2
     name = "embeddings.position_embeddings.weight"
     old, new = tensors(mpnet_st)[name], tensors(dst)[name]
-    assert new.shape == (NEW + 2, twin.TINY_WIDTH)
+    assert new.shape == (NEW + 2, configs.TINY_WIDTH)
     assert same_bytes(new[:2], old[:2]), "reserved rows 0-1 must be bit-exact"
     assert torch.equal(new[2:], old[2:][torch.arange(NEW) % USABLE])
     assert json.loads((dst / "sentence_bert_config.json").read_text()) == {"max_seq_length": NEW, "do_lower_case": False}
@@ -139,7 +139,7 @@ def test_mpnet_sentence_transformer_resized(mpnet_st, tmp_path):
     assert source.tokenize([long])["input_ids"].shape == (1, 20)
     e_long = resized.encode([long], convert_to_tensor=True)
     e_first20 = source.encode([long], convert_to_tensor=True)  # the source reads its first 20 tokens only
-    assert e_long.shape == e_first20.shape == (1, twin.TINY_WIDTH) and torch.isfinite(e_long).all()
+    assert e_long.shape == e_first20.shape == (1, configs.TINY_WIDTH) and torch.isfinite(e_long).all()
     assert not torch.allclose(e_long, e_first20, atol=1e-4)
     short = "A short sentence about a fox."
     assert torch.equal(resized.encode([short], convert_to_tensor=True), source.encode([short], convert_to_tensor=True))
@@ -204,11 +204,11 @@ def test_ibert_weight_integer_follows_the_table(tmp_path):
     old, new = tensors(src), tensors(dst)
     pick = torch.cat([torch.arange(2), 2 + torch.arange(NEW) % USABLE])
     for name in ("weight", "weight_integer"):
-        assert new[base + name].shape == (NEW + 2, twin.TINY_WIDTH), name
+        assert new[base + name].shape == (NEW + 2, configs.TINY_WIDTH), name
         assert torch.equal(new[base + name], old[base + name][pick]), name
     model = load_clean(dst, transformers.IBertForMaskedLM)
     emb = model.ibert.embeddings.position_embeddings
-    assert emb.weight.shape == emb.weight_integer.shape == (NEW + 2, twin.TINY_WIDTH)
+    assert emb.weight.shape == emb.weight_integer.shape == (NEW + 2, configs.TINY_WIDTH)
     with torch.no_grad():
         assert model(input_ids=torch.randint(3, 500, (1, NEW))).logits.shape[1] == NEW
 
@@ -219,7 +219,7 @@ def test_ibert_in_memory_companion(tmp_path):
     # the in-memory door handles I-BERT's companion buffer as the file path does
     posextend.extend_model(model, NEW)
     emb = model.ibert.embeddings.position_embeddings
-    assert emb.weight.shape == emb.weight_integer.shape == (NEW + 2, twin.TINY_WIDTH)
+    assert emb.weight.shape == emb.weight_integer.shape == (NEW + 2, configs.TINY_WIDTH)
     assert model.config.max_position_embeddings == NEW + 2
     with torch.no_grad():
         assert model(input_ids=torch.randint(3, 500, (1, NEW))).logits.shape[1] == NEW
@@ -660,13 +660,13 @@ def test_verification_failure_leaves_nothing(tiny, tmp_path, monkeypatch):
 
 def test_verification_catches_wrong_rows(tiny, tmp_path, monkeypatch):
     """The real verify, fed a twin that looks up the wrong rows, refuses the output."""
-    real = twin.tiny_lookups
+    real = twin_runs.tiny_lookups
 
     def shifted(config, cls, tables, length, **kwargs):
         used, small = real(config, cls, tables, length, **kwargs)
         return {n: rows + 1 for n, rows in used.items()}, small
 
-    monkeypatch.setattr(twin, "tiny_lookups", shifted)
+    monkeypatch.setattr(twin_runs, "tiny_lookups", shifted)
     dst = tmp_path / "out"
     with pytest.raises(VerificationError, match="looks up"):
         posextend.resize_checkpoint(tiny["bert"], dst, NEW, verify=True)
@@ -677,7 +677,7 @@ def test_verification_catches_a_twin_that_fails(tiny, tmp_path, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("index out of range in self")
 
-    monkeypatch.setattr(twin, "tiny_lookups", broken)
+    monkeypatch.setattr(twin_runs, "tiny_lookups", broken)
     dst = tmp_path / "out"
     with pytest.raises(VerificationError, match="fails at its full length"):
         posextend.resize_checkpoint(tiny["bert"], dst, NEW, verify=True)
@@ -707,10 +707,10 @@ def test_extend_model_in_memory_probed_mpnet():
                        cls=transformers.MPNetForMaskedLM)
     assert "mpnet" not in posextend.SPECS
     old = model.mpnet.embeddings.position_embeddings.weight.detach().clone()
-    assert table_of(model).shape == (USABLE, twin.TINY_WIDTH)
+    assert table_of(model).shape == (USABLE, configs.TINY_WIDTH)
     posextend.extend_model(model, NEW, "tile", seed=0)
     emb = model.mpnet.embeddings.position_embeddings
-    assert emb.weight.shape == (NEW + 2, twin.TINY_WIDTH) and emb.num_embeddings == NEW + 2 and emb.padding_idx == 1
+    assert emb.weight.shape == (NEW + 2, configs.TINY_WIDTH) and emb.num_embeddings == NEW + 2 and emb.padding_idx == 1
     assert torch.equal(emb.weight[:2], old[:2])
     assert torch.equal(emb.weight[2:], old[2:][torch.arange(NEW) % USABLE])
     assert model.config.max_position_embeddings == NEW + 2
@@ -719,7 +719,7 @@ def test_extend_model_in_memory_probed_mpnet():
         logits = model(input_ids=ids).logits
     assert logits.shape == (2, NEW, model.config.vocab_size) and torch.isfinite(logits).all()
     table = table_of(model)
-    assert table.shape == (NEW, twin.TINY_WIDTH)
+    assert table.shape == (NEW, configs.TINY_WIDTH)
     assert torch.equal(table, emb.weight[2:].detach())
 
 
@@ -766,11 +766,9 @@ def test_cli_inspect_plot_on_a_two_length_model(led_twin, tmp_path):
 def test_shrink_keeps_a_vocabulary_part_below_the_vocabulary():
     """A field that counts rows within the vocabulary (Inkling-2's ``unpadded_vocab_size``, transformers 5.24)
     keeps its distance below the shrunk ``vocab_size``; a vocabulary of its own (RoCBert's shapes) is left."""
-    from posextend.families import twin
-
     config = {"model_type": "x", "vocab_size": 100_000, "unpadded_vocab_size": 99_900, "shape_vocab_size": 24858}
-    out = twin.shrink(config)
-    assert out["vocab_size"] == twin.TINY_VOCAB and out["shape_vocab_size"] == 24858
+    out = configs.shrink(config)
+    assert out["vocab_size"] == configs.TINY_VOCAB and out["shape_vocab_size"] == 24858
     assert out["vocab_size"] - out["unpadded_vocab_size"] == 100
-    assert twin.shrink({**config, "unpadded_vocab_size": 1000})["unpadded_vocab_size"] == 1  # a gap wider than the twin
-    assert twin.shrink({**config, "unpadded_vocab_size": 100})["unpadded_vocab_size"] == 100  # already fits
+    assert configs.shrink({**config, "unpadded_vocab_size": 1000})["unpadded_vocab_size"] == 1  # a gap wider than the twin
+    assert configs.shrink({**config, "unpadded_vocab_size": 100})["unpadded_vocab_size"] == 100  # already fits

@@ -13,7 +13,7 @@ from conftest import load_clean
 from safetensors import safe_open
 from typer.testing import CliRunner
 
-from posextend.families import twin
+from posextend.families import configs, twin
 from posextend.cli import app
 
 # model type: the table's name in the file (renamed by save_pretrained), where the vision tower sits
@@ -29,7 +29,7 @@ def _tensors(path):
 
 @pytest.mark.parametrize("model_type", list(RENAMED))
 def test_a_table_under_a_renamed_name_is_resized_in_place(model_type, tmp_path):
-    config = twin.shrink(transformers.AutoConfig.for_model(model_type).to_dict())
+    config = configs.shrink(transformers.AutoConfig.for_model(model_type).to_dict())
     config["vision_config"].update(image_size=IMAGE, patch_size=PATCH)
     cls = twin.model_class(config)
     src, dst = tmp_path / "src", tmp_path / "dst"

@@ -11,7 +11,7 @@ import transformers
 from typer.testing import CliRunner
 
 import posextend
-from posextend.families import twin
+from posextend.families import configs, twin, twin_runs
 from posextend.cli import app
 from posextend.families.grid_probe import observe_grids
 from posextend.families.lookup import all_specs, spec_for
@@ -26,7 +26,7 @@ def _config(model_type: str) -> tuple[dict, type]:
     cls = getattr(transformers, name if isinstance(name, str) else name[0])
     config = transformers.AutoConfig.for_model(model_type).to_dict()
     config.update(model_type=model_type, architectures=[cls.__name__])
-    return twin.shrink(config), cls
+    return configs.shrink(config), cls
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_vl_vision", "glm4v", "qwen3_vl", "paddleocr_vl_vision"])
@@ -56,9 +56,9 @@ def test_run_patches_feeds_a_patch_sequence_with_its_grid():
     """Qwen3-VL's tower takes ``[patches, c * t * p * p]`` and ``grid_thw``: the first layout runs, at each grid."""
     config, cls = _config("qwen3_vl_vision")
     model = twin.build(config, cls=cls)
-    out, where = twin.run_patches(model, ["pos_embed.weight"], (12, 12))
+    out, where = twin_runs.run_patches(model, ["pos_embed.weight"], (12, 12))
     assert where == ("", "flat") and out.shape[0] == 144
-    again, _ = twin.run_patches(model, ["pos_embed.weight"], (24, 24), where)
+    again, _ = twin_runs.run_patches(model, ["pos_embed.weight"], (24, 24), where)
     assert again.shape[0] == 576 and torch.isfinite(again).all()
 
 
@@ -66,10 +66,11 @@ def test_a_table_the_forward_does_not_use_is_no_run_time_grid(monkeypatch):
     """The observation needs the table to matter: with its lookup cut off, the twin shows nothing to refuse as
     adapted, and the family's default refusal stands (no patch grid is taken for an adapted one)."""
     import posextend.families.grid_probe as gp
+    import posextend.families.run_time_grids as rtg
 
     config, cls = _config("qwen3_vl_vision")
     calls = []
-    monkeypatch.setattr(gp, "_used_at_both", lambda *a: calls.append(a[1]))
+    monkeypatch.setattr(rtg, "_used_at_both", lambda *a: calls.append(a[1]))
     gp._cached.cache_clear()
     try:
         assert observe_grids(config, cls) == ()

@@ -19,7 +19,7 @@ from safetensors import safe_open
 from typer.testing import CliRunner
 
 import posextend
-from posextend.families import twin
+from posextend.families import configs
 from posextend.cli import app
 from posextend.families.grid_probe import observe_grids
 from posextend.tables.strategies import resize_grid, resize_relative
@@ -184,11 +184,11 @@ def test_observed_spec_names_the_global_layers_only():
 
 
 def test_shrink_keeps_a_global_and_a_windowed_layer():
-    small = twin.shrink(transformers.SamConfig().to_dict())["vision_config"]
-    assert small["num_hidden_layers"] == twin.TINY_LAYERS
-    assert small["global_attn_indexes"] == [twin.TINY_LAYERS - 1]
-    every = twin.shrink({**transformers.SamVisionConfig().to_dict(), "global_attn_indexes": list(range(12))})
-    assert every["global_attn_indexes"] == list(range(twin.TINY_LAYERS))
+    small = configs.shrink(transformers.SamConfig().to_dict())["vision_config"]
+    assert small["num_hidden_layers"] == configs.TINY_LAYERS
+    assert small["global_attn_indexes"] == [configs.TINY_LAYERS - 1]
+    every = configs.shrink({**transformers.SamVisionConfig().to_dict(), "global_attn_indexes": list(range(12))})
+    assert every["global_attn_indexes"] == list(range(configs.TINY_LAYERS))
 
 
 def test_non_square_sizes_are_refused(sam, tmp_path):

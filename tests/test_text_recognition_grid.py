@@ -12,7 +12,7 @@ from conftest import load_clean
 from safetensors import safe_open
 from typer.testing import CliRunner
 
-from posextend.families import twin
+from posextend.families import configs, twin
 from posextend.cli import app
 
 
@@ -22,7 +22,7 @@ def _tensors(path):
 
 
 def test_mgp_str_at_a_larger_non_square_image_through_the_cli(tmp_path):
-    config = twin.shrink(transformers.MgpstrConfig().to_dict())
+    config = configs.shrink(transformers.MgpstrConfig().to_dict())
     config["architectures"] = ["MgpstrForSceneTextRecognition"]
     src, dst = tmp_path / "src", tmp_path / "dst"
     model = twin.build(config, cls=transformers.MgpstrForSceneTextRecognition)

@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 
 import posextend
 from posextend.cli import app
-from posextend.families.specs import GRID_SPECS
+from posextend.families.catalogue import GRID_SPECS
 from posextend.errors import InvalidLengthError, NotLearnedPositionsError, StrategyError
 
 IMAGE, PATCH = 40, 8  # a 5x5 grid of patches

@@ -1,6 +1,6 @@
 """The one lookup of a family's facts, used by every door (file path, in-memory, analysis, fine-tune).
 
-A model type with a written spec (:data:`posextend.families.specs.SPECS`) gets it; any other is
+A model type with a written spec (:data:`posextend.families.catalogue.SPECS`) gets it; any other is
 observed on twins of its own config (:func:`posextend.families.probe.observe`), never guessed.
 Models whose positions are not a learned table are refused with what they use instead.
 """
@@ -12,8 +12,10 @@ from dataclasses import replace
 from typing import Any
 
 from posextend.errors import NotLearnedPositionsError, RunTimeGridError, UnsupportedArchitectureError
-from posextend.families.twin import get_path
-from posextend.families.specs import GRID_SPECS, RUN_TIME_GRIDS, SPECS, VISION_TOWERS, ArchitectureSpec, positions_kind_problem
+from posextend.families.catalogue import GRID_SPECS, RUN_TIME_GRIDS, SPECS, VISION_TOWERS
+from posextend.families.configs import get_path
+from posextend.families.not_learned import positions_kind_problem
+from posextend.families.specs import ArchitectureSpec
 
 
 def all_specs(config: Mapping[str, Any], *, cls: type | None = None) -> tuple[ArchitectureSpec, ...]:

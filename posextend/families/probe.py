@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from posextend.families import twin
+from posextend.families import configs, twin, twin_runs
 from posextend.errors import UnsupportedArchitectureError, VerificationError
 from posextend.families.specs import ArchitectureSpec, BufferRule, table_rows
 
@@ -40,7 +40,7 @@ _GROUP_NAMES = {"max_target_positions": "decoder", "max_decoder_position_embeddi
 def length_fields(config: Mapping[str, Any]) -> list[str]:
     """Integer config fields (nested included) whose name says they may size positions."""
     fields = []
-    for prefix, sub in twin.sub_configs(config):
+    for prefix, sub in configs.sub_configs(config):
         for key, value in sub.items():
             if isinstance(value, int) and not isinstance(value, bool) and value > LOOKUP_TOKENS and _LENGTH_FIELD.search(key):
                 fields.append(prefix + key)
@@ -80,8 +80,8 @@ def _observe(config_json: str, cls_name: str | None) -> tuple[ArchitectureSpec, 
     specs, reasons = [], []
     claimed: dict[str, str] = {}
     for path in length_fields(config):
-        value = twin.get_path(config, path)
-        moved_config = twin.set_path(config, path, value + DELTA)
+        value = configs.get_path(config, path)
+        moved_config = configs.set_path(config, path, value + DELTA)
         try:
             moved = twin.meta_shapes(moved_config, cls, saved=False)
         except UnsupportedArchitectureError as exc:
@@ -193,7 +193,7 @@ def _first_row(
     import torch
 
     try:
-        used, small_config = twin.tiny_lookups(config, cls, tables, LOOKUP_TOKENS)
+        used, small_config = twin_runs.tiny_lookups(config, cls, tables, LOOKUP_TOKENS)
     except RuntimeError as exc:
         raise UnsupportedArchitectureError(
             f"{model_type}: cannot run the module around {tables[0]} to see which rows positions use ({exc})."
@@ -221,7 +221,7 @@ def _first_row(
 
 def _counting_run(rows: torch.Tensor) -> int:
     """How many leading entries of ``rows`` count up by one from ``rows[0]`` (the first lookup, when
-    :func:`posextend.families.twin.run_lookups` gives every lookup of a forward one after another)."""
+    :func:`posextend.families.twin_runs.run_lookups` gives every lookup of a forward one after another)."""
     import torch
 
     steps = torch.nonzero(rows[1:] - rows[:-1] != 1)
@@ -241,7 +241,7 @@ def _check_only_tables_follow(
     import torch
 
     a = twin.build(small_config, cls=cls)
-    b = twin.build(twin.set_path(small_config, path, value + DELTA), cls=cls)
+    b = twin.build(configs.set_path(small_config, path, value + DELTA), cls=cls)
     old = a.state_dict()
     merged = {}
     for name, tensor in b.state_dict().items():
@@ -254,10 +254,10 @@ def _check_only_tables_follow(
     b.load_state_dict(merged)
     rows = next(tensor.shape[0] for name, tensor in old.items() if name in tables)
     n = min(rows - reserved, BEHAVIOUR_TOKENS)  # the old length: relative buckets differ only far apart
-    ids = twin.random_tokens(small_config, n)
+    ids = twin_runs.random_tokens(small_config, n)
     try:
-        _, module = twin.run_lookups(a, tables, n, token=twin.safe_token(small_config))
-        x, y = twin.forward_output(a, module, ids), twin.forward_output(b, module, ids)
+        _, module = twin_runs.run_lookups(a, tables, n, token=twin_runs.safe_token(small_config))
+        x, y = twin_runs.forward_output(a, module, ids), twin_runs.forward_output(b, module, ids)
     except Exception as exc:  # a foreign forward
         raise UnsupportedArchitectureError(
             f"{model_type}: a twin does not run on {n} tokens ({twin._first_line(exc)}), so it cannot be checked "
@@ -286,7 +286,7 @@ def _buffer_rules(
         return ()
     model_type = small_config.get("model_type", "?")
     a = dict(twin.build(small_config, cls=cls).named_buffers())
-    b = dict(twin.build(twin.set_path(small_config, path, value + DELTA), cls=cls).named_buffers())
+    b = dict(twin.build(configs.set_path(small_config, path, value + DELTA), cls=cls).named_buffers())
     rules = []
     for name in buffers:
         old, new = a.get(name), b.get(name)
@@ -330,7 +330,7 @@ def verify(
     config = json.loads((directory / "config.json").read_text())
     _check_shapes(config, spec, tables, shapes, source_shapes, cls)
     try:
-        used, _ = twin.tiny_lookups(config, cls, tables, usable, whole=True)
+        used, _ = twin_runs.tiny_lookups(config, cls, tables, usable, whole=True)
     except RuntimeError as exc:
         raise VerificationError(
             f"A twin of the written {spec.model_type} checkpoint fails at its full length {usable} ({exc}); "
@@ -356,14 +356,14 @@ def verify_grid(
     its positions (so it uses the written grid as it is); raise VerificationError."""
     config = json.loads((directory / "config.json").read_text())
     _check_shapes(config, spec, tables, shapes, source_shapes, cls)
-    small = twin.shrink(config)
+    small = configs.shrink(config)
     try:
         model = twin.build(small, cls=cls)
         found = {n: table_rows(tuple(t.shape)) for n, t in [*model.named_parameters(), *model.named_buffers()]
                  if n in tables and not spec.is_relative(n)}  # relative companions: checked by the shapes
         if any(r != rows for r in found.values()) or not found:
             raise RuntimeError(f"its tables have {sorted(set(found.values()))} rows, not {rows}")
-        twin.run_pixels(model, tables, image_size, twin.num_channels(small))
+        twin_runs.run_pixels(model, tables, image_size, twin_runs.num_channels(small))
     except (RuntimeError, ValueError) as exc:
         raise VerificationError(
             f"A twin of the written {spec.model_type} checkpoint does not run at its image size "

@@ -1,7 +1,10 @@
-"""Architecture specs: the one place that knows where each family keeps its positions.
+"""Architecture spec types: how a family's positions are described, and found in a checkpoint.
 
-Both the file path (``resize_checkpoint``) and the in-memory path (``extend_model``)
-read these specs; nothing else in the package names a model family.
+An :class:`ArchitectureSpec` says where one family keeps its learned absolute position table(s), a
+:class:`GridSpec` how an image-patch grid maps to config fields, a :class:`BufferRule` how a length-dependent
+buffer is rebuilt, and a :class:`Layout` where a spec found its tables in one model or checkpoint. The
+written specs are in :mod:`posextend.families.catalogue`; others are observed on twins
+(:mod:`posextend.families.probe`, :mod:`posextend.families.grid_probe`).
 
 Lengths are in *usable* positions (what a tokenizer's ``model_max_length`` holds).
 ``rows = usable + reserved`` where ``reserved`` are leading rows that no token
@@ -11,14 +14,14 @@ position ever uses directly (RoBERTa's padding rows, OPT/BART's offset of 2).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from posextend.errors import CorruptCheckpointError, InvalidLengthError
-from posextend.families.twin import get_path, pair
+from posextend.families.configs import get_path, pair
+from posextend.families.renames import missing_table, names_on_load
 
 if TYPE_CHECKING:
     import torch
@@ -135,7 +138,7 @@ class GridSpec:
       ``patches + extra`` (LLaVA's ``image_seq_length``) and follows the new grid.
     - ``relative``: relative-position tables ``[2 * side - 1, head_dim]`` that follow the grid's side (SAM's
       global-attention ``rel_pos_h`` / ``rel_pos_w``; names relative to the base model), resized linearly as the
-      family resamples them at run time (:func:`.strategies.resize_relative`); square grids only.
+      family resamples them at run time (:func:`posextend.tables.strategies.resize_relative`); square grids only.
     - ``follow``: other config fields that follow the image, ``(field, "image" | "side")``: the field holds the
       image size (SAM's ``prompt_encoder_config.image_size``) or the grid's side (``image_embedding_size``).
     """
@@ -186,92 +189,13 @@ class GridSpec:
         counts = {key: (h // ph) * (w // pw) + extra for key, extra in self.counts}
         follow = {key: (h, w) if kind == "image" else (h // ph, w // pw) for key, kind in self.follow}
         fields = {self.image_key: (h, w), **follow}
-        return {**{key: _same_form(get_path(config, key), v) for key, v in fields.items()}, **counts}
+        return {**{key: same_form(get_path(config, key), v) for key, v in fields.items()}, **counts}
 
 
-def _same_form(old: Any, value: tuple[int, int]) -> int | list[int]:
-    """``value`` as an int when square and ``old`` was an int, else ``[height, width]``."""
+def same_form(old: Any, value: tuple[int, int]) -> int | list[int]:
+    """``value`` as an int when square and ``old`` was an int, else ``[height, width]``: an image-size field's
+    new value in the field's own form."""
     return value[0] if value[0] == value[1] and isinstance(old, int) else [value[0], value[1]]
-
-
-def names_on_load(names: set[str] | frozenset[str], config: Mapping[str, Any]) -> dict[str, str]:
-    """``{name transformers loads it as: file name}`` for each of a file's tensors that the family's own
-    conversion mapping renames on loading (and back on saving: Step3p7's and Qianfan-OCR's vision towers),
-    with and without the base model's prefix; empty when it renames none."""
-    import json
-
-    rules = _conversion_rules(json.dumps(dict(config), sort_keys=True, default=str))
-    if not rules:
-        return {}
-    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
-
-    renamings = [r for r in rules[1] if isinstance(r, WeightRenaming)]
-    converters = [r for r in rules[1] if isinstance(r, WeightConverter)]
-    out: dict[str, str] = {}
-    for name in names:
-        new, converted = rename_source_key(name, renamings, converters)
-        if new != name and converted is None:  # renamed only: a converter splits or merges the tensor
-            out[new] = name
-            if rules[0] and new.startswith(rules[0] + "."):
-                out[new.removeprefix(rules[0] + ".")] = name
-    return out
-
-
-@functools.lru_cache(maxsize=16)
-def _conversion_rules(config_json: str) -> tuple[str, tuple] | None:
-    """The base model prefix and the weight conversions transformers applies when loading a model of this
-    config (observed on a meta twin); None when there are none or no twin builds."""
-    import json
-
-    from transformers.conversion_mapping import get_model_conversion_mapping
-
-    from posextend.families.twin import build
-
-    try:
-        model = build(json.loads(config_json), device="meta")
-        rules = tuple(get_model_conversion_mapping(model))
-    except Exception:  # a foreign constructor: nothing is renamed that posextend can know
-        return None
-    return (model.base_model_prefix, rules) if rules else None
-
-
-def _missing_table(model_type: str, options: tuple[str, ...], names: frozenset[str] | set[str],
-                   config: Mapping[str, Any] | None) -> str:
-    """Why a table was not found: the names looked for, the nearest names the checkpoint holds, and
-    whether its weights are this family's at all (a twin of ``config`` knows its names)."""
-    import difflib
-
-    looked = " or ".join(repr(o) for o in options)
-    tail = ".".join(options[0].split(".")[-2:])  # position_embeddings.weight
-    leaf = options[0].rpartition(".")[2]  # pos_embed: a table named by itself (not .weight), renamed around it
-    near = sorted(n for n in names if n.endswith("." + tail))[:3] or difflib.get_close_matches(
-        options[0], sorted(names), n=3, cutoff=0.75) or (
-        sorted(n for n in names if n.endswith("." + leaf))[:3] if leaf not in ("weight", "bias") else [])
-    if near:
-        return (f"This {model_type} checkpoint has no position table {looked}; its nearest names are "
-                f"{', '.join(repr(n) for n in near)}. The file names its tensors otherwise than the model's modules "
-                "do (saved by other code, or renamed by transformers when saving), so which one is the table is not "
-                "known: nothing was written. Please report this layout.")
-    if config is not None and _family_share(config, names) >= 0.5:
-        return (f"This {model_type} checkpoint holds a {model_type} model without its position table {looked} "
-                "(a base model saved without the module that holds the positions): there is no table to resize; "
-                "save the model with the module that holds it.")
-    return (f"This {model_type} checkpoint has no position table {looked}, and no name like it among its "
-            f"{len(names)} tensors: the weights do not look like a {model_type} model; check config.json's "
-            "model_type.")
-
-
-def _family_share(config: Mapping[str, Any], names: frozenset[str] | set[str]) -> float:
-    """The share of ``names`` that a twin of ``config`` saves, in the layout that matches best."""
-    from posextend.errors import UnsupportedArchitectureError
-    from posextend.families.twin import layout_class, meta_shapes
-
-    try:
-        cls, add = layout_class(config, names)
-        expected = meta_shapes(config, cls)
-    except UnsupportedArchitectureError:
-        return 0.0
-    return sum(add + n in expected for n in names) / max(1, len(names))
 
 
 def table_rows(shape: tuple[int, ...]) -> int | None:
@@ -350,7 +274,7 @@ class ArchitectureSpec:
             if not candidates and table in self.optional:
                 continue
             if not candidates:
-                raise CorruptCheckpointError(_missing_table(self.model_type, options, names, config))
+                raise CorruptCheckpointError(missing_table(self.model_type, options, names, config))
             if len(candidates) > 1:
                 raise CorruptCheckpointError(
                     f"Both {candidates[0]!r} and {candidates[1]!r} are present; "
@@ -443,204 +367,3 @@ class ArchitectureSpec:
             return self.grid.config_updates(config, usable)
         value = self.config_value(config, usable)
         return {k: value for i, k in enumerate(self.length_keys) if i == 0 or get_path(config, k) is not None}
-
-
-def _roberta_reserved(config: Mapping[str, Any]) -> int:
-    # RoBERTa's positions start at padding_idx + 1: rows 0..pad_token_id are reserved.
-    return int(config.get("pad_token_id", 1)) + 1
-
-
-_BERT_BUFFERS = (
-    BufferRule(r"(^|\.)embeddings\.position_ids$", "arange"),
-    BufferRule(r"(^|\.)embeddings\.token_type_ids$", "zeros"),
-)
-_CAUSAL_MASK = BufferRule(r"(^|\.)attn\.bias$", "toeplitz")
-
-
-def _bert_like(model_type: str, prefix: str, **kw: Any) -> ArchitectureSpec:
-    """BERT's embeddings module: ``embeddings.position_embeddings`` + position/token-type ids."""
-    return ArchitectureSpec(model_type, prefix, ("embeddings.position_embeddings.weight",), buffers=_BERT_BUFFERS, **kw)
-
-
-def _roberta_like(model_type: str, prefix: str) -> ArchitectureSpec:
-    """RoBERTa: positions start at ``padding_idx + 1``; the config counts the reserved rows."""
-    return _bert_like(model_type, prefix, reserved=_roberta_reserved, config_counts_reserved=True)
-
-
-def _seq2seq(model_type: str, offset: int) -> ArchitectureSpec:
-    """BART-style encoder-decoders: two tables, each ``offset`` rows longer than the config says."""
-    return ArchitectureSpec(
-        model_type, "model", ("encoder.embed_positions.weight", "decoder.embed_positions.weight"), reserved=offset,
-    )
-
-
-def _vision(model_type: str, prefix: str, table: str, reserved: int, *, grid: GridSpec = GridSpec(),
-            group: str = "model", buffers: tuple[BufferRule, ...] = (),
-            optional: tuple[str, ...] = ()) -> ArchitectureSpec:
-    """An image-patch grid after ``reserved`` prefix tokens, sized by ``grid`` (``image_size / patch_size``)."""
-    return ArchitectureSpec(model_type, prefix, (table,), length_keys=(grid.image_key,), reserved=reserved,
-                            buffers=buffers, group=group, grid=grid, optional=optional)
-
-
-def _vision_tower(model_type: str, reserved: int, *, group: str = "model", config: str = "") -> ArchitectureSpec:
-    """CLIP-style towers: ``embeddings.position_embedding`` (an ``nn.Embedding``) + ``position_ids``, under
-    ``vision_model.`` (in a composite model; a bare tower saves its tensors without it)."""
-    inner = "vision_model." if config else ""
-    ids = BufferRule(rf"(^|\.){re.escape(inner)}embeddings\.position_ids$", "arange")
-    grid = GridSpec(f"{config}image_size", f"{config}patch_size", square=True)
-    return _vision(model_type, "" if config else "vision_model", f"{inner}embeddings.position_embedding.weight",
-                   reserved, grid=grid, group=group, buffers=(ids,))
-
-
-# Image-patch grids, one written spec per family (kept apart from the text families' SPECS).
-GRID_SPECS: dict[str, ArchitectureSpec] = {
-    s.model_type: s
-    for s in [
-        # image-patch grids: [1, prefix + H*W, D] parameters after class (and distillation) tokens
-        _vision("vit", "vit", "embeddings.position_embeddings", 1),
-        _vision("vit_msn", "vit", "embeddings.position_embeddings", 1),
-        _vision("deit", "deit", "embeddings.position_embeddings", 2),
-        # DINOv2 interpolates whenever height != width: square only (registers follow the table, not in it)
-        _vision("dinov2", "dinov2", "embeddings.position_embeddings", 1, grid=GridSpec(square=True)),
-        # ... and with registers, its run-time interpolation antialiases (plain DINOv2's does not)
-        _vision("dinov2_with_registers", "dinov2_with_registers", "embeddings.position_embeddings", 1,
-                grid=GridSpec(square=True, antialias=True)),
-        # MAE: a fixed 2-D sin-cos table, resampled as MAE's own fine-tuning code and transformers do;
-        # the pre-training head's decoder holds a second grid of the same patches
-        _vision("vit_mae", "vit", "embeddings.position_embeddings", 1, optional=("decoder.decoder_pos_embed",)),
-        # DPT resamples its table to every input (bilinear, from a square grid): square only, bilinear
-        _vision("dpt", "dpt", "embeddings.position_embeddings", 1, grid=GridSpec(square=True, strategy="bilinear")),
-        _vision_tower("clip_vision_model", 1),
-        _vision_tower("siglip_vision_model", 0),
-    ]
-}
-
-# Grids a family resamples to every image's own size on each forward: nothing on disk to resize.
-_NAFLEX = ("SigLIP2 (NaFlex) resamples its position grid to each image's patch grid on every forward; "
-           "raise the image processor's max_num_patches for larger images instead")
-RUN_TIME_GRIDS = {
-    "siglip2": _NAFLEX,
-    "siglip2_vision_model": _NAFLEX,
-    "yolos": "YOLOS resamples its position grids (keeping its detection-token rows) to each image's size on "
-             "every forward; feed larger images (the image processor's size) instead",
-}
-
-# Image towers of composite models, a length group beside the text tables the probe observes.
-VISION_TOWERS: dict[str, ArchitectureSpec] = {
-    s.model_type: s
-    for s in [
-        _vision_tower("clip", 1, group="vision", config="vision_config."),
-        _vision_tower("siglip", 0, group="vision", config="vision_config."),
-    ]
-}
-
-SPECS: dict[str, ArchitectureSpec] = {
-    s.model_type: s
-    for s in [
-        ArchitectureSpec(
-            "gpt2",
-            prefix="transformer",
-            tables=("wpe.weight",),
-            length_keys=("n_positions", "n_ctx"),
-            # Older checkpoints store the causal mask; match it exactly, never attn.c_attn.bias.
-            buffers=(BufferRule(r"(^|\.)(attn|crossattention)\.bias$", "toeplitz"),),
-            # A constant (-1e4) older checkpoints stored; 4.x ignored it, 5.x reports it unexpected.
-            dropped=(r"(^|\.)(attn|crossattention)\.masked_bias$",),
-        ),
-        ArchitectureSpec(
-            "gpt_neo", "transformer", ("wpe.weight",),
-            # causal mask, banded for local-attention layers: both depend only on i - j
-            buffers=(BufferRule(r"(^|\.)attn\.attention\.bias$", "toeplitz"),),
-            dropped=(r"(^|\.)attn\.attention\.masked_bias$",),
-        ),
-        ArchitectureSpec(
-            "gpt_bigcode", "transformer", ("wpe.weight",), length_keys=("n_positions",),
-            buffers=(BufferRule(r"^(transformer\.)?bias$", "toeplitz"),),
-        ),
-        ArchitectureSpec(
-            "openai-gpt", "transformer", ("positions_embed.weight",), length_keys=("n_positions",),
-            buffers=(BufferRule(r"^(transformer\.)?position_ids$", "arange"), _CAUSAL_MASK),
-        ),
-        _bert_like("bert", "bert"),
-        _bert_like("big_bird", "bert"),
-        _bert_like("megatron-bert", "bert"),
-        _bert_like("ernie", "ernie"),
-        _bert_like("electra", "electra"),
-        _bert_like("albert", "albert"),
-        _bert_like("convbert", "convbert"),
-        _bert_like("mobilebert", "mobilebert"),
-        _bert_like("rembert", "rembert"),
-        _bert_like("splinter", "splinter"),
-        _bert_like("fnet", "fnet"),
-        _bert_like("layoutlm", "layoutlm"),
-        _bert_like("distilbert", "distilbert"),
-        # positions start at 2: two unused rows, the config counts usable positions only
-        _bert_like("nystromformer", "nystromformer", reserved=2),
-        _bert_like("yoso", "yoso", reserved=2),
-        _bert_like("mra", "mra", reserved=2),
-        _roberta_like("roberta", "roberta"),
-        _roberta_like("xlm-roberta", "roberta"),
-        _roberta_like("camembert", "roberta"),
-        _roberta_like("roberta-prelayernorm", "roberta_prelayernorm"),
-        _roberta_like("data2vec-text", "data2vec_text"),
-        _roberta_like("longformer", "longformer"),
-        _roberta_like("markuplm", "markuplm"),
-        ArchitectureSpec(
-            "xlm", "transformer", ("position_embeddings.weight",),
-            buffers=(BufferRule(r"^(transformer\.)?position_ids$", "arange"),),
-        ),
-        ArchitectureSpec(
-            "flaubert", "transformer", ("position_embeddings.weight",),
-            buffers=(BufferRule(r"^(transformer\.)?position_ids$", "arange"),),
-        ),
-        ArchitectureSpec("opt", "model", ("decoder.embed_positions.weight",), reserved=2),
-        ArchitectureSpec("biogpt", "biogpt", ("embed_positions.weight",), reserved=2),
-        _bert_like("bert-generation", "bert"),
-        _seq2seq("bart", 2),
-        _seq2seq("mbart", 2),
-        _seq2seq("plbart", 2),
-        _seq2seq("mvp", 2),
-        _seq2seq("blenderbot", 0),
-        _seq2seq("blenderbot-small", 0),
-    ]
-}
-
-# Model types whose positions are not a learned absolute table, by what they use instead.
-_NOT_LEARNED = {
-    "rotary embeddings (RoPE)": ("llama", "mistral", "qwen2", "gemma", "gpt_neox", "gptj", "phi", "modernbert",
-                                 "roformer"),
-    "rotary embeddings or ALiBi": ("falcon",),
-    "ALiBi attention biases": ("bloom", "mpt"),
-    "relative attention": ("t5", "mt5", "funnel", "xlnet", "transfo-xl"),
-    "fixed sinusoidal positions": ("xglm", "m2m_100", "marian", "pegasus", "speech_to_text"),
-    "relative position biases inside attention windows": ("swin", "swinv2", "donut-swin"),
-}
-
-
-_RELATIVE_TYPES = {"relative_key": "relative positions", "relative_key_query": "relative positions",
-                   "rotary": "rotary embeddings (RoPE)", "alibi": "ALiBi attention biases"}
-
-
-def positions_kind_problem(config: Mapping[str, Any]) -> str | None:
-    """Why this config's positions are not a learned absolute table, or None if they are."""
-    model_type = config.get("model_type", "")
-    for kind, model_types in _NOT_LEARNED.items():
-        if model_type in model_types:
-            return kind
-    if model_type in ("deberta", "deberta-v2") and not config.get("position_biased_input"):
-        return "relative attention (position_biased_input=false: no absolute table)"
-    pet = config.get("position_embedding_type", "absolute")
-    if pet in _RELATIVE_TYPES:  # other values (DETR-style "sine") describe an image side: observed, not refused
-        return f"position_embedding_type={pet!r} ({_RELATIVE_TYPES[pet]})"
-    for key in ("sinusoidal_pos_embds", "sinusoidal_embeddings"):  # DistilBERT, XLM/FlauBERT
-        if config.get(key):
-            return f"fixed sinusoidal positions ({key}=true)"
-    # ESM-1b carries rope_theta although its position_embedding_type says absolute: the type decides.
-    if pet != "absolute" or "position_embedding_type" not in config:
-        if any(k in config for k in ("rope_theta", "rope_scaling", "rope_parameters", "rotary_dim", "rotary_pct")):
-            return "rotary embeddings (RoPE)"
-    if model_type in ("beit", "data2vec-vision") and not config.get("use_absolute_position_embeddings"):
-        return "relative position biases (use_absolute_position_embeddings=false)"
-    if config.get("alibi"):
-        return "ALiBi attention biases"
-    return None

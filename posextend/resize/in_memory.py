@@ -69,7 +69,7 @@ def resize_in_memory(model: nn.Module, request: Request, seed: int | None) -> No
             _sync_image_attributes(model, plan, config)
         set_config(model, plan.config_updates(config))
         if plan.spec.grid and plan.spec.covered_by == "probed":
-            from posextend.families.grid_probe import sync_derived_buffers
+            from posextend.families.grid_buffers import sync_derived_buffers
 
             sync_derived_buffers(model)  # buffers it computes from its config (OWL-ViT's box_bias)
         log.info("Extended %s in memory: %s -> %s (%s)", plan.spec.model_type, plan.layout.grid, plan.new_grid,

@@ -12,7 +12,8 @@ from posextend.files.checkpoint import Checkpoint
 from posextend.files.sources import json_int
 from posextend.families.lookup import all_specs, spec_for
 from posextend.families.specs import table_rows as rows_of
-from posextend.families.twin import get_path, layout_class
+from posextend.families.configs import get_path
+from posextend.families.twin import layout_class
 
 if TYPE_CHECKING:
     import torch

@@ -23,7 +23,8 @@ from posextend.files.atomic import atomic_output
 from posextend.files.reader import CheckpointReader, nonfinite_count
 from posextend.files.tensorfile import ByteRanges, Entry, TensorData
 from posextend.files.sources import check_destination, read_config
-from posextend.families.specs import Layout, names_on_load
+from posextend.families.renames import names_on_load
+from posextend.families.specs import Layout
 from posextend.families.twin import layout_class
 from posextend.tables.strategies import get_strategy
 from posextend.resize.options import ResizeOptions

@@ -27,7 +27,7 @@ from posextend.files.tensorfile import Entry, TensorData, write_safetensors
 from posextend.resize.plan import GroupPlan, ImageSize
 from posextend.files.sources import ST_CONFIG, TOKENIZER_FILES, st_config, transformer_dir
 from posextend.families.specs import IMAGE_COUNT_FIELD
-from posextend.families.twin import get_path, set_path
+from posextend.families.configs import get_path, set_path
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from posextend.errors import TrainingError, VerificationError
 from posextend.files.checkpoint import Checkpoint
 from posextend.files.reader import CheckpointReader
 from posextend.files.tensorfile import Entry, TensorData, dtype_code, torch_dtypes
-from posextend.families.specs import names_on_load
+from posextend.families.renames import names_on_load
 from posextend.resize.writer import Change, Written, write_checkpoint
 
 if TYPE_CHECKING:
