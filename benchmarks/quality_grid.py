@@ -101,9 +101,9 @@ class PoSE(CausalLM):
         ids = torch.stack(ids)
         out = run.model(input_ids=batch, position_ids=ids.to(device), labels=batch)
         loss = out.loss
-        if run.source is not None:  # the anchor, on each window's first part (read at the source's positions)
+        if run.reference is not None:  # the anchor, on each window's first part (read at the source's positions)
             first = (torch.arange(n, device=device)[None] < torch.tensor(cuts, device=device)[:, None]).float()
-            loss = loss + self.anchor * self.source_kl(run, batch, out.logits, first)
+            loss = loss + self.anchor * self.reference_kl(run, batch, out.logits, first)
         return loss, batch.shape[0] * (n - 1)
 
 
@@ -116,11 +116,11 @@ class WindowTeacher(CausalLM):
         batch = batch.to(run.accelerator.device)
         out = run.model(input_ids=batch, labels=batch)
         old, n = run.old_length, batch.shape[1]
-        kl = self.source_kl(run, batch[:, :old], out.logits[:, :old])
+        kl = self.reference_kl(run, batch[:, :old], out.logits[:, :old])
         step, far = old // 2, 0.0
         for start in range(old, n, step):
             end = min(start + step, n)
-            far = far + self.source_kl(run, batch[:, end - old : end], out.logits[:, start:end]) * ((end - start) / (n - old))
+            far = far + self.reference_kl(run, batch[:, end - old : end], out.logits[:, start:end]) * ((end - start) / (n - old))
         return out.loss + self.anchor * (kl + far), batch.shape[0] * (n - 1)
 
 

@@ -69,7 +69,7 @@ def test_the_anchor_holds_to_the_recorded_original_not_the_resized_file(gpt, cor
     with caplog.at_level(logging.INFO, logger="posextend.training.setup"):
         report = finetune(resized, tmp_path / "out", [corpus], **QUICK)
     (run,) = runs
-    reference = run.source
+    reference = run.reference
     assert (run.old_length, run.length, report.old_length, report.new_length) == (32, 64, 32, 64)
     assert report.anchor_source == str(original.resolve()) and report.anchor_note is None
     assert not [r for r in caplog.records if "Anchor" in r.getMessage()]
@@ -82,7 +82,7 @@ def test_the_anchor_holds_to_the_recorded_original_not_the_resized_file(gpt, cor
     meta = json.loads(json.dumps(posextend.training.loading.provenance(tmp_path / "out")))
     assert (meta["posextend.source"], meta["posextend.old_length"]) == (str(original.resolve()), "32")
     finetune(tmp_path / "out", tmp_path / "again", [corpus], **QUICK)
-    assert torch.equal(_logits(runs[1].source, ids), _logits(original, ids))
+    assert torch.equal(_logits(runs[1].reference, ids), _logits(original, ids))
 
 
 def test_an_explicit_source_is_the_reference_and_an_unfit_one_is_refused(gpt, bert, corpus, tmp_path, runs, ids):
@@ -90,7 +90,7 @@ def test_an_explicit_source_is_the_reference_and_an_unfit_one_is_refused(gpt, be
     shutil.rmtree(original)  # what the provenance records is gone; the caller knows where the original is
     report = finetune(resized, tmp_path / "out", [corpus], source=gpt, **QUICK)
     assert report.anchor_source == str(gpt.resolve()) and report.anchor_note is None
-    assert torch.equal(_logits(runs[0].source, ids), _logits(gpt, ids))
+    assert torch.equal(_logits(runs[0].reference, ids), _logits(gpt, ids))
     assert _differs(_logits(resized, ids), _logits(gpt, ids)) > 1e-3
     with pytest.raises(posextend.TrainingError, match=r"The anchor's source .*bert.* holds a bert model, not gpt2: give"):
         finetune(resized, tmp_path / "b", [corpus], source=bert, **QUICK)
@@ -119,7 +119,7 @@ def test_a_missing_original_is_said_in_one_line_and_the_checkpoint_is_held_to(gp
     assert "whose first 32 rows interpolate moved; give the original as the anchor's source" in line.getMessage()
     assert report.anchor_source is None
     # today's behaviour: the reference is the checkpoint as loaded (64 rows, interpolated), not the original
-    reference = runs[0].source
+    reference = runs[0].reference
     assert reference.transformer.wpe.weight.shape == (64, 16)
     assert torch.equal(_logits(reference, ids), _logits(resized, ids))
     assert _differs(_logits(reference, ids), _logits(gpt, ids)) > 1e-3
@@ -144,7 +144,7 @@ def test_tile_without_its_original_is_exact_and_said_so_quietly(gpt, corpus, tmp
     (line,) = _anchor_lines(caplog)
     assert line.levelno == logging.INFO  # nothing is lost: not a warning
     assert line.getMessage().endswith(": exact, since tile kept the original's first 32 rows.")
-    assert torch.equal(_logits(runs[0].source, ids), _logits(gpt, ids))  # the fallback is the original
+    assert torch.equal(_logits(runs[0].reference, ids), _logits(gpt, ids))  # the fallback is the original
 
 
 def test_no_provenance_with_an_old_length_is_said(gpt, corpus, tmp_path, caplog):
@@ -165,7 +165,7 @@ def test_without_an_anchor_nothing_changes(gpt, corpus, tmp_path, runs, caplog):
     with caplog.at_level(logging.INFO, logger="posextend"):
         report = finetune(resized, tmp_path / "out", [corpus], anchor=0, source=tmp_path / "ignored", **QUICK)
     assert not _anchor_lines(caplog) and report.anchor_source is None and report.anchor_note is None
-    assert runs[0].source is None
+    assert runs[0].reference is None
 
 
 def _fingerprint(state: Path) -> str:

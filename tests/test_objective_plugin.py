@@ -84,6 +84,7 @@ def _flat(output: str) -> str:
 
 @pytest.fixture
 def plugin(tmp_path, monkeypatch):
+    objectives.available_objectives()  # the installed plug-ins (seq2seq) loaded first: the registry after the test has them
     monkeypatch.setattr(objectives._REGISTRY, "items", dict(objectives._REGISTRY.items))
     monkeypatch.setattr(objectives._REGISTRY, "plugins_loaded", False)
     site = tmp_path / "site"  # the plug-in's module and its distribution's entry point, on sys.path
@@ -101,12 +102,12 @@ def test_an_objective_with_an_unknown_head_is_one_file_outside_the_package(plugi
 
     out = tmp_path / "out"
     r = runner.invoke(app, ["finetune", str(bert), str(out), "--data", str(corpus), "--objective", "token-parity",
-                            "--init-head", "--length", "48", "--steps", "6", "--batch-size", "2", "--seed", "0"])
+                            "--init-head", "--length", "48", "--steps", "12", "--batch-size", "2", "--seed", "0"])
     assert r.exit_code == 0, r.output
     shown = _flat(r.output)
     assert "before token-parity" in shown and "after token-parity" in shown  # its metric heads the table
-    assert "(token-parity, all, 6 steps" in shown and "32 → 48 positions" in shown
-    assert "token-parity: 6 micro-batches" in shown  # its typed per-run state, through its notes
+    assert "(token-parity, all, 12 steps" in shown and "32 → 48 positions" in shown
+    assert "token-parity: 12 micro-batches" in shown  # its typed per-run state, through its notes
     scores = json.loads((out / "posextend_eval.json").read_text())
     assert scores["before"]["metric"] == scores["after"]["metric"] == "token-parity perplexity"
     assert scores["before"]["length"] == scores["after"]["length"] == 48

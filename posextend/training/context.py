@@ -37,7 +37,8 @@ class RunContext:
     - ``length`` / ``old_length``: the run's number of positions, and the source's; ``decoder_length``: an
       encoder-decoder's decoder positions where it has a length of its own (LED; None: ``length``).
     - ``short_inputs_fixed``: only new rows train, so outputs on inputs within the old length never change.
-    - ``source``: the frozen model the objective's anchor term compares with, when the run keeps one.
+    - ``reference``: the frozen model the objective's anchor term compares with, when the run keeps one
+      (:meth:`Objective.read_reference`, :meth:`Objective.copy_reference`).
     - ``state``: the objective's per-run state, an instance of its ``State`` dataclass (its loss
       modules, what it found once), made empty for each run.
     """
@@ -54,7 +55,7 @@ class RunContext:
     old_length: int
     decoder_length: int | None = None
     short_inputs_fixed: bool = False
-    source: torch.nn.Module | None = None
+    reference: torch.nn.Module | None = None
     state: Any = None
 
     def generator(self, position: int) -> torch.Generator:

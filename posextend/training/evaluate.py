@@ -71,7 +71,7 @@ def evaluate(
         accelerator=_OneProcess(device), model=loaded.model, unwrapped=loaded.model, tokenizer=loaded.tokenizer,
         config=FinetuneConfig(batch_size=batch_size, buckets=buckets, seed=seed, objective=chosen.name),
         spec=loaded.spec, train_seqs=samples[:0], eval_seqs=samples, length=length,
-        old_length=loaded.old_length or length, source=loaded.source, state=chosen.State(),
+        old_length=loaded.old_length or length, reference=loaded.reference, state=chosen.State(),
         decoder_length=loaded.decoder.usable if loaded.decoder else None,
     )
     report = chosen.evaluate(run)

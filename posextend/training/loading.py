@@ -40,7 +40,7 @@ class Loaded:
     reserved: int
     tables: tuple[str, ...]
     old_length: int | None  # from posextend provenance, when the checkpoint was extended by it
-    source: torch.nn.Module | None = None  # the frozen model the objective's anchor holds to (when it keeps one)
+    reference: torch.nn.Module | None = None  # the frozen model the objective's anchor holds to (when it keeps one)
     decoder: Stack | None = None  # an encoder-decoder's decoder with a length of its own (LED); ``spec`` is the encoder's
     requests: list[Request] = field(default_factory=list)  # the resizes a fine-tune made in memory, in order
     files: FileNames | None = None  # where the trained tensors sit in the checkpoint's files (set by a fine-tune)
@@ -140,7 +140,7 @@ def model_directory(directory: Path | Checkpoint) -> Path:
 
 
 @dataclass(frozen=True)
-class AnchorSource:
+class AnchorOriginal:
     """The model a fine-tune's anchor term holds outputs within the old length to.
 
     ``original``: the original model a checkpoint was extended from (loaded at its own length), and
@@ -194,8 +194,8 @@ def _keeps_rows(meta: dict[str, str]) -> bool:
     return bool(strategy and strategy.keeps_rows) and "posextend.finetune" not in meta
 
 
-def anchor_source(checkpoint: Checkpoint, given: str | Path | None, *, old_length: int, length: int,
-                  extended: bool) -> AnchorSource:
+def anchor_original(checkpoint: Checkpoint, given: str | Path | None, *, old_length: int, length: int,
+                  extended: bool) -> AnchorOriginal:
     """The anchor's reference for a fine-tune of ``checkpoint`` whose old range is ``old_length`` of
     ``length`` positions: ``given`` (checked; an unfit one is refused), else the original that the
     provenance records when it is there and fits, else the checkpoint as loaded, with a note
@@ -208,19 +208,19 @@ def anchor_source(checkpoint: Checkpoint, given: str | Path | None, *, old_lengt
         if problem:
             raise TrainingError(f"The anchor's source {original} {problem}: give the model {directory} was extended "
                                 "from, or leave the anchor's source unset.")
-        return AnchorSource(original)
+        return AnchorOriginal(original)
     if extended or old_length >= length:
-        return AnchorSource()
+        return AnchorOriginal()
     meta = checkpoint.provenance
     if "posextend.source" not in meta:
-        return AnchorSource(note=(
+        return AnchorOriginal(note=(
             f"Anchor: {directory} records no original model, so the anchor holds its first {old_length} positions "
             "to this checkpoint as given, whose rows there may already have moved; give the original as the "
             "anchor's source to hold to it."))
     return _recorded_source(checkpoint, meta, old_length)
 
 
-def _recorded_source(checkpoint: Checkpoint, meta: dict[str, str], old_length: int) -> AnchorSource:
+def _recorded_source(checkpoint: Checkpoint, meta: dict[str, str], old_length: int) -> AnchorOriginal:
     """The original ``meta`` (the checkpoint's provenance) records, or the checkpoint with a note."""
     recorded, old, directory = meta["posextend.source"], meta.get("posextend.old_length"), checkpoint.directory
     try:
@@ -229,11 +229,11 @@ def _recorded_source(checkpoint: Checkpoint, meta: dict[str, str], old_length: i
     except SourceError:
         problem = "is missing"
     if problem is None:
-        return AnchorSource(original)
+        return AnchorOriginal(original)
     strategy = meta.get("posextend.strategy", "its strategy")
     head = (f"Anchor: the original model {recorded} that {directory.name} was extended from {problem}, "
             f"so the anchor holds to {directory.name} as given")
     if _keeps_rows(meta):
-        return AnchorSource(note=f"{head}: exact, since {strategy} kept the original's first {old} rows.", exact=True)
-    return AnchorSource(note=f"{head}, whose first {old or old_length} rows {strategy} moved; give the original as "
+        return AnchorOriginal(note=f"{head}: exact, since {strategy} kept the original's first {old} rows.", exact=True)
+    return AnchorOriginal(note=f"{head}, whose first {old or old_length} rows {strategy} moved; give the original as "
                              "the anchor's source to hold to it.")

@@ -89,7 +89,7 @@ def finetune_report(run: Run, dst: Path, evaluations: tuple[EvalReport | None, E
         eval_losses=([(0, before.loss)] if before else []) + eval_losses + [(config.steps, after.loss)],
         before=before, after=after, processes=run.accelerator.num_processes,
         main_process=run.accelerator.is_main_process, strategy=config.strategy if run.extended else None,
-        anchor_source=str(run.reference.path) if run.reference.path else None, anchor_note=run.reference.note,
+        anchor_source=str(run.anchor_original.path) if run.anchor_original.path else None, anchor_note=run.anchor_original.note,
         notes=run.objective.notes(run),
     )
 
@@ -134,7 +134,7 @@ def _provenance(run: Run, report: FinetuneReport, checkpoint: Checkpoint, resize
         return {**resize.provenance(), **finetune}
     recorded = checkpoint.provenance.get("posextend.source", str(checkpoint.directory))
     return {"posextend.version": __version__,
-            "posextend.source": str(run.reference.path) if run.reference.path else recorded,
+            "posextend.source": str(run.anchor_original.path) if run.anchor_original.path else recorded,
             "posextend.old_length": str(report.old_length), "posextend.new_length": str(report.new_length), **finetune}
 
 

@@ -24,7 +24,7 @@ from posextend.files.checkpoint import Checkpoint
 from posextend.resize.plan import Request
 from posextend.scoring.by_position import EvalReport
 from posextend.training.context import RunContext
-from posextend.training.loading import AnchorSource, Loaded, anchor_source
+from posextend.training.loading import AnchorOriginal, Loaded, anchor_original
 from posextend.training.objectives.base import Objective
 from posextend.training.options import FinetuneConfig
 
@@ -47,7 +47,7 @@ class Run(RunContext):
     state_dir: Path
     fingerprint: str
     extended: bool = False  # the table was extended by this run (not by an earlier resize)
-    reference: AnchorSource = field(default_factory=AnchorSource)  # what the anchor term holds to
+    anchor_original: AnchorOriginal = field(default_factory=AnchorOriginal)  # what the anchor term holds to
 
     def evaluate(self) -> EvalReport:  # through the prepared model: sharded weights need every process
         return self.objective.evaluate(self)
@@ -138,14 +138,14 @@ def setup(checkpoint: Checkpoint, dst: Path, data: Sequence[str | Path], config:
               tokenizer=tokenizer, config=config, spec=loaded.spec, train_seqs=train_seqs,
               eval_seqs=eval_seqs[: config.eval_sequences], length=length, old_length=old_len,
               short_inputs_fixed=config.train == "new-rows", objective=chosen,
-              source=loaded.source, state=chosen.State(),
+              reference=loaded.reference, state=chosen.State(),
               optimizer=optimizer, scheduler=scheduler, tables=tables, saved_rows=saved_rows, decoder_length=decoder_length,
               state_dir=dst.with_name(dst.name + ".state"), fingerprint=fingerprint, extended=extended,
-              reference=anchor)
+              anchor_original=anchor)
     return run, loaded
 
 
-def _load(chosen: Objective, checkpoint: Checkpoint, config: FinetuneConfig) -> tuple[Loaded, int, int, bool, AnchorSource]:
+def _load(chosen: Objective, checkpoint: Checkpoint, config: FinetuneConfig) -> tuple[Loaded, int, int, bool, AnchorOriginal]:
     """Load through the objective, settle what its anchor holds to while the table is as loaded, then
     extend it when ``config.length`` asks. Returns the loaded model, the run's length and old length,
     whether this run extended the table, and the anchor's reference."""
@@ -162,12 +162,12 @@ def _load(chosen: Objective, checkpoint: Checkpoint, config: FinetuneConfig) -> 
     extended = length is not None and length != current
     old_len = current if extended else (old_length or loaded.old_length or current)
     length = length if extended else current
-    anchor = (anchor_source(checkpoint, source, old_length=old_len, length=length, extended=extended)
-              if anchored else AnchorSource())
+    anchor = (anchor_original(checkpoint, source, old_length=old_len, length=length, extended=extended)
+              if anchored else AnchorOriginal())
     if anchor.path is not None:  # the original, at its own length
-        loaded.source = chosen.read_reference(anchor.original, init_head=init_head)
+        loaded.reference = chosen.read_reference(anchor.original, init_head=init_head)
     elif may_swap:  # no original to hold to: the checkpoint as loaded, before it is extended
-        loaded.source = chosen.copy_reference(loaded)
+        loaded.reference = chosen.copy_reference(loaded)
     loaded.files = _file_names(loaded, checkpoint)  # as loaded: before the table is extended or trained
     if extended:
         _resize(loaded, Request(length, strategy=config.strategy, group=loaded.spec.group if loaded.decoder else None),

@@ -139,7 +139,7 @@ class Objective:
         loaded = self.load_model(directory, init_head=init_head)
         self.check(loaded, directory)
         if self.anchor:  # the source model, frozen, before its table is extended
-            loaded.source = self.copy_reference(loaded)
+            loaded.reference = self.copy_reference(loaded)
         return loaded
 
     def load_model(self, directory: Path, *, init_head: bool) -> Loaded:
@@ -153,7 +153,7 @@ class Objective:
         """Refuse a loaded checkpoint this objective cannot train (nothing by default)."""
 
     def copy_reference(self, loaded: Loaded) -> torch.nn.Module:
-        """The anchor's reference (``run.source``) when it is the checkpoint being trained: a frozen copy of
+        """The anchor's reference (``run.reference``) when it is the checkpoint being trained: a frozen copy of
         its model as loaded, before its table is extended. :meth:`load` makes it when ``anchor`` is set."""
         return frozen_copy(loaded.model)
 
@@ -210,15 +210,15 @@ class Objective:
         return []
 
     @staticmethod
-    def source_kl(run: RunContext, inputs: torch.Tensor | Mapping[str, torch.Tensor], logits: torch.Tensor,
+    def reference_kl(run: RunContext, inputs: torch.Tensor | Mapping[str, torch.Tensor], logits: torch.Tensor,
                   keep: torch.Tensor | None = None) -> torch.Tensor:
         """Mean KL divergence of ``logits`` (the model's, for the last ``logits.shape[1]`` tokens of
         ``inputs``: token ids, or the model's keyword inputs) from the frozen source's predictions
-        (``run.source``) reading ``inputs`` at its own positions, over the positions ``keep`` marks (all)."""
-        source = run.source.to(run.accelerator.device)  # where the model trains (nothing moves once there)
+        (``run.reference``) reading ``inputs`` at its own positions, over the positions ``keep`` marks (all)."""
+        reference = run.reference.to(run.accelerator.device)  # where the model trains (nothing moves once there)
         kwargs = dict(inputs) if isinstance(inputs, Mapping) else {"input_ids": inputs}
         with torch.no_grad():
-            target = source(**kwargs).logits[:, -logits.shape[1]:].float().log_softmax(-1)
+            target = reference(**kwargs).logits[:, -logits.shape[1]:].float().log_softmax(-1)
         kl = torch.nn.functional.kl_div(logits.float().log_softmax(-1), target, log_target=True, reduction="none").sum(-1)
         return kl.mean() if keep is None else (kl * keep).sum() / keep.sum().clamp(min=1)
 

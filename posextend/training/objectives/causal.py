@@ -37,6 +37,6 @@ class CausalLM(LanguageModel):
         batch = batch.to(run.accelerator.device)
         out = run.model(input_ids=batch, labels=batch)
         loss, old = out.loss, run.old_length
-        if run.source is not None and not run.short_inputs_fixed and old < run.length:
-            loss = loss + self.anchor * self.source_kl(run, batch[:, :old], out.logits[:, :old])
+        if run.reference is not None and not run.short_inputs_fixed and old < run.length:
+            loss = loss + self.anchor * self.reference_kl(run, batch[:, :old], out.logits[:, :old])
         return loss, batch.shape[0] * (batch.shape[1] - 1)

@@ -148,15 +148,15 @@ class Contrastive(Objective):
         queries = [_features(rows, run.tokenizer, device) for rows in sets]
         embedded = [run.model(q)["sentence_embedding"] for q in queries]
         loss = sum(self._loss_fn(run).compute_loss_from_embeddings([q, d], None) for q in embedded) / len(embedded)
-        source = run.source
-        if source is not None and not run.short_inputs_fixed:
+        reference = run.reference
+        if reference is not None and not run.short_inputs_fixed:
             widest = min(run.old_length, run.length) - 2
             widths = [round(math.exp(math.log(PASSAGE_TOKENS) + float(torch.rand((), generator=g))
                                      * math.log(widest / PASSAGE_TOKENS))) for g in generators]
             heads = _features([row[:w] for row, w in zip(batch, widths)], run.tokenizer, device)
-            source.to(device)  # where the model trains (nothing moves once there)
+            reference.to(device)  # where the model trains (nothing moves once there)
             with torch.no_grad():
-                targets = [source(heads)["sentence_embedding"], source(queries[0])["sentence_embedding"]]
+                targets = [reference(heads)["sentence_embedding"], reference(queries[0])["sentence_embedding"]]
             distance = self._distill_fn(run).compute_loss_from_embeddings(
                 [run.model(heads)["sentence_embedding"], embedded[0]], targets)
             loss = loss + self.anchor * distance

@@ -215,10 +215,10 @@ class GapSentences(Objective):
         it was trained to), so that training the new range keeps the old one."""
         inputs, _ = self.batch(run, batch, [run.generator(p) for p in positions])
         loss = run.model(**inputs).loss
-        if run.source is not None and not run.short_inputs_fixed and run.old_length < run.length:
+        if run.reference is not None and not run.short_inputs_fixed and run.old_length < run.length:
             short, _ = self.batch(run, batch, [run.generator(p) for p in positions], length=run.old_length)
             keep = (short["labels"] != -100).float()  # the target tokens
-            loss = loss + self.anchor * self.source_kl(run, short, run.model(**short).logits, keep)
+            loss = loss + self.anchor * self.reference_kl(run, short, run.model(**short).logits, keep)
         return loss, int((inputs["labels"] != -100).sum())
 
     def notes(self, run: RunContext) -> list[str]:
