@@ -99,7 +99,7 @@ def resize_checkpoint(
         change = dataclasses.replace(resize_change(reader, config, plans, options.seed), metadata=report.provenance(),
                                      st_max_seq_length=st_max_seq_length)
         with atomic_output(dst, overwrite=overwrite) as tmp:
-            written = write_checkpoint(source.directory, tmp, reader, config, change, link=link, progress=progress)
+            written = write_checkpoint(source, tmp, change, link=link, progress=progress)
             report.record(written)
             for plan in plans:
                 if verify or (verify is None and (plan.spec.covered_by == "probed" or plan.spec.grid)):

@@ -21,11 +21,12 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from posextend.files.checkpoint import Checkpoint
 from posextend.files.copying import copy_file
 from posextend.files.reader import BIN_INDEX, SAFE_INDEX, SAFE_SINGLE, CheckpointReader, prefetch_torch
 from posextend.files.tensorfile import Entry, TensorData, write_safetensors
 from posextend.resize.plan import GroupPlan, ImageSize
-from posextend.files.sources import ST_CONFIG, TOKENIZER_FILES, st_config, transformer_dir
+from posextend.files.sources import ST_CONFIG, TOKENIZER_FILES
 from posextend.families.specs import IMAGE_COUNT_FIELD
 from posextend.families.configs import get_path, set_path
 
@@ -78,23 +79,23 @@ class _Cancelled(Exception):
     """Raised in a copying thread when the resize has failed elsewhere."""
 
 
-def write_checkpoint(directory: Path, out: Path, reader: CheckpointReader, config: dict[str, Any], change: Change, *,
-                     link: bool = False, progress: Callable[[int, int], None] | None = None) -> Written:
-    """Write into ``out`` the checkpoint ``directory`` as ``change`` makes it: the one writer of ``resize-model``
+def write_checkpoint(source: Checkpoint, out: Path, change: Change, *, link: bool = False,
+                      progress: Callable[[int, int], None] | None = None) -> Written:
+    """Write into ``out`` the checkpoint ``source`` as ``change`` makes it: the one writer of ``resize-model``
     and of the fine-tune's save.
 
-    The weights of the model's folder (``reader``'s) are written tensor by tensor: those ``change`` makes,
+    The weights of the model's folder (``source.reader``'s) are written tensor by tensor: those ``change`` makes,
     new ones after; every other tensor's bytes are copied, and files without a change are copied whole (or
     hard-linked with ``link``). Every other file of the source follows, in the same layout: ``config.json``
-    (``config``, the source's) and the tokenizer's, processor's and sentence-transformers settings edited
+    (``source.config``) and the tokenizer's, processor's and sentence-transformers settings edited
     by ``change.plans``. The model card is the caller's. ``progress(done_bytes, total_bytes)`` as in
     :func:`resize_checkpoint`.
     """
     written = Written()
-    model_out = out / transformer_dir(directory)  # out itself, or an older ST folder's 0_Transformer/
+    model_out = out / source.transformer_dir  # out itself, or an older ST folder's 0_Transformer/
     model_out.mkdir(exist_ok=True)
-    _write_weights(reader, model_out, change, written, link, progress)
-    _copy_other_files(directory, out, reader, config, change, written)
+    _write_weights(source.reader, model_out, change, written, link, progress)
+    _copy_other_files(source, out, change, written)
     return written
 
 
@@ -241,21 +242,21 @@ def updated_config(config: Mapping[str, Any], updates: Mapping[str, int]) -> dic
 PROCESSOR_CONFIG = "preprocessor_config.json"  # image processors: size / crop_size follow the image size
 
 
-def _copy_other_files(src: Path, out_dir: Path, reader: CheckpointReader, config: dict[str, Any], change: Change,
-                      written: Written) -> None:
+def _copy_other_files(source: Checkpoint, out_dir: Path, change: Change, written: Written) -> None:
     """Copy config, tokenizer, image processor and every other non-weight file, editing lengths as JSON.
 
-    The model's own files sit in :func:`transformer_dir` (the root, or an older sentence-transformers
+    The model's own files sit in ``source.transformer_dir`` (the root, or an older sentence-transformers
     folder's ``0_Transformer/``); every other file and folder is copied as it is, in the same layout.
     Copies of the model in other formats (its weights in other formats, ONNX and OpenVINO exports) still
     hold the old table: they are left out and listed in ``written.files_skipped``.
     """
+    src, config = source.directory, source.config
     updates = {k: v for plan in change.plans for k, v in plan.config_updates(config).items()}
     text = next((p for p in change.plans if not p.spec.grid), None)
     image = next((p for p in change.plans if p.spec.grid), None)
-    weight_files = {f.resolve() for f in reader.files}
-    model = Path(transformer_dir(src))  # relative to src and out_dir; Path("") is the root
-    st_file = st_config(src / model)
+    weight_files = {f.resolve() for f in source.reader.files}
+    model = Path(source.transformer_dir)  # relative to src and out_dir; Path("") is the root
+    st_file = source.st_config
     for path in sorted(src.rglob("*")):
         rel = path.relative_to(src)
         if any(part.startswith(".") and part != ".gitattributes" for part in rel.parts):

@@ -139,7 +139,7 @@ def changes(state: Mapping[str, torch.Tensor], model: torch.nn.Module, files: Fi
 def write_trained(source: Checkpoint, out: Path, change: Change, cls: type) -> Written:
     """Write checkpoint ``source`` into ``out`` as ``change`` makes it; when it adds tensors (a fresh head),
     check that ``cls``, the class that trained, loads every weight it has from the output."""
-    written = write_checkpoint(source.directory, out, source.reader, source.config, change)
+    written = write_checkpoint(source, out, change)
     if change.added:
         _check_loads(out / source.transformer_dir, cls)
     return written
