@@ -19,8 +19,8 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Annotated, Any, Literal, TypeVar, Union
 
 F = TypeVar("F", bound=Callable[..., Any])
-# a help text, one per command ({"finetune": ..., "eval": ...}), or a function giving either when the CLI is built
-Help = Union[str, Mapping[str, str], Callable[[], Union[str, Mapping[str, str]]]]
+# a help text, or one per command ({"finetune": ..., "eval": ...})
+Help = Union[str, Mapping[str, str]]
 
 
 def option(default: Any = MISSING, help: Help = "", *, commands: tuple[str, ...] = (), flag: str | None = None,
@@ -60,7 +60,6 @@ def cli_options(cls: type, command: str) -> list[CliOption]:
     for f in fields(cls):
         meta = f.metadata
         text = meta.get("help", "")
-        text = text() if callable(text) else text
         shown = tuple(text) if isinstance(text, Mapping) else meta.get("commands", ())
         if command not in shown:
             continue

@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 import posextend
 from posextend.training import loop as training
 from posextend.cli import app
+from posextend.files.checkpoint import Checkpoint
 from posextend.training.loop import finetune
 from tiny import loss_nan_at
 
@@ -79,7 +80,7 @@ def test_the_anchor_holds_to_the_recorded_original_not_the_resized_file(gpt, cor
     assert torch.equal(_logits(reference, ids), _logits(original, ids))
     assert _differs(_logits(resized, ids), _logits(original, ids)) > 1e-3
     # the fine-tuned output records the original, so a second fine-tune finds it too
-    meta = json.loads(json.dumps(posextend.training.loading.provenance(tmp_path / "out")))
+    meta = json.loads(json.dumps(Checkpoint.of(tmp_path / "out").provenance))
     assert (meta["posextend.source"], meta["posextend.old_length"]) == (str(original.resolve()), "32")
     finetune(tmp_path / "out", tmp_path / "again", [corpus], **QUICK)
     assert torch.equal(_logits(runs[1].reference, ids), _logits(original, ids))

@@ -21,7 +21,7 @@ from tiny import FAMILIES, build
 import posextend
 from posextend.files.reader import SAFE_INDEX, CheckpointReader
 from posextend.files.tensorfile import read_header
-from posextend.training.loading import provenance
+from posextend.files.checkpoint import Checkpoint
 from posextend.training.saving import file_names
 
 
@@ -56,7 +56,7 @@ def test_a_bare_file_keeps_its_names_and_gains_only_the_fresh_head(corpus, tmp_p
     _, info = transformers.BertModel.from_pretrained(tmp_path / "out", output_loading_info=True)
     assert not info["missing_keys"] and not info["mismatched_keys"]  # the model as it was, at the new length
     assert torch.equal(tuned.cls.predictions.transform.dense.weight, after["cls.predictions.transform.dense.weight"])
-    meta = provenance(tmp_path / "out")
+    meta = Checkpoint.of(tmp_path / "out").provenance
     assert (meta["posextend.old_length"], meta["posextend.new_length"]) == ("32", "64")
     assert json.loads(meta["posextend.finetune"])["steps"] == report.steps == 2
 

@@ -137,15 +137,15 @@ def test_the_cli_resizes_and_inspects_the_subfolder_layout(layouts, tmp_path):
 
 
 def test_the_fine_tune_door_finds_the_subfolder(layouts, resized, corpus, tmp_path):
-    from posextend.training.loading import model_directory, provenance
+    from posextend.files.checkpoint import Checkpoint
     from posextend.training.objectives import CheckpointFacts, default_objective, get_objective
 
     src = layouts["subfolder"]
-    assert model_directory(src) == src / "0_Transformer"
+    assert Checkpoint.of(src).model_dir == src / "0_Transformer"
     # contrastive is preferred; the family's own head (read from 0_Transformer/) is a masked LM's
     assert default_objective(src) == "contrastive" and get_objective("masked").accepts(CheckpointFacts(src))
     _, _, dst, _, _ = resized
-    assert provenance(dst)["posextend.old_length"] == "512"  # read from the model's own weights
+    assert Checkpoint.of(dst).provenance["posextend.old_length"] == "512"  # read from the model's own weights
     # the masked objective loads the transformers model from 0_Transformer/ (it has no masked-LM head)
     with pytest.raises(posextend.TrainingError, match="has no masked-LM head"):
         posextend.finetune(src, tmp_path / "masked", [corpus], length=600, steps=1, objective="masked")

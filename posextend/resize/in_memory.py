@@ -43,7 +43,7 @@ def extend_model(
         2048
         >>> vit = posextend.extend_model(AutoModel.from_pretrained("google/vit-base-patch16-224"), image_size=448)
     """
-    resize_in_memory(model, Request(new_length, image_size, strategy, params, table, allow_shrink), seed)
+    resize_in_memory(model, Request(new_length, image_size, strategy, params, group=table, allow_shrink=allow_shrink), seed)
     return model
 
 

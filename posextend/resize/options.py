@@ -74,7 +74,8 @@ class ResizeOptions:
         """What the plan of this resize is asked (:func:`posextend.resize.plan.plan_resize`)."""
         from posextend.resize.plan import Request
 
-        return Request(self.new_length, self.image_size, self.strategy, self.params, self.table, self.allow_shrink)
+        return Request(self.new_length, self.image_size, self.strategy, self.params, group=self.table,
+                       allow_shrink=self.allow_shrink)
 
     def resolved(self) -> ResizeOptions:
         """The options with a seed: the given one, else one drawn at random (and reported)."""

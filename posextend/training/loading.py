@@ -57,11 +57,6 @@ class Stack:
     reserved: int
 
 
-def provenance(directory: Path | Checkpoint) -> dict[str, str]:
-    """posextend's provenance metadata of a checkpoint (empty when it has none): :attr:`Checkpoint.provenance`."""
-    return Checkpoint.of(directory).provenance
-
-
 def load_tokenizer(directory: Path):
     import transformers
 
@@ -122,18 +117,6 @@ def load_headed_model(src: str | Path | Checkpoint, model_class: Any, head: str,
             )
         log.warning("Initialising a fresh %s head (%d weights, e.g. %s)", head, len(missing), missing[0])
     return loaded(model, model, tokenizer, objective, checkpoint)
-
-
-def is_sentence_transformer(directory: Path | Checkpoint) -> bool:
-    """A sentence-transformers folder: ``modules.json`` at its root (the Transformer module there or in a
-    folder of its own, see :func:`model_directory`); ``SentenceTransformer(str(directory))`` loads it."""
-    return Checkpoint.of(directory).sentence_transformers
-
-
-def model_directory(directory: Path | Checkpoint) -> Path:
-    """The folder of ``directory``'s transformers model: ``directory`` itself, or the Transformer module's
-    folder of an older sentence-transformers folder (``0_Transformer/``), found as resizing finds it."""
-    return Checkpoint.of(directory).model_dir
 
 
 # ------------------------------------------------------------------------------ the anchor's reference

@@ -16,10 +16,11 @@ from typing import Any
 import torch
 
 from posextend.errors import DataError, TrainingError
+from posextend.files.checkpoint import Checkpoint
 from posextend.scoring.by_position import Bucket, EvalReport, bucket_edges
 from posextend.scoring.text import framed
 from posextend.training.context import RunContext
-from posextend.training.loading import Loaded, is_sentence_transformer, loaded
+from posextend.training.loading import Loaded, loaded
 from posextend.training.objectives.base import CheckpointFacts, Objective, register_objective, without_dropout
 
 PASSAGE_TOKENS = 32
@@ -74,7 +75,7 @@ class Contrastive(Objective):
 
     def load_model(self, directory: Path, *, init_head: bool) -> Loaded:
         """The sentence-transformers model (its pooling and normalisation modules included), attention dropout off."""
-        if not is_sentence_transformer(directory):
+        if not Checkpoint.of(directory).sentence_transformers:
             raise TrainingError(
                 f"{directory} is not a sentence-transformers model (no modules.json); the contrastive objective "
                 "trains embedding models. Save it with SentenceTransformer.save(), or use the masked objective."
