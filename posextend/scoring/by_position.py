@@ -99,6 +99,17 @@ def bucket_edges(length: int, buckets: int, *, old_length: int | None = None) ->
     return sorted(set(edges))
 
 
+def windows(length: int, window: int | None) -> list[tuple[int, int, int]]:
+    """``(first, start, end)`` of each read of a ``length``-token sequence through a sliding ``window``: positions
+    ``start..end-1`` are scored by the read of ``first..end-1``. The first read covers ``0..window-1``; each
+    later block of half a window is read by the window that ends with it (so with at least half a window of
+    context). ``window`` None (or not shorter): one read of the whole sequence."""
+    if window is None or window >= length:
+        return [(0, 0, length)]
+    step = max(1, window // 2)
+    return [(0, 0, window)] + [(min(s + step, length) - window, s, min(s + step, length)) for s in range(window, length, step)]
+
+
 @torch.no_grad()
 def position_losses(
     model: torch.nn.Module,
@@ -110,8 +121,11 @@ def position_losses(
     seed: int = 0,
     rounds: int = 2,
     device: torch.device | str | None = None,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed loss and token count at every position: two ``[L]`` float64 tensors."""
+    """Summed loss and token count at every position: two ``[L]`` float64 tensors. ``window``: the model
+    reads each sequence through a sliding window of that many tokens (:func:`windows`), as a model of that
+    length reads a longer text; masked tokens are the same as without a window."""
     device = device or next(model.parameters()).device
     length = sequences.shape[1]
     total = torch.zeros(length, dtype=torch.float64)
@@ -119,22 +133,31 @@ def position_losses(
     was_training = model.training
     model.eval()
     generator = torch.Generator().manual_seed(seed)
+    reads = windows(length, window)
     for _ in range(rounds if objective == "masked" else 1):
         for batch in sequences.split(batch_size):
-            if objective == "causal":
-                logits = model(input_ids=batch.to(device)).logits.float().cpu()
-                losses = F.cross_entropy(logits[:, :-1].transpose(1, 2), batch[:, 1:], reduction="none")
-                total[1:] += losses.double().sum(0)
-                count[1:] += batch.shape[0]
-            else:
-                inputs, labels = mask_tokens(batch, tokenizer, generator)
-                logits = model(input_ids=inputs.to(device)).logits.float().cpu()
-                losses = F.cross_entropy(logits.transpose(1, 2), labels, reduction="none", ignore_index=-100)
-                chosen = (labels != -100).double()
-                total += (losses.double() * chosen).sum(0)
-                count += chosen.sum(0)
+            inputs, labels = (batch, batch) if objective == "causal" else mask_tokens(batch, tokenizer, generator)
+            for first, start, end in reads:
+                logits = model(input_ids=inputs[:, first:end].to(device)).logits.float().cpu()
+                losses, chosen = _scored(logits, labels[:, first:end], objective)
+                keep = slice(start - first, end - first)
+                total[start:end] += (losses * chosen)[:, keep].sum(0)
+                count[start:end] += chosen[:, keep].sum(0)
     model.train(was_training)
     return total, count
+
+
+def _scored(logits: torch.Tensor, labels: torch.Tensor, objective: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-position losses of one read, and which positions are scored (float64 ``[B, n]`` each): causal,
+    each token from the logits before it (not the read's first); masked, the masked tokens."""
+    if objective == "causal":
+        losses = torch.zeros(labels.shape, dtype=torch.float64)
+        losses[:, 1:] = F.cross_entropy(logits[:, :-1].transpose(1, 2), labels[:, 1:], reduction="none").double()
+        chosen = torch.ones_like(losses)
+        chosen[:, 0] = 0
+        return losses, chosen
+    losses = F.cross_entropy(logits.transpose(1, 2), labels, reduction="none", ignore_index=-100).double()
+    return losses, (labels != -100).double()
 
 
 def report_from(

@@ -7,6 +7,7 @@ The training loop (:mod:`posextend.training.loop`) builds it and hands it to the
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from posextend.training.options import FinetuneConfig
@@ -33,7 +34,8 @@ class RunContext:
     - ``tokenizer``, ``accelerator`` (``device``, ``num_processes``, ``reduce``).
     - ``config``: the run's options, resolved (:class:`~posextend.training.options.FinetuneConfig`: ``seed``,
       ``batch_size``, ``buckets``, ``lr`` …); ``spec``: the family's position tables.
-    - ``train_seqs`` / ``eval_seqs``: the samples the objective cut (:meth:`Objective.samples`).
+    - ``train_seqs`` / ``eval_seqs``: the samples the objective cut (:meth:`Objective.samples`);
+      ``eval_documents``: the held-out documents they were cut from (never trained on).
     - ``length`` / ``old_length``: the run's number of positions, and the source's; ``decoder_length``: an
       encoder-decoder's decoder positions where it has a length of its own (LED; None: ``length``).
     - ``short_inputs_fixed``: only new rows train, so outputs on inputs within the old length never change.
@@ -51,6 +53,7 @@ class RunContext:
     spec: ArchitectureSpec | None = None
     train_seqs: torch.Tensor
     eval_seqs: torch.Tensor
+    eval_documents: Sequence[Any] = ()
     length: int
     old_length: int
     decoder_length: int | None = None

@@ -53,6 +53,7 @@ from posextend.training.loading import Loaded, load_headed_model, stack_specs
 if TYPE_CHECKING:
     from posextend.families.specs import ArchitectureSpec
     from posextend.scoring.by_position import EvalReport
+    from posextend.scoring.verdict import Reading
 
 ENTRY_POINT_GROUP = "posextend.objectives"
 
@@ -205,6 +206,22 @@ class Objective:
         ``metric`` is this objective's."""
         raise NotImplementedError
 
+    def baseline(self, run: RunContext, source: torch.nn.Module) -> Reading | None:
+        """The held-out data read without the extension (:class:`~posextend.scoring.verdict.Reading`): by
+        ``source``, this objective's model of the source at its own length (``run.old_length``), as a user
+        would read a long text with it (in its own windows, or in chunks). What the extension must beat; None:
+        this objective names no baseline (no verdict then)."""
+        return None
+
+    def baseline_name(self, run: RunContext) -> str:
+        """How :meth:`baseline` reads the text, as the verdict says it ("the source through its own window")."""
+        return "the source model"
+
+    def reading(self, run: RunContext) -> Reading | None:
+        """The held-out data read by the model being trained (``run.model``), on the ranges :meth:`baseline`
+        scores (None when it names no baseline)."""
+        return None
+
     def notes(self, run: RunContext) -> list[str]:
         """Lines about the run that the fine-tune's report, the CLI and the model card carry (none by default)."""
         return []
@@ -236,6 +253,30 @@ class LanguageModel(Objective):
                                 buckets=run.config.buckets, old_length=run.old_length if run.old_length < run.length else None,
                                 batch_size=run.config.batch_size, seed=run.config.seed)
         return dataclasses.replace(report, metric=self.metric)
+
+    def baseline(self, run: RunContext, source: torch.nn.Module) -> Reading | None:
+        """The source reading each held-out sequence through a sliding window of its own length (stride half
+        of it): each far token with at least half the old length of context, as the source reads a long text."""
+        return self._reading(run, source.to(run.accelerator.device), window=run.old_length)
+
+    def baseline_name(self, run: RunContext) -> str:
+        return f"the source through its own {run.old_length}-token window"
+
+    def reading(self, run: RunContext) -> Reading | None:
+        return self._reading(run, run.model, window=None)
+
+    def _reading(self, run: RunContext, model: torch.nn.Module, *, window: int | None) -> Reading | None:
+        from posextend.scoring.by_position import position_losses
+        from posextend.scoring.verdict import Reading, far_start
+
+        old, length = run.old_length, run.length
+        if old >= length:
+            return None
+        total, count = position_losses(model, run.eval_seqs, self.scoring, tokenizer=run.tokenizer, window=window,
+                                       batch_size=run.config.batch_size, seed=run.config.seed, device=run.accelerator.device)
+        start = far_start(length, old)
+        far, original = (float(total[a:b].sum() / count[a:b].sum().clamp(min=1)) for a, b in ((start, length), (0, old)))
+        return Reading(far=math.exp(min(far, 50)), original=math.exp(min(original, 50)), metric=self.metric)
 
 
 _REGISTRY: Registry[Objective] = Registry("objective", "objectives", ENTRY_POINT_GROUP, TrainingError)

@@ -1,0 +1,118 @@
+"""Is the extension worth it? A model's held-out reading of the far range against its baseline.
+
+An extension is worth having only when the model reads a long input better than the source model can
+read the same text in pieces (its own window, or chunks averaged): its *baseline*. A :class:`Reading`
+holds one model's scores on the two ranges that decide it: the *far* range (what the extension adds:
+the last half of the new length, or the new rows below 2x) and the *original* range (the first ``old``
+positions, which must not get worse). A :class:`Verdict` compares a reading with the baseline's.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+# the default margins a fine-tune stops at (FinetuneConfig.margin and .tolerance)
+MARGIN = 0.01  # the far range must beat the baseline by 1% (of its perplexity; of an accuracy's 1 - accuracy)
+TOLERANCE = 0.02  # the original range may lose at most 2% against the source reading it
+
+
+def far_start(length: int, old_length: int) -> int:
+    """The first position of the far range: the last half of ``length``, and never below ``old_length``."""
+    return max(old_length, length // 2)
+
+
+@dataclass(frozen=True)
+class Reading:
+    """Held-out scores of one model: ``far`` (the far range) and ``original`` (the first ``old`` positions),
+    both in ``metric`` (a perplexity, lower is better; or an accuracy, ``higher`` is better)."""
+
+    far: float
+    original: float
+    metric: str = "perplexity"
+    higher: bool = False  # higher is better (an accuracy)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Point:
+    """The reading at one step of a run (the curve a verdict plots)."""
+
+    step: int
+    seconds: float
+    far: float
+    original: float
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A reading against its baseline: ``worth_it`` when the far range beats the baseline's by ``margin`` and
+    the original range is within ``tolerance`` of the baseline's. ``budget``: what the run could spend
+    (None: its steps were fixed); ``curve``: the readings along the run."""
+
+    baseline: Reading
+    reading: Reading
+    baseline_name: str  # how the baseline reads the text ("the source through its own 512-token window")
+    margin: float = MARGIN
+    tolerance: float = TOLERANCE
+    budget: str | None = None
+    curve: list[Point] = field(default_factory=list)
+
+    @property
+    def far_ratio(self) -> float:
+        """The far range against the baseline's (< 1: better, for a perplexity; > 1 for an accuracy)."""
+        return self.reading.far / self.baseline.far if self.baseline.far else math.inf
+
+    @property
+    def original_change(self) -> float:
+        """The original range's relative change against the baseline's (+0.02: 2% higher)."""
+        return self.reading.original / self.baseline.original - 1 if self.baseline.original else math.inf
+
+    @property
+    def far_wins(self) -> bool:
+        return beats(self.reading.far, self.baseline.far, self.margin, higher=self.baseline.higher)
+
+    @property
+    def original_holds(self) -> bool:
+        return holds(self.reading.original, self.baseline.original, self.tolerance, higher=self.baseline.higher)
+
+    @property
+    def worth_it(self) -> bool:
+        return self.far_wins and self.original_holds
+
+    @property
+    def text(self) -> str:
+        """One line: worth it or not yet, with the numbers that say so."""
+        b, r, unit = self.baseline, self.reading, self.baseline.metric
+        head = "worth it" if self.worth_it else ("not yet worth it" + (" within the budget" if self.budget else ""))
+        change = f"{100 * self.original_change:+.1f}%"
+        return (f"{head}: far range {unit} {_num(r.far)} against {_num(b.far)} for {self.baseline_name}; "
+                f"original range {_num(r.original)} against {_num(b.original)} ({change})")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "worth_it": self.worth_it, "text": self.text, "far_ratio": self.far_ratio,
+                "original_change": self.original_change}
+
+
+def beats(value: float, baseline: float, margin: float, *, higher: bool = False) -> bool:
+    """``value`` is better than ``baseline`` by ``margin``: for a perplexity, at most ``(1 - margin)`` of it;
+    for an accuracy, its error ``1 - value`` at most ``(1 - margin)`` of the baseline's (and above it)."""
+    if not (math.isfinite(value) and math.isfinite(baseline)):
+        return False
+    if higher:
+        return value > baseline and (1 - value) <= (1 - margin) * (1 - baseline)
+    return value <= (1 - margin) * baseline
+
+
+def holds(value: float, baseline: float, tolerance: float, *, higher: bool = False) -> bool:
+    """``value`` is no more than ``tolerance`` worse than ``baseline`` (relative)."""
+    if not (math.isfinite(value) and math.isfinite(baseline)):
+        return False
+    return value >= (1 - tolerance) * baseline if higher else value <= (1 + tolerance) * baseline
+
+
+def _num(x: float) -> str:
+    return f"{x:.3f}" if abs(x) < 10 else f"{x:.1f}"
