@@ -357,6 +357,30 @@ def _far_range_advice(report) -> None:
                   f"{far / original - 1:.0%} above the original range's {original:.1f}:[/] {step}.", highlight=False)
 
 
+def _print_verdict(verdict) -> None:
+    """The verdict, one line: green when the extension is worth it, yellow with what to try when not yet."""
+    if verdict is None:
+        return
+    if verdict.worth_it:
+        console.print(f"[green]{verdict.text[:1].upper()}{verdict.text[1:]}[/]", highlight=False)
+        return
+    hint = ("give it a larger budget (--budget)" if verdict.budget else "train longer (--budget, or more --steps)")
+    console.print(f"[yellow]{verdict.text[:1].upper()}{verdict.text[1:]}[/]: {hint}.", highlight=False)
+
+
+def _plot_run(reports: dict[str, Any], verdict, path: Path) -> None:
+    """The score by position; with a verdict, beside the far and original ranges along the run."""
+    if verdict is not None and verdict.curve:
+        from posextend.scoring.verdict import plot_verdict
+
+        plot_verdict(verdict, path, reports)
+    else:
+        from posextend.scoring.by_position import plot_reports
+
+        plot_reports(reports, path)
+    console.print(f"  plot: {path}", highlight=False)
+
+
 @app.command("finetune", cls=_ListsObjectives)
 @handle_errors
 @with_options(FinetuneConfig, "finetune")
@@ -378,7 +402,7 @@ def finetune_cmd(
         TextColumn("loss {task.fields[loss]:.4f}  {task.fields[tps]:,.0f} tok/s"), TimeRemainingColumn(),
         console=err_console, transient=True, disable=not main_process,
     )
-    task = progress.add_task("Training", total=options["steps"] or 1, loss=float("nan"), tps=0.0)
+    task = progress.add_task("Training", total=options["steps"] or None, loss=float("nan"), tps=0.0)
     with progress:
         report = finetune(
             src, dst, data, **options,
@@ -398,12 +422,11 @@ def finetune_cmd(
         console.print(f"  anchor: held to the original model {report.anchor_source}", highlight=False)
     for note in report.notes:
         console.print(f"  {note}", highlight=False)
-    _far_range_advice(report)
+    _print_verdict(report.verdict)
+    if report.verdict is None:
+        _far_range_advice(report)
     if plot:
-        from posextend.scoring.by_position import plot_reports
-
-        plot_reports({k: v for k, v in {"before": report.before, "after": report.after}.items() if v}, plot)
-        console.print(f"  plot: {plot}", highlight=False)
+        _plot_run({k: v for k, v in {"before": report.before, "after": report.after}.items() if v}, report.verdict, plot)
 
 
 @app.command("eval", cls=_ListsObjectives)
@@ -436,6 +459,7 @@ def eval_cmd(
         report = evaluate(model, data, **options, max_sequences=max_sequences or None, json_path=json_path,
                           plot_path=plot)
     _eval_table(f"{model}: {report.sequences} sequences of {report.length} tokens", {"model": report})
+    _print_verdict(report.verdict)
 
 
 def _retrieval(model: str, data: list[Path], tasks: str, lengths: str, documents: int, mode: str,

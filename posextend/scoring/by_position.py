@@ -2,7 +2,7 @@
 
 Causal LMs are scored on every next token (credited to the predicted token's position);
 masked LMs on 15% masked tokens (BERT masking, a fixed seed so runs compare), repeated
-over ``rounds`` masks: a masked-LM ("pseudo") perplexity.
+over :data:`ROUNDS` masks: a masked-LM ("pseudo") perplexity.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ import torch.nn.functional as F
 
 from posextend.scoring.text import mask_tokens
 from posextend.errors import PosExtendError
+
+ROUNDS = 2  # masked LMs: each sequence is scored under this many masks
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,7 @@ class EvalReport:
     old_length: int | None = None
     accuracy: float | None = None  # contrastive: mean retrieval accuracy@1
     metric: str = "perplexity"  # what its numbers are, as every report prints it (set by whoever scores)
+    verdict: Any = None  # a Verdict (posextend.scoring.verdict): the far range against the source's own reading
 
     @property
     def score(self) -> str:
@@ -119,7 +122,6 @@ def position_losses(
     tokenizer=None,
     batch_size: int = 4,
     seed: int = 0,
-    rounds: int = 2,
     device: torch.device | str | None = None,
     window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,7 +136,7 @@ def position_losses(
     model.eval()
     generator = torch.Generator().manual_seed(seed)
     reads = windows(length, window)
-    for _ in range(rounds if objective == "masked" else 1):
+    for _ in range(ROUNDS if objective == "masked" else 1):
         for batch in sequences.split(batch_size):
             inputs, labels = (batch, batch) if objective == "causal" else mask_tokens(batch, tokenizer, generator)
             for first, start, end in reads:

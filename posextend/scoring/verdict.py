@@ -116,3 +116,37 @@ def holds(value: float, baseline: float, tolerance: float, *, higher: bool = Fal
 
 def _num(x: float) -> str:
     return f"{x:.3f}" if abs(x) < 10 else f"{x:.1f}"
+
+
+def plot_verdict(verdict: Verdict, path: Any, reports: dict[str, Any] | None = None) -> Any:
+    """The run's curve: the far and original ranges at each held-out check against the baseline's (dashed),
+    titled with the verdict; with ``reports`` (label: :class:`~posextend.scoring.by_position.EvalReport`), a
+    first panel of the score by position (before and after)."""
+    from pathlib import Path
+
+    from posextend.scoring.analysis import _pyplot, _save
+
+    plt = _pyplot()
+    panels = 2 if reports else 1
+    fig, axes = plt.subplots(1, panels, figsize=(6.5 * panels, 4.4), squeeze=False)
+    if reports:
+        ax = axes[0][0]
+        for label, report in reports.items():
+            ax.plot([(b.start + b.end - 1) / 2 for b in report.buckets], [getattr(b, report.score) for b in report.buckets],
+                    marker="o", label=label)
+        old = next(iter(reports.values())).old_length
+        if old:
+            ax.axvline(old, color="grey", linestyle="--", linewidth=1, label=f"old length {old}")
+        ax.set(xlabel="position", ylabel=verdict.baseline.metric, title="held-out score by position")
+        ax.legend(fontsize="small")
+    ax = axes[0][-1]
+    steps = [p.step for p in verdict.curve]
+    for name, color in (("far", "tab:red"), ("original", "tab:blue")):
+        ax.plot(steps, [getattr(p, name) for p in verdict.curve], marker=".", color=color, label=f"{name} range")
+        ax.axhline(getattr(verdict.baseline, name), color=color, linestyle="--", linewidth=1,
+                   label=f"{name} range, {verdict.baseline_name}")
+    ax.set(xlabel="step", ylabel=verdict.baseline.metric)
+    ax.set_title(("worth it" if verdict.worth_it else "not yet worth it") + f": far x{verdict.far_ratio:.3f} of the "
+                 f"baseline, original {100 * verdict.original_change:+.1f}%", fontsize=10)
+    ax.legend(fontsize="x-small")
+    return _save(fig, Path(path), plt)

@@ -7,6 +7,7 @@ sentence-transformers models; a plug-in objective brings its own.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -17,7 +18,8 @@ from posextend.files.checkpoint import Checkpoint
 from posextend.training.context import RunContext
 from posextend.errors import PosExtendError
 from posextend.scoring.by_position import EvalReport, plot_reports
-from posextend.training.objectives.base import default_objective, get_objective
+from posextend.scoring.verdict import Verdict
+from posextend.training.objectives.base import Objective, default_objective, get_objective
 from posextend.training.options import FinetuneConfig
 
 
@@ -28,6 +30,23 @@ class _OneProcess:
     device: Any
     num_processes: int = 1
     is_main_process: bool = True
+
+
+def _verdict(chosen: Objective, checkpoint: Checkpoint, run: RunContext) -> Verdict | None:
+    """The verdict of a checkpoint whose provenance records the original it was extended from (and that
+    original is still there): the original reading the data its own way, against the checkpoint."""
+    from posextend.training.loading import anchor_original
+
+    if run.old_length >= run.length:
+        return None
+    original = anchor_original(checkpoint, None, old_length=run.old_length, length=run.length, extended=False)
+    if original.path is None:
+        return None
+    baseline = chosen.baseline(run, chosen.read_reference(original.path, init_head=False))
+    reading = chosen.reading(run)
+    if baseline is None or reading is None:
+        return None
+    return Verdict(baseline, reading, chosen.baseline_name(run))
 
 
 def evaluate(
@@ -45,7 +64,9 @@ def evaluate(
 ) -> EvalReport:
     """``posextend eval``: load a checkpoint through its objective (``objective``, default: the one
     ``finetune`` would use), cut ``data`` into samples at ``length`` (default: the model's), and report
-    by position as the objective scores them (at most ``max_sequences`` samples).
+    by position as the objective scores them (at most ``max_sequences`` samples). For a checkpoint whose
+    provenance records the original it was extended from, ``report.verdict`` says whether the extension is
+    worth it on this data: its far range against the original reading the text its own way.
 
     Example::
 
@@ -70,11 +91,11 @@ def evaluate(
     run = RunContext(
         accelerator=_OneProcess(device), model=loaded.model, unwrapped=loaded.model, tokenizer=loaded.tokenizer,
         config=FinetuneConfig(batch_size=batch_size, buckets=buckets, seed=seed, objective=chosen.name),
-        spec=loaded.spec, train_seqs=samples[:0], eval_seqs=samples, length=length,
+        spec=loaded.spec, train_seqs=samples[:0], eval_seqs=samples, eval_documents=docs, length=length,
         old_length=loaded.old_length or length, reference=loaded.reference, state=chosen.State(),
         decoder_length=loaded.decoder.usable if loaded.decoder else None,
     )
-    report = chosen.evaluate(run)
+    report = dataclasses.replace(chosen.evaluate(run), verdict=_verdict(chosen, checkpoint, run))
     if json_path:
         from posextend.files.atomic import write_file
 

@@ -15,6 +15,7 @@ on any number of processes. Several processes::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import logging
@@ -33,6 +34,8 @@ from posextend.files.checkpoint import Checkpoint
 from posextend.files.sources import check_destination
 from posextend.training.objectives.base import default_objective, get_objective
 from posextend.training.options import FinetuneConfig
+from posextend.scoring.verdict import Reading
+from posextend.training.budget import PROBE_STEPS
 from posextend.training.report import FinetuneReport, finetune_report, save
 from posextend.training.setup import Run, setup
 
@@ -96,56 +99,89 @@ def _micro_loss(run: Run, k: int) -> tuple[torch.Tensor, int]:
     return loss, int((batch >= 0).sum())  # the tokens it holds (samples of pairs pad with -1)
 
 
-def _loop(
-    run: Run, start_step: int, steps: int, *, eval_every: int, save_every: int,
-    progress: Callable[[int, int, float, float], None] | None,
-) -> tuple[list[float], list[tuple[int, float]], int, float]:
-    """The shared training loop: accumulation, NaN, Ctrl-C, state saving, progress. Returns
-    the losses, the held-out losses, the tokens seen by every process, and the seconds."""
+def _step(run: Run, step: int) -> tuple[float, int]:
+    """One optimizer step (its micro-batches accumulated): its loss and the tokens every process saw.
+    A non-finite loss saves the last good state and stops the run."""
     acc = run.accelerator
+    step_loss, tokens = 0.0, 0
+    for micro in range(run.config.grad_accum):
+        with acc.accumulate(run.model):
+            loss, n = _micro_loss(run, step * run.config.grad_accum + micro)
+            bad = acc.reduce(torch.tensor([0.0 if torch.isfinite(loss) else 1.0], device=acc.device), "sum")
+            if bad.item():
+                run.save_state(step)
+                raise TrainingError(
+                    f"The loss became {loss.item()} at step {step}; training stopped. The last good state "
+                    f"(step {step}) is in {run.state_dir}: lower the lr (lr={run.config.lr / 3:.2g}) or use mixed_precision=bf16, then resume=True."
+                )
+            acc.backward(loss)
+            run.optimizer.step()
+            run.scheduler.step()
+            run.optimizer.zero_grad()
+        step_loss += loss.item() / run.config.grad_accum
+        tokens += n * acc.num_processes
+    if run.saved_rows:
+        with torch.no_grad():
+            for t, rows in zip(run.tables, run.saved_rows):
+                t[: len(rows)] = rows
+    return step_loss, tokens
+
+
+def _all_agree(run: Run, flag: bool) -> bool:
+    """True on every process when it is on any (a time budget is read by each process's own clock)."""
+    if run.accelerator.num_processes == 1:
+        return flag
+    return bool(run.accelerator.reduce(torch.tensor([float(flag)], device=run.accelerator.device), "sum").item())
+
+
+def _check(run: Run, step: int, eval_losses: list[tuple[int, float]]) -> bool:
+    """The held-out check after ``step``: the loss curve with ``eval_every``, the judge's reading; True when
+    the run is worth it and may stop."""
+    if run.config.eval_every:
+        mid = run.evaluate()
+        eval_losses.append((step, mid.loss))
+        log.info("step %d: held-out loss %.4f (perplexity %.2f)", step, mid.loss, mid.perplexity)
+    stop = run.judge.record(step, run.objective.reading(run))
+    if run.judge.curve and run.accelerator.is_main_process:
+        point = run.judge.curve[-1]
+        log.info("step %d: far range %.4g, original range %.4g", step, point.far, point.original)
+    return stop
+
+
+def _loop(run: Run, start_step: int, *, save_every: int, progress: Callable[[int, int, float, float], None] | None,
+          ) -> tuple[list[float], list[tuple[int, float]], int, float]:
+    """The shared training loop: steps until the judge's budget is spent or the run is worth it
+    (:class:`posextend.training.budget.Judge`), held-out checks, Ctrl-C, state saving, progress. Returns
+    the losses, the held-out losses, the tokens seen by every process, and the seconds of training."""
+    judge, schedule = run.judge, run.schedule
     losses: list[float] = []
     eval_losses: list[tuple[int, float]] = []
-    tokens = 0
-    t0 = time.perf_counter()
+    tokens, trained, step = 0, 0.0, start_step
     run.model.train()  # gradient checkpointing applies only in training mode (dropout is the objective's choice)
     with _stop_at_step_boundary() as stop_requested:
-        for step in range(start_step, steps):
-            step_loss = 0.0
-            for micro in range(run.config.grad_accum):
-                with acc.accumulate(run.model):
-                    loss, n = _micro_loss(run, step * run.config.grad_accum + micro)
-                    bad = acc.reduce(torch.tensor([0.0 if torch.isfinite(loss) else 1.0], device=acc.device), "sum")
-                    if bad.item():
-                        run.save_state(step)
-                        raise TrainingError(
-                            f"The loss became {loss.item()} at step {step}; training stopped. The last good state "
-                            f"(step {step}) is in {run.state_dir}: lower the lr (lr={run.config.lr / 3:.2g}) or use mixed_precision=bf16, then resume=True."
-                        )
-                    acc.backward(loss)
-                    run.optimizer.step()
-                    run.scheduler.step()
-                    run.optimizer.zero_grad()
-                step_loss += loss.item() / run.config.grad_accum
-                tokens += n * acc.num_processes
-            if run.saved_rows:
-                with torch.no_grad():
-                    for t, rows in zip(run.tables, run.saved_rows):
-                        t[: len(rows)] = rows
-            losses.append(step_loss)
-            if progress and acc.is_main_process:
-                progress(step + 1, steps, step_loss, tokens / max(time.perf_counter() - t0, 1e-9))
-            if eval_every and (step + 1) % eval_every == 0 and step + 1 < steps:
-                mid = run.evaluate()
-                eval_losses.append((step + 1, mid.loss))
-                log.info("step %d: held-out loss %.4f (perplexity %.2f)", step + 1, mid.loss, mid.perplexity)
-            if save_every and (step + 1) % save_every == 0:
-                run.save_state(step + 1)
+        while judge.budget.seconds is not None or step < schedule.steps:
+            t0 = time.perf_counter()
+            loss, n = _step(run, step)
+            trained += time.perf_counter() - t0
+            step, tokens = step + 1, tokens + n
+            losses.append(loss)
+            if judge.budget.seconds is not None and step - start_step == PROBE_STEPS:
+                schedule.steps = judge.planned(step, trained * step / PROBE_STEPS)
+            if progress and run.accelerator.is_main_process:
+                progress(step, schedule.steps, loss, tokens / max(trained, 1e-9))
+            done = _all_agree(run, judge.spent(step)) if judge.budget.seconds is not None else step >= schedule.steps
+            if not done and judge.check_due(step, schedule.steps) and _check(run, step, eval_losses):
+                break
+            if save_every and step % save_every == 0:
+                run.save_state(step)
             if stop_requested():
-                run.save_state(step + 1)
+                run.save_state(step)
                 raise TrainingError(
-                    f"Interrupted after step {step + 1}; state saved in {run.state_dir}: rerun with resume=True to continue."
+                    f"Interrupted after step {step}; state saved in {run.state_dir}: rerun with resume=True to continue."
                 )
-    return losses, eval_losses, tokens, time.perf_counter() - t0
+            if done:
+                break
+    return losses, eval_losses, tokens, trained
 
 
 def _resume_step(run: Run) -> int:
@@ -159,8 +195,19 @@ def _resume_step(run: Run) -> int:
             "(source, data, length, train mode, lr, global batch, seed); use the same ones or remove it."
         )
     run.accelerator.load_state(str(run.state_dir))
+    run.schedule.steps = info.get("planned", run.schedule.steps)
     log.info("Resuming at step %d from %s", info["step"], run.state_dir)
     return info["step"]
+
+
+def _final_reading(run: Run, steps: int) -> Reading | None:
+    """The reading the verdict is given on: the last check's when it was at the last step, else a new one."""
+    last = run.judge.curve[-1] if run.judge.curve else None
+    if last is not None and last.step == steps and run.judge.baseline is not None:
+        return dataclasses.replace(run.judge.baseline, far=last.far, original=last.original)
+    reading = run.objective.reading(run)
+    run.judge.record(steps, reading)
+    return reading
 
 
 def finetune(
@@ -210,11 +257,15 @@ def finetune(
     config = run.config  # with its lr
     before = None if config.resume else run.evaluate()
     start_step = _resume_step(run) if config.resume else 0
-    losses, eval_losses, tokens, seconds = _loop(run, start_step, config.steps, eval_every=config.eval_every,
-                                                 save_every=config.save_every, progress=progress)
+    if not config.resume:
+        run.judge.record(0, run.objective.reading(run))
+    losses, eval_losses, tokens, seconds = _loop(run, start_step, save_every=config.save_every, progress=progress)
     after = run.evaluate()
+    steps = start_step + len(losses)
+    verdict = run.judge.verdict(_final_reading(run, steps))
     run.accelerator.wait_for_everyone()
-    report = finetune_report(run, dst, (before, after), (losses, eval_losses), tokens, seconds)
+    run.config = dataclasses.replace(run.config, steps=steps)  # the steps it trained
+    report = finetune_report(run, dst, (before, after), (losses, eval_losses), tokens, seconds, verdict)
     state_dict = run.accelerator.get_state_dict(run.model)  # every process takes part (sharded weights)
     if run.accelerator.is_main_process:
         save(run, dst, report, checkpoint, loaded, state_dict)

@@ -17,17 +17,19 @@ from typing import Any, Literal, Protocol, get_args
 
 from posextend.errors import TrainingError
 from posextend.options import option
+from posextend.scoring.verdict import MARGIN, TOLERANCE
 
 TrainMode = Literal["new-rows", "positions", "all"]
 TRAIN_MODES = get_args(TrainMode)
 SCHEDULES = ("constant", "cosine")
 PRECISIONS = ("no", "fp16", "bf16")
+DEFAULT_BUDGET = "15min"  # what a run that extends may spend to become worth it, when neither steps nor budget is given
 # an option's help and flag are in its field (:func:`posextend.options.option`): the CLI's ``finetune`` shows each
 # field, ``eval`` the ones whose help names it
 _option = functools.partial(option, commands=("finetune",))
 # options that change how a run is carried out or reported, not what it computes: a resume may change them
 _NOT_FINGERPRINTED = {"resume", "overwrite", "eval_every", "save_every", "eval_sequences", "buckets",
-                      "gradient_checkpointing", "batch_size"}
+                      "gradient_checkpointing", "batch_size", "budget", "margin", "tolerance"}
 
 
 class Defaults(Protocol):
@@ -51,7 +53,13 @@ class FinetuneConfig:
       this many positions too (None: as it is; ``length`` sizes the encoder's).
     - ``strategy``: how ``length`` fills the new rows (objective's default: ``interpolate`` for causal LMs
       with ``train="all"``, else ``tile``).
-    - ``steps``: optimizer steps (200 for language models, 60 for ``contrastive``).
+    - ``steps``: exactly this many optimizer steps; ``budget``: what a run may spend (``15min``, ``20M tokens``,
+      ``2000 steps``) until the extension is worth it (:mod:`posextend.training.budget`); neither: a run that
+      extends spends :data:`DEFAULT_BUDGET`, one that does not trains the objective's steps (200 for language
+      models, 60 for ``contrastive``).
+    - ``eval_data``: held-out text (default: a few percent of the data, whole documents, never trained on);
+      ``margin`` / ``tolerance``: how much the far range must beat the baseline by, and how much the original
+      range may lose (:mod:`posextend.scoring.verdict`).
     - ``train``: ``new-rows`` (only rows beyond the old length; everything else stays bit-identical),
       ``positions`` (the whole table) or ``all`` (every parameter).
     - ``lr``: learning rate (by train mode and the table's width: see the objectives).
@@ -83,7 +91,12 @@ class FinetuneConfig:
     strategy: str | None = _option(
         None, "How --length fills the new rows: see `posextend strategies` (default: interpolate for causal LMs "
         "with --train all, else tile; from the quality grid).", short="-s")
-    steps: int | None = _option(None, "Optimizer steps (default: 200 for language models, 60 for contrastive).")
+    steps: int | None = _option(
+        None, "Train exactly this many optimizer steps (default: train until the extension is worth it, within --budget).")
+    budget: str | None = _option(
+        None, "What training may spend until the extension is worth it: a time (15min, 1h), tokens (20M tokens) or "
+        "steps (2000 steps). It stops earlier once the far range beats the source's own reading of it twice in a row "
+        f"(default: {DEFAULT_BUDGET}).")
     train: TrainMode = _option("all", "all (every parameter; best in our benchmark), positions (the table), or "
                                       "new-rows (only rows beyond the old length).")
     lr: float | None = _option(
@@ -97,7 +110,13 @@ class FinetuneConfig:
     grad_accum: int = _option(1, "Micro-batches per optimizer step.")
     mixed_precision: Literal["no", "fp16", "bf16"] = _option("no", "no, fp16 or bf16 (through accelerate).")
     gradient_checkpointing: bool = _option(False, "Trade compute for memory.")
-    eval_every: int = _option(0, "Evaluate on held-out data every N steps (0: only before and after).")
+    eval_every: int = _option(0, "Evaluate on held-out data every N steps (0: as the budget needs: about 20 times a run).")
+    eval_data: list[str] | None = _option(
+        None, {"finetune": "Held-out text to judge the extension on (default: a few percent of --data, whole "
+                           "documents, never trained on)."}, cli_type=list[Path], metavar="PATH")
+    margin: float = _option(MARGIN, "How much better than the source's own reading the far range must be to stop "
+                                    "early (0.01: 1% lower perplexity).")
+    tolerance: float = _option(TOLERANCE, "How much worse the original range may get than the source's (0.02: 2%).")
     save_every: int = _option(0, "Save resumable state to DST.state/ every N steps.")
     resume: bool = _option(False, "Continue from DST.state/.")
     seed: int = _option(0, "Seed for data order, masking and strategies.")
@@ -129,13 +148,12 @@ class FinetuneConfig:
         return cls(**options)
 
     def resolved(self, objective: Defaults) -> FinetuneConfig:
-        """The options with ``objective``'s defaults filled in (objective, anchor, steps, schedule,
-        strategy), checked. ``lr`` stays None until the table's width is known (:meth:`with_lr`)."""
+        """The options with ``objective``'s defaults filled in (objective, anchor, schedule, strategy), checked.
+        ``steps`` stays None unless given: the run's budget decides them (:mod:`posextend.training.budget`). ``lr`` stays None until the table's width is known (:meth:`with_lr`)."""
         self._check_train()
         anchor = objective.anchor if self.anchor is None else self.anchor
         config = replace(
             self, objective=objective.name, anchor=anchor,
-            steps=objective.steps if self.steps is None else self.steps,
             schedule=self.schedule or objective.schedule.get(self.train, "constant"),
             strategy=self.strategy or objective.strategy[self.train],
         )
@@ -161,6 +179,17 @@ class FinetuneConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise TrainingError(f"{name} must be at least 1, got {value}.")
+        for name in ("margin", "tolerance"):
+            if not 0 <= getattr(self, name) < 1:
+                raise TrainingError(f"{name} must be a fraction between 0 and 1, got {getattr(self, name)}.")
+        if self.budget is not None:
+            from posextend.training.budget import parse_budget
+
+            if self.steps is not None:
+                raise TrainingError("Give a number of steps or a budget, not both: steps train exactly that many, a "
+                                    "budget trains until the extension is worth it.")
+
+            parse_budget(self.budget)
         for name in ("eval_every", "save_every"):
             if getattr(self, name) < 0:
                 raise TrainingError(f"{name} must be 0 (off) or a number of steps, got {getattr(self, name)}.")

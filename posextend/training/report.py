@@ -21,6 +21,7 @@ from posextend.resize.report import ResizeReport, model_card, resize_report
 from posextend.resize.options import ResizeOptions
 from posextend.resize.plan import plan_resize
 from posextend.scoring.by_position import EvalReport
+from posextend.scoring.verdict import Verdict
 from posextend.training.loading import Loaded
 from posextend.training.options import FinetuneConfig
 from posextend.version import __version__
@@ -35,7 +36,7 @@ log = logging.getLogger(__name__)
 # the report's keys as plain data (:meth:`FinetuneReport.to_dict`), its options among its own fields
 _KEYS = ("dst", "train", "objective", "steps", "old_length", "new_length", "lr", "batch_size", "grad_accum", "tokens",
          "seconds", "tokens_per_second", "losses", "eval_losses", "before", "after", "processes", "main_process",
-         "strategy", "anchor", "schedule", "anchor_source", "anchor_note", "notes")
+         "strategy", "anchor", "schedule", "anchor_source", "anchor_note", "notes", "verdict")
 
 
 @dataclass
@@ -61,6 +62,7 @@ class FinetuneReport:
     anchor_source: str | None = None  # the original model the anchor held to (None: the checkpoint as loaded)
     anchor_note: str | None = None  # one line: why the anchor could not hold to the original model
     notes: list[str] = field(default_factory=list)  # the objective's lines about the run (Objective.notes)
+    verdict: Verdict | None = None  # the far range against the source's own reading of it (None: no baseline)
 
     train = property(lambda self: self.config.train)
     objective = property(lambda self: self.config.objective)
@@ -75,13 +77,15 @@ class FinetuneReport:
         """The report as plain data: its fields (the evaluations as dicts) and the options it reads from
         ``config``, not the rest of them."""
         own = asdict(self)
+        own["verdict"] = self.verdict.to_dict() if self.verdict else None
         return {key: own[key] if key in own else getattr(self, key) for key in _KEYS}
 
 
 def finetune_report(run: Run, dst: Path, evaluations: tuple[EvalReport | None, EvalReport],
-                    losses: tuple[list[float], list[tuple[int, float]]], tokens: int, seconds: float) -> FinetuneReport:
+                    losses: tuple[list[float], list[tuple[int, float]]], tokens: int, seconds: float,
+                    verdict: Verdict | None = None) -> FinetuneReport:
     """The fine-tune's report: its options, throughput, losses (held-out ones at steps 0 and the last
-    included) and the before/after evaluations."""
+    included), the before/after evaluations and the verdict."""
     (before, after), (train_losses, eval_losses), config = evaluations, losses, run.config
     return FinetuneReport(
         dst=str(dst.resolve()), config=config, old_length=run.old_length, new_length=run.length, tokens=tokens,
@@ -90,7 +94,7 @@ def finetune_report(run: Run, dst: Path, evaluations: tuple[EvalReport | None, E
         before=before, after=after, processes=run.accelerator.num_processes,
         main_process=run.accelerator.is_main_process, strategy=config.strategy if run.extended else None,
         anchor_source=str(run.anchor_original.path) if run.anchor_original.path else None, anchor_note=run.anchor_original.note,
-        notes=run.objective.notes(run),
+        notes=run.objective.notes(run), verdict=verdict,
     )
 
 
@@ -121,7 +125,8 @@ def save(run: Run, dst: Path, report: FinetuneReport, checkpoint: Checkpoint, lo
             (tmp / "README.md").write_text(_card(report, resize, directory))
             if report.before or report.after:
                 (tmp / "posextend_eval.json").write_text(json.dumps(
-                    {"before": report.before and report.before.to_dict(), "after": report.after.to_dict()}, indent=2))
+                    {"before": report.before and report.before.to_dict(), "after": report.after.to_dict(),
+                     "verdict": report.verdict and report.verdict.to_dict()}, indent=2))
     log.info("Saved %s: %d tensors trained, %d added, the rest copied from %s", dst, len(trained), len(added), directory)
 
 
@@ -130,6 +135,8 @@ def _provenance(run: Run, report: FinetuneReport, checkpoint: Checkpoint, resize
     checkpoint itself), its lengths, and the fine-tune."""
     finetune = {"posextend.finetune": json.dumps({"train": report.train, "steps": report.steps, "lr": report.lr,
                                                    "tokens": report.tokens})}
+    if report.verdict is not None:
+        finetune["posextend.verdict"] = report.verdict.text
     if resize is not None:
         return {**resize.provenance(), **finetune}
     recorded = checkpoint.provenance.get("posextend.source", str(checkpoint.directory))
@@ -164,5 +171,7 @@ def _card(report: FinetuneReport, resize: ResizeReport | None, directory: Path) 
     for label, ev in (("before", report.before), ("after", report.after)):
         if ev is not None and math.isfinite(getattr(ev, ev.score)):
             lines.append(f"- Held-out {ev.metric} {label}: {getattr(ev, ev.score):.3f}")
+    if report.verdict is not None:
+        lines.append(f"- Verdict: {report.verdict.text}")
     lines += [f"- {note}" for note in report.notes]
     return "\n".join(lines) + "\n"

@@ -6,7 +6,6 @@ The loop that trains it is :mod:`posextend.training.loop`; what it writes, :mod:
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import math
@@ -23,6 +22,8 @@ from posextend.files.oserrors import output_errors
 from posextend.files.checkpoint import Checkpoint
 from posextend.resize.plan import Request
 from posextend.scoring.by_position import EvalReport
+from posextend.scoring.verdict import Reading
+from posextend.training.budget import Budget, Judge, Schedule
 from posextend.training.context import RunContext
 from posextend.training.loading import AnchorOriginal, Loaded, anchor_original
 from posextend.training.objectives.base import Objective
@@ -48,6 +49,8 @@ class Run(RunContext):
     fingerprint: str
     extended: bool = False  # the table was extended by this run (not by an earlier resize)
     anchor_original: AnchorOriginal = field(default_factory=AnchorOriginal)  # what the anchor term holds to
+    judge: Judge = field(default_factory=lambda: Judge(Budget("0 steps", steps=0), early=False))  # steps, checks, verdict
+    schedule: Schedule = field(default_factory=lambda: Schedule(1, "constant"))  # the lr factor by step
 
     def evaluate(self) -> EvalReport:  # through the prepared model: sharded weights need every process
         return self.objective.evaluate(self)
@@ -56,7 +59,8 @@ class Run(RunContext):
         with output_errors(self.state_dir):
             self.accelerator.save_state(str(self.state_dir))
             if self.accelerator.is_main_process:
-                write_file(self.state_dir / "posextend.json", json.dumps({"step": step, "fingerprint": self.fingerprint}))
+                write_file(self.state_dir / "posextend.json", json.dumps(
+                    {"step": step, "fingerprint": self.fingerprint, "planned": self.schedule.steps}))
 
 
 
@@ -96,10 +100,9 @@ def setup(checkpoint: Checkpoint, dst: Path, data: Sequence[str | Path], config:
     schedule. ``config`` is resolved (:meth:`FinetuneConfig.resolved`); its ``lr`` is set here when None."""
     from accelerate.utils import set_seed
 
-    from posextend.scoring.text import split
-
     docs = chosen.documents(data)
-    loaded, length, old_len, extended, anchor = _load(chosen, checkpoint, config)
+    given_held_out = chosen.documents(config.eval_data) if config.eval_data else None
+    loaded, length, old_len, extended, anchor, source = _load(chosen, checkpoint, config)
     decoder_length = _resize_decoder(loaded, config)  # None: the decoder shares the run's length
     model, tokenizer = loaded.model, loaded.tokenizer
     if config.train == "new-rows" and old_len >= length:
@@ -108,7 +111,8 @@ def setup(checkpoint: Checkpoint, dst: Path, data: Sequence[str | Path], config:
             f"{old_len}: pass length=N above {length}, or old_length=N for a checkpoint extended elsewhere."
         )
     tokenizer.model_max_length = length
-    train_seqs, eval_seqs = split(chosen.samples(tokenizer, docs, length))
+    train_docs, held_docs = (docs, given_held_out) if given_held_out else _held_out(docs, tokenizer, length, config)
+    train_seqs, eval_seqs = _samples(chosen, tokenizer, (train_docs, held_docs), length)
     accelerator = make_accelerator(config.mixed_precision, config.grad_accum, unused_parameters=chosen.unused_parameters)
     if config.train == "new-rows" and accelerator.distributed_type.value in ("FSDP", "DEEPSPEED"):
         raise TrainingError(
@@ -130,25 +134,85 @@ def setup(checkpoint: Checkpoint, dst: Path, data: Sequence[str | Path], config:
     if config.gradient_checkpointing:
         loaded.hf_model.gradient_checkpointing_enable()
     set_seed(config.seed)
+    schedule = Schedule(config.steps or chosen.steps, config.schedule)  # its steps are the budget's, once known
     optimizer = _adamw([p for p in model.parameters() if p.requires_grad], config.lr)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, functools.partial(lr_factor, steps=config.steps, schedule=config.schedule))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     prepared, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     run = Run(accelerator=accelerator, model=prepared, unwrapped=accelerator.unwrap_model(prepared),
               tokenizer=tokenizer, config=config, spec=loaded.spec, train_seqs=train_seqs,
-              eval_seqs=eval_seqs[: config.eval_sequences], length=length, old_length=old_len,
+              eval_seqs=eval_seqs[: config.eval_sequences], eval_documents=held_docs, length=length, old_length=old_len,
               short_inputs_fixed=config.train == "new-rows", objective=chosen,
               reference=loaded.reference, state=chosen.State(),
               optimizer=optimizer, scheduler=scheduler, tables=tables, saved_rows=saved_rows, decoder_length=decoder_length,
               state_dir=dst.with_name(dst.name + ".state"), fingerprint=fingerprint, extended=extended,
-              anchor_original=anchor)
+              anchor_original=anchor, schedule=schedule)
+    baseline = _baseline(run, source)
+    del source
+    run.judge = _judge(chosen, config, baseline, tokens_per_step=train_seqs.shape[1] * config.batch_size
+                       * config.grad_accum * accelerator.num_processes)
+    schedule.steps = run.judge.steps or chosen.steps
     return run, loaded
 
 
-def _load(chosen: Objective, checkpoint: Checkpoint, config: FinetuneConfig) -> tuple[Loaded, int, int, bool, AnchorOriginal]:
+def _held_out(docs: Sequence[Any], tokenizer: Any, length: int, config: FinetuneConfig) -> tuple[list[Any], list[Any]]:
+    """Documents set aside for judging the run (:func:`posextend.training.heldout.split_documents`): a few
+    percent of the data, and enough for its held-out sequences, at the data's characters per token."""
+    from posextend.training.heldout import split_documents
+
+    sample = next((d for d in docs if isinstance(d, str)), "")[:20_000]
+    per_token = len(sample) / max(1, len(tokenizer(sample, add_special_tokens=False, verbose=False)["input_ids"])) if sample else 4
+    return split_documents(docs, least=int(1.1 * config.eval_sequences * length * per_token), seed=config.seed)
+
+
+def _samples(chosen: Objective, tokenizer: Any, documents: tuple[Sequence[Any], Sequence[Any]], length: int
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The training and held-out samples of the two parts of the data, each cut by the objective."""
+    from posextend.errors import DataError
+
+    train, held = documents
+    try:
+        eval_seqs = chosen.samples(tokenizer, held, length)
+    except DataError as exc:
+        raise DataError(f"The held-out text is too short: {exc}") from None
+    return chosen.samples(tokenizer, train, length), eval_seqs
+
+
+def _judge(chosen: Objective, config: FinetuneConfig, baseline: tuple[Reading, str] | None, *,
+           tokens_per_step: int) -> Judge:
+    """How long the run trains: exactly ``steps`` when given; else ``budget`` (default :data:`DEFAULT_BUDGET`
+    for a run with a baseline to beat), stopping early once worth it; else the objective's steps."""
+    from posextend.training.budget import parse_budget
+    from posextend.training.options import DEFAULT_BUDGET
+
+    if config.steps is not None:
+        budget, early = Budget(f"{config.steps} steps", steps=config.steps), False
+    elif config.budget is not None or baseline is not None:
+        budget, early = parse_budget(config.budget or DEFAULT_BUDGET), baseline is not None
+    else:
+        budget, early = Budget(f"{chosen.steps} steps", steps=chosen.steps), False
+    reading, name = baseline or (None, "")
+    return Judge(budget, early, baseline=reading, baseline_name=name, margin=config.margin, tolerance=config.tolerance,
+                 eval_every=config.eval_every, tokens_per_step=tokens_per_step)
+
+
+def _baseline(run: Run, source: torch.nn.Module | None) -> tuple[Reading, str] | None:
+    """The held-out data read without the extension, once, before training, and how it was read; None when
+    there is nothing to compare (no extension, no original, or an objective that names no baseline)."""
+    reading = None if source is None else run.objective.baseline(run, source)
+    if reading is None:
+        return None
+    name = run.objective.baseline_name(run)
+    if run.accelerator.is_main_process:
+        log.info("Baseline (%s): far range %.4g, original range %.4g", name, reading.far, reading.original)
+    return reading, name
+
+
+def _load(chosen: Objective, checkpoint: Checkpoint, config: FinetuneConfig
+          ) -> tuple[Loaded, int, int, bool, AnchorOriginal, torch.nn.Module | None]:
     """Load through the objective, settle what its anchor holds to while the table is as loaded, then
     extend it when ``config.length`` asks. Returns the loaded model, the run's length and old length,
-    whether this run extended the table, and the anchor's reference."""
+    whether this run extended the table, the anchor's reference, and the source a baseline reads
+    (:func:`_baseline_source`)."""
     length, old_length, init_head, source = config.length, config.old_length, config.init_head, config.source
 
     if source is not None and chosen.anchor is None:
@@ -169,10 +233,26 @@ def _load(chosen: Objective, checkpoint: Checkpoint, config: FinetuneConfig) -> 
     elif may_swap:  # no original to hold to: the checkpoint as loaded, before it is extended
         loaded.reference = chosen.copy_reference(loaded)
     loaded.files = _file_names(loaded, checkpoint)  # as loaded: before the table is extended or trained
+    source = _baseline_source(chosen, checkpoint, loaded, config, extended=extended, old_length=old_len, length=length)
     if extended:
         _resize(loaded, Request(length, strategy=config.strategy, group=loaded.spec.group if loaded.decoder else None),
                 config.seed)
-    return loaded, length, old_len, extended, anchor
+    return loaded, length, old_len, extended, anchor, source
+
+
+def _baseline_source(chosen: Objective, checkpoint: Checkpoint, loaded: Loaded, config: FinetuneConfig, *,
+                     extended: bool, old_length: int, length: int) -> torch.nn.Module | None:
+    """The model without the extension, which the baseline reads: the anchor's reference when the run keeps
+    one, else the checkpoint as loaded (a run that extends it), else the original its provenance records;
+    None when there is no extension, or no original to read."""
+    if old_length >= length:
+        return None
+    if loaded.reference is not None:
+        return loaded.reference
+    if extended:
+        return chosen.copy_reference(loaded)
+    original = anchor_original(checkpoint, config.source, old_length=old_length, length=length, extended=False)
+    return chosen.read_reference(original.path, init_head=config.init_head) if original.path else None
 
 
 def _file_names(loaded: Loaded, checkpoint: Checkpoint) -> FileNames:
@@ -233,12 +313,3 @@ def _adamw(params: list[torch.nn.Parameter], lr: float) -> torch.optim.Optimizer
         return torch.optim.AdamW(params, lr=lr, weight_decay=0.0, fused=True)
     except (RuntimeError, TypeError):  # an older torch, or a device without the fused kernel
         return torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-
-
-def lr_factor(s: int, *, steps: int, schedule: str) -> float:
-    """Linear warm-up over 10% of the steps, then constant or cosine down to 10%."""
-    warmup = max(1, steps // 10)
-    if s < warmup or schedule == "constant":
-        return min(1.0, (s + 1) / warmup)
-    return 0.1 + 0.45 * (1 + math.cos(math.pi * (s - warmup) / max(1, steps - warmup)))
-

@@ -17,6 +17,7 @@ One file, registered through the ``posextend.objectives`` entry point as a third
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Container, Sequence
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ import torch
 from posextend.training.context import RunContext, sample_generator
 from posextend.errors import TrainingError
 from posextend.scoring.by_position import EvalReport, bucket_edges, report_from
+from posextend.scoring.verdict import Reading, far_start
 from posextend.training.loading import Loaded
 from posextend.training.objectives.base import CheckpointFacts, Objective, register_objective
 
@@ -239,10 +241,9 @@ class GapSentences(Objective):
                 f"most {longest} tokens); the rest of its table is as extended"]
 
     @torch.no_grad()
-    def evaluate(self, run: RunContext) -> EvalReport:
-        """Each masked sentence's loss, binned by the source position of its mask (the same gaps every time:
-        held-out window ``i`` draws them from its own generator); for pairs, each target's loss binned by
-        its source's length (the position of its last token)."""
+    def _losses(self, run: RunContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """Summed loss and count of target tokens at each source position of the held-out samples (the same
+        gaps every time: held-out window ``i`` draws them from its own generator)."""
         was_training = run.model.training
         run.model.eval()
         total = torch.zeros(run.length, dtype=torch.float64)
@@ -260,6 +261,12 @@ class GapSentences(Objective):
                         total[pos] += losses[r, t]
                         count[pos] += 1
         run.model.train(was_training)
+        return total, count
+
+    def evaluate(self, run: RunContext) -> EvalReport:
+        """Each masked sentence's loss, binned by the source position of its mask; for pairs, each target's
+        loss binned by its source's length (the position of its last token)."""
+        total, count = self._losses(run)
         old = run.old_length if run.old_length < run.length else None
         edges = bucket_edges(run.length, run.config.buckets, old_length=old)
         report = report_from(total, count, edges, objective="seq2seq", sequences=len(run.eval_seqs), old_length=old,
@@ -267,3 +274,27 @@ class GapSentences(Objective):
         if not math.isfinite(report.loss):
             raise TrainingError("No masked sentence in the held-out text: give more text, or text with sentences.")
         return report
+
+    def baseline(self, run: RunContext, source: torch.nn.Module) -> Reading | None:
+        """The source reading the held-out text in windows of its own length: its masked-sentence perplexity
+        there, which both ranges are held to (raw text only; pairs have no far range to compare)."""
+        if run.eval_seqs.dim() == 3 or run.old_length >= run.length or not run.eval_documents:
+            return None
+        windows = self.samples(run.tokenizer, run.eval_documents, run.old_length)
+        windows = windows[: len(run.eval_seqs) * max(1, run.length // run.old_length)]
+        own = dataclasses.replace(run, model=source.to(run.accelerator.device), length=run.old_length,
+                                  decoder_length=None, eval_seqs=windows)
+        total, count = self._losses(own)
+        perplexity = math.exp(min(float(total.sum() / count.sum().clamp(min=1)), 50))
+        return Reading(far=perplexity, original=perplexity, metric=METRICS[False])
+
+    def baseline_name(self, run: RunContext) -> str:
+        return f"the source reading the text in its own {run.old_length}-token windows"
+
+    def reading(self, run: RunContext) -> Reading | None:
+        if run.eval_seqs.dim() == 3 or run.old_length >= run.length:
+            return None
+        total, count = self._losses(run)
+        start = far_start(run.length, run.old_length)
+        far, original = (float(total[a:b].sum() / count[a:b].sum().clamp(min=1)) for a, b in ((start, run.length), (0, run.old_length)))
+        return Reading(far=math.exp(min(far, 50)), original=math.exp(min(original, 50)), metric=METRICS[False])

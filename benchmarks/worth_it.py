@@ -1,0 +1,133 @@
+"""Are the one-command defaults worth it? ``posextend finetune SRC DST --data CORPUS --length 4xOLD``, nothing else.
+
+    python benchmarks/worth_it.py --data ../shared/data/austen             # up to 15 min per cell on 2 CPU cores
+    python benchmarks/worth_it.py --data ../shared/data/austen --quick     # ~1 min (used by the tests)
+
+The quality grid's references (``quality_grid.py``: GPT-2s pretrained here at 128 positions on the texts
+of ``--data`` that are not held out) are extended 2x and 4x by ``finetune`` with its defaults only: the
+length, the training texts, the seed. The run holds out its own few percent of the training texts, measures
+the source's sliding-window reading there, trains until it beats it (or its default budget, 15 minutes, is
+spent) and gives its verdict. Each output is then scored on two texts it never trained on: the grid's
+(``--tuned``, which the defaults were chosen by looking at) and one kept aside (``--aside``, never used to
+choose anything). Per cell and text:
+
+- ``far``: perplexity on the far range (the last half of the new length) against the source reading the same
+  tokens through a sliding window of its own length (target: at or below it, ``far / window <= 1.00``);
+- ``original Δ``: the first ``old`` positions against the source on the same positions (target: within +2%).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shutil
+import time
+from pathlib import Path
+
+import torch
+import transformers
+from quality import SETTINGS, build_reference
+from quality_grid import SIZES
+
+import posextend
+from posextend.scoring.by_position import position_losses
+from posextend.scoring.text import pack, read_documents
+from posextend.scoring.verdict import far_start
+
+TUNED, ASIDE = "emma.txt", "northangerabbey.txt"
+
+
+def ranges(model, seqs: torch.Tensor, old: int, *, window: int | None = None) -> tuple[float, float]:
+    """(far, original) perplexity of ``model`` on ``seqs`` (through a sliding ``window`` when given)."""
+    total, count = position_losses(model, seqs, "causal", batch_size=8, window=window)
+    start, n = far_start(seqs.shape[1], old), seqs.shape[1]
+    far, original = (math.exp(float(total[a:b].sum() / count[a:b].sum())) for a, b in ((start, n), (0, old)))
+    return far, original
+
+
+def run_cell(name: str, settings: dict, factor: int, args, train_files: list[Path], texts: dict[str, list[str]]) -> dict:
+    ref, _ = build_reference(args.cache, train_files, settings, args.seed)
+    old, new = settings["length"], settings["length"] * factor
+    out = args.out / f"{name}-{factor}x"
+    t0 = time.perf_counter()
+    report = posextend.finetune(ref, out, train_files, length=new, seed=args.seed, overwrite=True,
+                                **({"budget": args.budget} if args.budget else {}))
+    seconds = time.perf_counter() - t0
+    tok = transformers.AutoTokenizer.from_pretrained(ref)
+    source = transformers.AutoModelForCausalLM.from_pretrained(ref).eval()
+    tuned = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    row = {"size": name, "factor": factor, "seconds": seconds, "steps": report.steps, "tokens": report.tokens,
+           "verdict": report.verdict.to_dict() if report.verdict else None}
+    for label, docs in texts.items():
+        seqs = pack(tok, docs, new)[: settings["eval_sequences"]]
+        window_far, source_original = ranges(source, seqs, old, window=old)
+        far, original = ranges(tuned, seqs, old)
+        row[label] = {"far": far, "window": window_far, "far_ratio": far / window_far, "original": original,
+                      "source_original": source_original, "original_change": original / source_original - 1}
+    shutil.rmtree(out, ignore_errors=True)
+    return row
+
+
+def table(rows: list[dict], labels: list[str]) -> str:
+    head = " | ".join(f"{label}: far / window; original Δ" for label in labels)
+    lines = [f"| model | time | steps | the run's verdict (its own held-out split) | {head} |",
+             "|---|---|---|---|" + "---|" * len(labels)]
+    for r in rows:
+        v = r["verdict"]
+        said = (f"{'worth it' if v['worth_it'] else 'not yet'} ({v['far_ratio']:.3f}; {100 * v['original_change']:+.1f}%)"
+                if v else "–")
+        cells = [f"{r[label]['far']:.1f} / {r[label]['window']:.1f} = **{r[label]['far_ratio']:.3f}**; "
+                 f"{100 * r[label]['original_change']:+.1f}%" for label in labels]
+        lines.append(f"| {r['size']} {r['factor']}x | {r['seconds'] / 60:.1f} min | {r['steps']} | {said} | "
+                     + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", type=Path, required=True, help="directory of .txt files")
+    ap.add_argument("--tuned", default=TUNED, help="held-out text the defaults were chosen on")
+    ap.add_argument("--aside", default=ASIDE, help="held-out text kept aside: never used to choose anything")
+    ap.add_argument("--quick", action="store_true", help="a tiny reference and a 20 s budget (the tests)")
+    ap.add_argument("--factors", nargs="+", type=int, default=[2, 4])
+    ap.add_argument("--sizes", nargs="+", help="only these reference sizes (default: all of the mode's)")
+    ap.add_argument("--budget", help="the run's budget (default: finetune's own; --quick: 20s)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--cache", type=Path, default=Path(".cache/quality"), help="reference model cache")
+    ap.add_argument("--out", type=Path, default=Path("worth-it-results"))
+    args = ap.parse_args()
+    mode = "quick" if args.quick else "full"
+    args.budget = args.budget or ("20s" if args.quick else None)
+    files = sorted(args.data.glob("*.txt"))
+    held = [args.data / args.tuned, args.data / args.aside]
+    train_files = [p for p in files if p not in held]
+    if any(p not in files for p in held) or not train_files:
+        raise SystemExit(f"--tuned and --aside must name two of {', '.join(p.name for p in files)} and leave one to train on")
+    texts = {"tuned " + args.tuned.removesuffix(".txt"): read_documents([held[0]]),
+             "aside " + args.aside.removesuffix(".txt"): read_documents([held[1]])}
+    t_start = time.perf_counter()
+    rows = []
+    for name, changes in SIZES[mode].items():
+        if args.sizes and name not in args.sizes:
+            continue
+        for factor in args.factors:
+            rows.append(run_cell(name, {**SETTINGS[mode], **changes}, factor, args, train_files, texts))
+            print(f"  {name} {factor}x: {json.dumps({k: v for k, v in rows[-1].items() if k != 'verdict'})}", flush=True)
+    hardware = (torch.cuda.get_device_name() if torch.cuda.is_available()
+                else f"{platform.machine()} CPU, {os.cpu_count()} cores")
+    text = table(rows, list(texts))
+    meta = {"mode": mode, "seed": args.seed, "budget": args.budget or "finetune's default", "train": [p.name for p in train_files],
+            "wall_seconds": time.perf_counter() - t_start, "hardware": hardware, "torch": torch.__version__,
+            "posextend": posextend.__version__}
+    print(f"\n{text}\n\n{meta['wall_seconds'] / 60:.1f} min on {hardware}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "worth_it.md").write_text(text + "\n")
+    (args.out / "worth_it.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    print(f"written: {args.out}/worth_it.md, worth_it.json")
+
+
+if __name__ == "__main__":
+    main()

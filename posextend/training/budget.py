@@ -1,0 +1,140 @@
+"""How long a fine-tune trains: a fixed number of steps, or a budget spent until the extension is worth it.
+
+A :class:`Budget` is what a run may spend, as the user thinks of it (``15min``, ``20M tokens``,
+``2000 steps``: :func:`parse_budget`). :class:`Schedule` is the lr schedule over the steps the budget
+plans (a time is turned into steps once the first steps are timed). :class:`Judge` reads the held-out
+far and original ranges as training goes and says when to stop: when the reading beats the baseline
+(:mod:`posextend.scoring.verdict`) at two checks in a row, or when the budget is spent.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from dataclasses import dataclass, field
+
+from posextend.errors import TrainingError
+from posextend.scoring.verdict import Point, Reading, Verdict, beats, holds
+
+_UNITS = {"s": 1, "sec": 1, "second": 1, "seconds": 1, "m": 60, "min": 60, "minute": 60, "minutes": 60,
+          "h": 3600, "hour": 3600, "hours": 3600}
+_SCALE = {"": 1, "k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9, "B": 10**9}
+_PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKMGB]?)\s*([a-z]*)\s*$")
+CHECKS = 20  # held-out checks over a budget (about one per 5% of it), when the run sets no eval_every
+PROBE_STEPS = 3  # steps timed before a time budget is turned into a number of steps
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What a run may spend: ``seconds`` of wall-clock, ``tokens`` trained on, or ``steps``; ``text`` as given."""
+
+    text: str
+    seconds: float | None = None
+    tokens: int | None = None
+    steps: int | None = None
+
+
+def parse_budget(text: str) -> Budget:
+    """``15min``, ``1.5h``, ``900s`` (a time); ``20M tokens``, ``500k tokens`` (tokens); ``2000 steps``."""
+    match = _PATTERN.match(str(text))
+    if match:
+        number, scale, unit = float(match[1]), _SCALE[match[2]], match[3]
+        if unit in _UNITS and not match[2] and number > 0:
+            return Budget(text, seconds=number * _UNITS[unit])
+        if unit in ("tokens", "token", "tok") and number * scale >= 1:
+            return Budget(text, tokens=int(number * scale))
+        if unit in ("steps", "step") and not match[2] and number >= 1 and number == int(number):
+            return Budget(text, steps=int(number))
+    raise TrainingError(f"Cannot read the budget {text!r}: give a time (15min, 1h, 900s), a number of tokens "
+                        "(20M tokens) or of steps (2000 steps).")
+
+
+@dataclass
+class Schedule:
+    """The lr factor at each step (a ``LambdaLR`` lambda): a linear warm-up over 10% of ``steps``, then
+    ``constant`` or ``cosine`` down to 10%. ``steps`` may be set once the budget is known in steps; being an
+    object, it is saved and restored with the scheduler's state."""
+
+    steps: int
+    kind: str
+
+    def __call__(self, s: int) -> float:
+        warmup = max(1, self.steps // 10)
+        if s < warmup or self.kind == "constant":
+            return min(1.0, (s + 1) / warmup)
+        return 0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, (s - warmup) / max(1, self.steps - warmup))))
+
+
+@dataclass
+class Judge:
+    """The run's budget, its held-out checks and its verdict. ``early``: stop once the reading beats the
+    baseline at two checks in a row (a budget); otherwise the run trains its steps whatever it reads."""
+
+    budget: Budget
+    early: bool
+    baseline: Reading | None = None
+    baseline_name: str = ""
+    margin: float = 0.01
+    tolerance: float = 0.02
+    eval_every: int = 0  # steps between checks (0: by time or steps, CHECKS over the budget)
+    tokens_per_step: int = 1
+    start: float = field(default_factory=time.perf_counter)
+    curve: list[Point] = field(default_factory=list)
+    wins: int = 0
+    _last_check: float = 0.0
+
+    @property
+    def steps(self) -> int | None:
+        """The steps the budget allows, when it is known without timing (steps, tokens)."""
+        if self.budget.steps is not None:
+            return self.budget.steps
+        if self.budget.tokens is not None:
+            return max(1, math.ceil(self.budget.tokens / self.tokens_per_step))
+        return None
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def planned(self, done: int, seconds: float) -> int:
+        """The steps a time budget allows, from ``done`` steps that took ``seconds``: what is left of it, less
+        a tenth for the held-out checks, at that pace."""
+        left = max(0.0, self.budget.seconds - self.elapsed())
+        return done + max(1, int(0.9 * left / max(seconds / max(done, 1), 1e-9)))
+
+    def spent(self, step: int) -> bool:
+        """The budget is spent after ``step`` steps."""
+        if self.budget.seconds is not None:
+            return self.elapsed() >= self.budget.seconds
+        return step >= (self.steps or 0)
+
+    def check_due(self, step: int, planned: int) -> bool:
+        """A held-out check is due after ``step`` of ``planned`` steps."""
+        if self.baseline is None and not self.eval_every:
+            return False
+        if self.eval_every:
+            return step % self.eval_every == 0
+        if self.budget.seconds is not None:
+            return self.elapsed() - self._last_check >= self.budget.seconds / CHECKS
+        return step % max(1, planned // CHECKS) == 0
+
+    def record(self, step: int, reading: Reading | None) -> bool:
+        """Add a check's ``reading`` to the curve; True when the run should stop (it is worth it, at two
+        checks in a row, and the budget allows stopping early)."""
+        self._last_check = self.elapsed()
+        if reading is None:
+            return False
+        self.curve.append(Point(step, round(self.elapsed(), 2), reading.far, reading.original))
+        if self.baseline is None:
+            return False
+        won = (beats(reading.far, self.baseline.far, self.margin, higher=self.baseline.higher)
+               and holds(reading.original, self.baseline.original, self.tolerance, higher=self.baseline.higher))
+        self.wins = self.wins + 1 if won else 0
+        return self.early and self.wins >= 2
+
+    def verdict(self, reading: Reading | None) -> Verdict | None:
+        """The final reading against the baseline (None without a baseline)."""
+        if self.baseline is None or reading is None:
+            return None
+        return Verdict(self.baseline, reading, self.baseline_name, margin=self.margin, tolerance=self.tolerance,
+                       budget=self.budget.text if self.early else None, curve=list(self.curve))

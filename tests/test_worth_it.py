@@ -1,0 +1,137 @@
+"""A fine-tune that knows when the extension is worth it: the baseline, the held-out split, the budget, the verdict."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import transformers
+from typer.testing import CliRunner
+
+from posextend.cli import app
+from posextend.errors import DataError, TrainingError
+from posextend.scoring.by_position import position_losses
+from posextend.scoring.text import pack, read_documents
+from posextend.scoring.verdict import Reading, Verdict, beats, far_start, holds
+from posextend.training.budget import Judge, Schedule, parse_budget
+from posextend.training.heldout import split_documents
+from posextend.training.loop import finetune
+
+QUICK = dict(batch_size=2, train="all", eval_sequences=4, buckets=2, seed=0)
+
+
+def test_budgets_read_as_users_write_them():
+    assert parse_budget("15min").seconds == 900
+    assert parse_budget("1.5h").seconds == 5400
+    assert parse_budget("90s").seconds == 90
+    assert parse_budget("20M tokens").tokens == 20_000_000
+    assert parse_budget("500k tokens").tokens == 500_000
+    assert parse_budget("2000 steps").steps == 2000
+    for bad in ("fast", "15", "0min", "1.5 steps", "-3min", "10M steps"):
+        with pytest.raises(TrainingError, match="Cannot read the budget"):
+            parse_budget(bad)
+    judge = Judge(parse_budget("1000 tokens"), early=True, tokens_per_step=64)
+    assert judge.steps == 16  # ceil(1000 / 64)
+
+
+def test_schedule_warms_up_then_decays_to_a_tenth():
+    cosine = Schedule(100, "cosine")
+    assert cosine(0) == pytest.approx(0.1) and cosine(9) == pytest.approx(1.0)
+    assert cosine(55) == pytest.approx(0.55, abs=0.01) and cosine(100) == pytest.approx(0.1)
+    assert cosine(500) == pytest.approx(0.1)  # past its steps (a budget that ran longer): stays at the floor
+    assert Schedule(100, "constant")(80) == 1.0
+
+
+def test_beats_and_holds_for_a_perplexity_and_an_accuracy():
+    assert beats(98.9, 100, 0.01) and not beats(99.5, 100, 0.01)
+    assert holds(101.9, 100, 0.02) and not holds(102.1, 100, 0.02)
+    # accuracies: higher is better; the margin is on the error rate
+    assert beats(0.61, 0.5, 0.1, higher=True) and not beats(0.5, 0.5, 0.0, higher=True)
+    assert holds(0.99, 1.0, 0.02, higher=True) and not holds(0.97, 1.0, 0.02, higher=True)
+    assert not beats(float("nan"), 100, 0.01)
+    verdict = Verdict(Reading(100.0, 50.0), Reading(95.0, 50.5), "the source through its own 64-token window")
+    assert verdict.worth_it and verdict.far_ratio == pytest.approx(0.95) and verdict.original_change == pytest.approx(0.01)
+    assert verdict.text.startswith("worth it: far range perplexity 95.0 against 100.0 for the source")
+    worse = Verdict(Reading(100.0, 50.0), Reading(95.0, 52.0), "x", budget="1min")
+    assert not worse.worth_it and worse.text.startswith("not yet worth it within the budget")
+    assert far_start(256, 64) == 128 and far_start(96, 64) == 64
+
+
+def test_held_out_documents_are_whole_seeded_and_never_trained_on():
+    docs = [f"document {i} " * (100 + i) for i in range(40)]
+    train, held = split_documents(docs, share=0.05, seed=3)
+    assert set(train).isdisjoint(held) and all(d in docs for d in held)  # whole documents
+    assert sorted(train + held) == sorted(docs)
+    assert 0.05 <= sum(map(len, held)) / sum(map(len, docs)) < 0.1
+    assert split_documents(docs, share=0.05, seed=3) == (train, held)
+    assert split_documents(docs, share=0.05, seed=4)[1] != held
+    # one long document: its tail, cut at a paragraph, is held out
+    text = "\n\n".join(f"Paragraph {i}. " + "word " * 50 for i in range(200))
+    (rest,), (tail,) = split_documents([text], share=0.05)
+    assert rest + tail == text and tail.startswith("Paragraph") and 0.04 < len(tail) / len(text) < 0.07
+    with pytest.raises(DataError, match="too little"):
+        split_documents(["tiny"], least=10**6)
+
+
+def test_the_source_window_reads_each_far_token_with_its_own_length_of_context():
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=50, n_positions=16, n_embd=32, n_layer=1, n_head=2))
+    seqs = torch.randint(50, (3, 64))
+    total, count = position_losses(model, seqs, "causal", window=16)
+    # by hand: the block of positions 40-47 is read by the window 32-47
+    logits = model(input_ids=seqs[:, 32:48]).logits
+    by_hand = torch.nn.functional.cross_entropy(logits[:, 7:15].transpose(1, 2), seqs[:, 40:48], reduction="sum")
+    assert float(total[40:48].sum()) == pytest.approx(float(by_hand), rel=1e-5)
+    assert count[1:].tolist() == [3.0] * 63 and count[0] == 0
+    whole = position_losses(model, seqs[:, :16], "causal")
+    assert torch.allclose(total[:16], whole[0])  # the first window reads the start as the model does
+
+
+def test_a_run_measures_the_source_window_on_held_out_text(gpt, corpus, tmp_path):
+    held = tmp_path / "held.txt"
+    held.write_text(corpus.read_text()[-8000:])
+    report = finetune(gpt, tmp_path / "out", [corpus], eval_data=[held], length=64, steps=2, anchor=0, **QUICK)
+    verdict = report.verdict
+    assert verdict is not None and report.steps == 2 and verdict.budget is None
+    # the baseline, recomputed: the source reading the held-out sequences through its 32-token window
+    source = transformers.AutoModelForCausalLM.from_pretrained(gpt)
+    seqs = pack(transformers.AutoTokenizer.from_pretrained(gpt), read_documents([held]), 64)[:4]
+    total, count = position_losses(source, seqs, "causal", window=32)
+    assert verdict.baseline.far == pytest.approx(math.exp(float(total[32:].sum() / count[32:].sum())), rel=1e-4)
+    assert verdict.baseline.original == pytest.approx(math.exp(float(total[:32].sum() / count[:32].sum())), rel=1e-4)
+    assert [p.step for p in verdict.curve][0] == 0 and verdict.curve[-1].step == 2
+    saved = json.loads((tmp_path / "out" / "posextend_eval.json").read_text())["verdict"]
+    assert saved["baseline"]["far"] == pytest.approx(verdict.baseline.far) and saved["worth_it"] == verdict.worth_it
+    assert f"Verdict: {verdict.text}" in (tmp_path / "out" / "README.md").read_text()
+
+
+def test_too_small_a_budget_says_not_yet(gpt, corpus, tmp_path):
+    report = finetune(gpt, tmp_path / "out", [corpus], length=64, budget="1 steps", lr=1e-7, strategy="random", **QUICK)
+    assert report.steps == 1 and report.verdict is not None and not report.verdict.worth_it
+    assert report.verdict.text.startswith("not yet worth it within the budget: far range perplexity")
+
+
+def test_a_budget_stops_once_worth_it_twice_in_a_row(gpt, corpus, tmp_path):
+    report = finetune(gpt, tmp_path / "out", [corpus], length=64, budget="60 steps", lr=3e-3, anchor=0, eval_every=1, **QUICK)
+    verdict = report.verdict
+    assert verdict.worth_it and report.steps < 60, report.steps
+    last_two = verdict.curve[-2:]
+    assert all(p.far <= 0.99 * verdict.baseline.far and p.original <= 1.02 * verdict.baseline.original for p in last_two)
+    assert last_two[-1].step == report.steps
+    with pytest.raises(TrainingError, match="not both"):
+        finetune(gpt, tmp_path / "x", [corpus], length=64, budget="5 steps", steps=5, **QUICK)
+
+
+def test_the_cli_and_eval_give_the_verdict(gpt, corpus, tmp_path):
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["finetune", str(gpt), str(out), "--data", str(corpus), "--length", "64",
+                                      "--budget", "2 steps", "--batch-size", "2", "--plot", str(tmp_path / "run.png")])
+    assert result.exit_code == 0, result.output
+    line = next(x for x in result.output.splitlines() if "worth it" in x)
+    assert "far range perplexity" in line and "for the source through its own 32-token window" in line
+    assert (tmp_path / "run.png").stat().st_size > 10_000
+    result = CliRunner().invoke(app, ["eval", str(out), "--data", str(corpus)])
+    assert result.exit_code == 0, result.output
+    assert "the source through its own 32-token window" in result.output  # read from the provenance's original
