@@ -18,11 +18,13 @@ from rich.console import Console
 from posextend.errors import PosExtendError
 from posextend.options import with_options as with_cli_options
 from posextend.resize.options import ResizeOptions
-from posextend.training.options import FinetuneConfig
+from posextend.terminal import App, Command, Group, progress_bar, without_library_bars
+from posextend.training.options import EVALUATION, MOST, FinetuneConfig
 from posextend.version import __version__
 
-app = typer.Typer(
+app = App(
     name="posextend",
+    cls=Group,
     help="Extend the learned position table of GPT-2/BERT-style checkpoints to a longer context.",
     no_args_is_help=True,
     add_completion=False,
@@ -83,7 +85,8 @@ def with_options(cls: type, command: str) -> Callable[[F], F]:
     """The command's ``options`` parameter becomes the options of ``cls`` that ``command`` shows, generated from
     its fields (:func:`posextend.options.with_options`); the command receives their values as one dict (as the
     command line gives them: the command reads an option whose ``cli_type`` is not the field's)."""
-    return with_cli_options(cls, command, lambda o: typer.Option(*o.flags, help=o.help, metavar=o.metavar))
+    return with_cli_options(cls, command, lambda o: typer.Option(*o.flags, help=o.help, metavar=o.metavar,
+                                                                 rich_help_panel=o.panel))
 
 
 def _exit_without_teardown() -> None:
@@ -127,12 +130,10 @@ def main(
 
 def byte_progress(description: str):
     """A rich progress bar in bytes; returns (progress, callback(done, total))."""
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+    from rich.progress import BarColumn, DownloadColumn, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
-    progress = Progress(
-        TextColumn("[progress.description]{task.description}"), BarColumn(), DownloadColumn(),
-        TransferSpeedColumn(), TimeRemainingColumn(), console=err_console, transient=True,
-    )
+    progress = progress_bar(err_console, TextColumn("[progress.description]{task.description}"), BarColumn(),
+                            DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn())
     task = progress.add_task(description, total=None)
 
     def update(done: int, total: int) -> None:
@@ -226,13 +227,15 @@ def inspect_cmd(
         print(json.dumps({**info.to_dict(), **({"analysis": analysis} if analysis else {})}, indent=2))
         return
     covered = "written spec" if info.covered_by == "spec" else "observed on a twin (no written spec)"
+    names = (f"bare ({info.layout_class}'s names: the base model's own, as sentence-transformers saves them)"
+             if info.layout == "bare" else
+             f"headed ({info.layout_class}'s names: under the base model's prefix, as a model with a head saves them)")
     console.print(
         f"[bold]{info.path}[/]\n"
         + (f"  sentence-transformers Transformer module in {info.transformer_dir}/\n" if info.transformer_dir else "")
         + f"  model type {info.model_type} ({covered}), "
         f"{', '.join(info.architectures) or 'no architectures listed'}\n"
-        f"  weights: {info.weights_format}, {len(info.weight_files)} file(s), {info.layout} "
-        f"({info.layout_class}'s names)\n"
+        f"  weights: {info.weights_format}, {len(info.weight_files)} file(s), {names}\n"
         + "".join(_group_line(g, len(info.groups) > 1) for g in info.groups)
         + f"  tokenizer model_max_length: {info.tokenizer_max_length if info.tokenizer_max_length is not None else 'no tokenizer_config.json'}"
         + (f"\n  sentence-transformers max_seq_length: {info.st_max_seq_length}" if info.st_max_seq_length is not None else ""),
@@ -248,7 +251,8 @@ def inspect_cmd(
             table.add_row(*([g.group] if len(info.groups) > 1 else []), t.name, str(t.rows), str(t.dim), t.dtype)
     console.print(table)
     if info.buffers:
-        console.print(f"  length-dependent buffers: {len(info.buffers)} ({info.buffers[0]}, ...)", highlight=False)
+        shown = info.buffers[0] if len(info.buffers) == 1 else f"{len(info.buffers)} ({info.buffers[0]}, ...)"
+        console.print(f"  buffers sized by the length (rebuilt by a resize): {shown}", highlight=False)
     if analysis:
         stats = Table("diagnostic", *analysis)
         rows = {
@@ -270,7 +274,8 @@ def _group_line(g: Any, named: bool) -> str:
     if g.patch_size:
         return (f"{head}image grid: [bold]{'x'.join(map(str, g.grid))}[/] patches of "
                 f"{'x'.join(map(str, g.patch_size))} px, prefix tokens: {g.reserved}, config: {config}\n")
-    return f"{head}usable positions: [bold]{g.usable}[/], reserved rows: {g.reserved}, config: {config}\n"
+    reserved = f", reserved rows: {g.reserved} (before position 0: padding or offset rows)" if g.reserved else ""
+    return f"{head}usable positions: [bold]{g.usable}[/]{reserved}, config: {config}\n"
 
 
 def _fmt(value: Any) -> str:
@@ -308,7 +313,7 @@ def strategies_cmd() -> None:
     console.print(table)
 
 
-class _ListsObjectives(typer.core.TyperCommand):
+class _ListsObjectives(Command):
     """A command whose ``--objective`` help ends with the registered objectives (plug-ins included), each with
     its help line: listed when the command runs or shows its help, since the objectives import torch."""
 
@@ -322,7 +327,8 @@ class _ListsObjectives(typer.core.TyperCommand):
         return params
 
 
-Data = Annotated[list[Path], typer.Option("--data", "-d", help="Text file, directory of them, or JSON Lines with a 'text' field (repeatable).")]
+_DATA = "UTF-8 text file, directory of them, or JSON Lines with a 'text' field (repeatable)."
+Data = Annotated[list[Path], typer.Option("--data", "-d", help=_DATA)]
 
 
 def _eval_table(title: str, reports: dict[str, Any]) -> None:
@@ -363,23 +369,24 @@ def _far_range_advice(report) -> None:
 def finetune_cmd(
     src: Annotated[str, typer.Argument(help="Original checkpoint (with --length) or one extended already.")],
     dst: Annotated[Path, typer.Argument(help="Where the fine-tuned model is written (atomically).")],
-    data: Data,
+    data: Annotated[list[Path], typer.Option("--data", "-d", help=_DATA, rich_help_panel=MOST)],
     options: dict[str, Any],
-    plot: Annotated[Path | None, typer.Option("--plot", help="Save perplexity vs position (before and after) as PNG.")] = None,
+    plot: Annotated[Path | None, typer.Option("--plot", help="Save perplexity vs position (before and after) as PNG.",
+                                              rich_help_panel=EVALUATION)] = None,
 ) -> None:
     """Extend (optionally) and fine-tune so the new positions learn; evaluate before and after."""
-    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+    from rich.progress import BarColumn, TextColumn, TimeRemainingColumn
 
     from posextend.training.loop import finetune
 
     main_process = os.environ.get("RANK", "0") == "0"  # under torchrun / accelerate launch: only rank 0 shows
-    progress = Progress(
-        TextColumn("[progress.description]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-        TextColumn("loss {task.fields[loss]:.4f}  {task.fields[tps]:,.0f} tok/s"), TimeRemainingColumn(),
-        console=err_console, transient=True, disable=not main_process,
+    progress = progress_bar(
+        err_console, TextColumn("[progress.description]{task.description}"), BarColumn(),
+        TextColumn("{task.completed}/{task.total}"), TextColumn("loss {task.fields[loss]:.4f}  {task.fields[tps]:,.0f} tok/s"),
+        TimeRemainingColumn(), disable=not main_process,
     )
     task = progress.add_task("Training", total=options["steps"] or 1, loss=float("nan"), tps=0.0)
-    with progress:
+    with progress, without_library_bars():
         report = finetune(
             src, dst, data, **options,
             progress=lambda step, total, loss, tps: progress.update(task, completed=step, total=total, loss=loss, tps=tps),
@@ -428,11 +435,12 @@ def eval_cmd(
 ) -> None:
     """Held-out scores by position bucket, as the objective scores a fine-tune; or, with --task, long-document retrieval."""
     if task:
-        _retrieval(model, data, task, lengths, documents, mode, max_tokens, reference, json_path, haystack)
+        with without_library_bars():
+            _retrieval(model, data, task, lengths, documents, mode, max_tokens, reference, json_path, haystack)
         return
     from posextend.training.evaluate import evaluate
 
-    with err_console.status("Evaluating"):
+    with err_console.status("Evaluating"), without_library_bars():
         report = evaluate(model, data, **options, max_sequences=max_sequences or None, json_path=json_path,
                           plot_path=plot)
     _eval_table(f"{model}: {report.sequences} sequences of {report.length} tokens", {"model": report})
