@@ -87,7 +87,7 @@ class FinetuneConfig:
         None, "How --length fills the new positions, listed by `posextend strategies` (default: the best in our "
         "benchmarks, interpolate for causal LMs with --train all, else tile; see docs/concepts/strategies.md).",
         short="-s", metavar="NAME", panel=MOST)
-    steps: int | None = _option(None, "Optimizer steps (default: 200 for language models, 60 for contrastive).",
+    steps: int | None = _option(None, "Training steps (default: 200 for language models, 60 for contrastive).",
                                 panel=MOST)
     train: TrainMode = _option(
         "all", "What learns: all (every weight; the best in our benchmarks), positions (the position table only) or "
