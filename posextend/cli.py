@@ -18,11 +18,14 @@ from rich.console import Console
 from posextend.errors import PosExtendError
 from posextend.options import with_options as with_cli_options
 from posextend.resize.options import ResizeOptions
-from posextend.training.options import FinetuneConfig
+from posextend.terminal import (App, Command, Group, eval_table, far_range_advice, plot_run, print_verdict, progress_bar,
+                                without_library_bars)
+from posextend.training.options import EVALUATION, MOST, FinetuneConfig
 from posextend.version import __version__
 
-app = typer.Typer(
+app = App(
     name="posextend",
+    cls=Group,
     help="Extend the learned position table of GPT-2/BERT-style checkpoints to a longer context.",
     no_args_is_help=True,
     add_completion=False,
@@ -83,7 +86,8 @@ def with_options(cls: type, command: str) -> Callable[[F], F]:
     """The command's ``options`` parameter becomes the options of ``cls`` that ``command`` shows, generated from
     its fields (:func:`posextend.options.with_options`); the command receives their values as one dict (as the
     command line gives them: the command reads an option whose ``cli_type`` is not the field's)."""
-    return with_cli_options(cls, command, lambda o: typer.Option(*o.flags, help=o.help, metavar=o.metavar))
+    return with_cli_options(cls, command, lambda o: typer.Option(*o.flags, help=o.help, metavar=o.metavar,
+                                                                 rich_help_panel=o.panel))
 
 
 def _exit_without_teardown() -> None:
@@ -127,12 +131,10 @@ def main(
 
 def byte_progress(description: str):
     """A rich progress bar in bytes; returns (progress, callback(done, total))."""
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+    from rich.progress import BarColumn, DownloadColumn, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
-    progress = Progress(
-        TextColumn("[progress.description]{task.description}"), BarColumn(), DownloadColumn(),
-        TransferSpeedColumn(), TimeRemainingColumn(), console=err_console, transient=True,
-    )
+    progress = progress_bar(err_console, TextColumn("[progress.description]{task.description}"), BarColumn(),
+                            DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn())
     task = progress.add_task(description, total=None)
 
     def update(done: int, total: int) -> None:
@@ -226,13 +228,15 @@ def inspect_cmd(
         print(json.dumps({**info.to_dict(), **({"analysis": analysis} if analysis else {})}, indent=2))
         return
     covered = "written spec" if info.covered_by == "spec" else "observed on a twin (no written spec)"
+    names = (f"bare ({info.layout_class}'s names: the base model's own, as sentence-transformers saves them)"
+             if info.layout == "bare" else
+             f"headed ({info.layout_class}'s names: under the base model's prefix, as a model with a head saves them)")
     console.print(
         f"[bold]{info.path}[/]\n"
         + (f"  sentence-transformers Transformer module in {info.transformer_dir}/\n" if info.transformer_dir else "")
         + f"  model type {info.model_type} ({covered}), "
         f"{', '.join(info.architectures) or 'no architectures listed'}\n"
-        f"  weights: {info.weights_format}, {len(info.weight_files)} file(s), {info.layout} "
-        f"({info.layout_class}'s names)\n"
+        f"  weights: {info.weights_format}, {len(info.weight_files)} file(s), {names}\n"
         + "".join(_group_line(g, len(info.groups) > 1) for g in info.groups)
         + f"  tokenizer model_max_length: {info.tokenizer_max_length if info.tokenizer_max_length is not None else 'no tokenizer_config.json'}"
         + (f"\n  sentence-transformers max_seq_length: {info.st_max_seq_length}" if info.st_max_seq_length is not None else ""),
@@ -248,7 +252,8 @@ def inspect_cmd(
             table.add_row(*([g.group] if len(info.groups) > 1 else []), t.name, str(t.rows), str(t.dim), t.dtype)
     console.print(table)
     if info.buffers:
-        console.print(f"  length-dependent buffers: {len(info.buffers)} ({info.buffers[0]}, ...)", highlight=False)
+        shown = info.buffers[0] if len(info.buffers) == 1 else f"{len(info.buffers)} ({info.buffers[0]}, ...)"
+        console.print(f"  buffers sized by the length (rebuilt by a resize): {shown}", highlight=False)
     if analysis:
         stats = Table("diagnostic", *analysis)
         rows = {
@@ -270,7 +275,8 @@ def _group_line(g: Any, named: bool) -> str:
     if g.patch_size:
         return (f"{head}image grid: [bold]{'x'.join(map(str, g.grid))}[/] patches of "
                 f"{'x'.join(map(str, g.patch_size))} px, prefix tokens: {g.reserved}, config: {config}\n")
-    return f"{head}usable positions: [bold]{g.usable}[/], reserved rows: {g.reserved}, config: {config}\n"
+    reserved = f", reserved rows: {g.reserved} (before position 0: padding or offset rows)" if g.reserved else ""
+    return f"{head}usable positions: [bold]{g.usable}[/]{reserved}, config: {config}\n"
 
 
 def _fmt(value: Any) -> str:
@@ -308,7 +314,7 @@ def strategies_cmd() -> None:
     console.print(table)
 
 
-class _ListsObjectives(typer.core.TyperCommand):
+class _ListsObjectives(Command):
     """A command whose ``--objective`` help ends with the registered objectives (plug-ins included), each with
     its help line: listed when the command runs or shows its help, since the objectives import torch."""
 
@@ -322,63 +328,8 @@ class _ListsObjectives(typer.core.TyperCommand):
         return params
 
 
-Data = Annotated[list[Path], typer.Option("--data", "-d", help="Text file, directory of them, or JSON Lines with a 'text' field (repeatable).")]
-
-
-def _eval_table(title: str, reports: dict[str, Any]) -> None:
-    from rich.table import Table
-
-    first = next(r for r in reports.values() if r is not None)
-    metric, key, count = first.metric, first.score, first.unit
-    table = Table("positions", *(f"{label} {metric}" for label in reports), count, title=title)
-    for i, bucket in enumerate(first.buckets):
-        cells = [_fmt(getattr(r.buckets[i], key)) if r is not None else "-" for r in reports.values()]
-        mark = " (new)" if first.old_length and bucket.start >= first.old_length else ""
-        table.add_row(f"{bucket.start}–{bucket.end - 1}{mark}", *cells, str(bucket.tokens))
-    table.add_row("all", *(_fmt(getattr(r, key)) if r is not None else "-" for r in reports.values()), str(first.tokens))
-    console.print(table)
-
-
-def _far_range_advice(report) -> None:
-    """One line when the far range is still more than 10% above the original range, with what to try."""
-    from posextend.scoring.by_position import far_range_gap
-
-    gap = report.before and report.after and far_range_gap(report.before, report.after)
-    if not gap or gap[0] <= 1.10 * gap[1]:
-        return
-    far, original, start = gap
-    if report.train != "all":
-        step = "train every weight (--train all)"
-    elif report.strategy is not None and report.strategy not in ("interpolate", "kps"):
-        step = "start from --strategy interpolate"
-    else:
-        step = f"train longer (--steps {2 * report.steps})"
-    console.print(f"[yellow]The far range (positions {start}–{report.after.length - 1}) is at perplexity {far:.1f}, "
-                  f"{far / original - 1:.0%} above the original range's {original:.1f}:[/] {step}.", highlight=False)
-
-
-def _print_verdict(verdict) -> None:
-    """The verdict, one line: green when the extension is worth it, yellow with what to try when not yet."""
-    if verdict is None:
-        return
-    if verdict.worth_it:
-        console.print(f"[green]{verdict.text[:1].upper()}{verdict.text[1:]}[/]", highlight=False)
-        return
-    hint = ("give it a larger budget (--budget)" if verdict.budget else "train longer (--budget, or more --steps)")
-    console.print(f"[yellow]{verdict.text[:1].upper()}{verdict.text[1:]}[/]: {hint}.", highlight=False)
-
-
-def _plot_run(reports: dict[str, Any], verdict, path: Path) -> None:
-    """The score by position; with a verdict, beside the far and original ranges along the run."""
-    if verdict is not None and verdict.curve:
-        from posextend.scoring.verdict import plot_verdict
-
-        plot_verdict(verdict, path, reports)
-    else:
-        from posextend.scoring.by_position import plot_reports
-
-        plot_reports(reports, path)
-    console.print(f"  plot: {path}", highlight=False)
+_DATA = "UTF-8 text file, directory of them, or JSON Lines with a 'text' field (repeatable)."
+Data = Annotated[list[Path], typer.Option("--data", "-d", help=_DATA)]
 
 
 @app.command("finetune", cls=_ListsObjectives)
@@ -387,30 +338,31 @@ def _plot_run(reports: dict[str, Any], verdict, path: Path) -> None:
 def finetune_cmd(
     src: Annotated[str, typer.Argument(help="Original checkpoint (with --length) or one extended already.")],
     dst: Annotated[Path, typer.Argument(help="Where the fine-tuned model is written (atomically).")],
-    data: Data,
+    data: Annotated[list[Path], typer.Option("--data", "-d", help=_DATA, rich_help_panel=MOST)],
     options: dict[str, Any],
-    plot: Annotated[Path | None, typer.Option("--plot", help="Save perplexity vs position (before and after) as PNG.")] = None,
+    plot: Annotated[Path | None, typer.Option("--plot", help="Save perplexity vs position (before and after) as PNG.",
+                                              rich_help_panel=EVALUATION)] = None,
 ) -> None:
     """Extend (optionally) and fine-tune so the new positions learn; evaluate before and after."""
-    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+    from rich.progress import BarColumn, TextColumn, TimeRemainingColumn
 
     from posextend.training.loop import finetune
 
     main_process = os.environ.get("RANK", "0") == "0"  # under torchrun / accelerate launch: only rank 0 shows
-    progress = Progress(
-        TextColumn("[progress.description]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-        TextColumn("loss {task.fields[loss]:.4f}  {task.fields[tps]:,.0f} tok/s"), TimeRemainingColumn(),
-        console=err_console, transient=True, disable=not main_process,
+    progress = progress_bar(
+        err_console, TextColumn("[progress.description]{task.description}"), BarColumn(),
+        TextColumn("{task.completed}/{task.total}"), TextColumn("loss {task.fields[loss]:.4f}  {task.fields[tps]:,.0f} tok/s"),
+        TimeRemainingColumn(), disable=not main_process,
     )
     task = progress.add_task("Training", total=options["steps"] or None, loss=float("nan"), tps=0.0)
-    with progress:
+    with progress, without_library_bars():
         report = finetune(
             src, dst, data, **options,
             progress=lambda step, total, loss, tps: progress.update(task, completed=step, total=total, loss=loss, tps=tps),
         )
     if not report.main_process:
         return
-    _eval_table("Held-out evaluation by position", {"before": report.before, "after": report.after})
+    eval_table(console, "Held-out evaluation by position", {"before": report.before, "after": report.after})
     processes = f" on {report.processes} processes" if report.processes > 1 else ""
     console.print(
         f"[green]Fine-tuned[/] ({report.objective}, {report.train}, {report.steps} steps, lr {report.lr:g} "
@@ -422,11 +374,11 @@ def finetune_cmd(
         console.print(f"  anchor: held to the original model {report.anchor_source}", highlight=False)
     for note in report.notes:
         console.print(f"  {note}", highlight=False)
-    _print_verdict(report.verdict)
+    print_verdict(console, report.verdict)
     if report.verdict is None:
-        _far_range_advice(report)
+        far_range_advice(console, report)
     if plot:
-        _plot_run({k: v for k, v in {"before": report.before, "after": report.after}.items() if v}, report.verdict, plot)
+        plot_run(console, {k: v for k, v in {"before": report.before, "after": report.after}.items() if v}, report.verdict, plot)
 
 
 @app.command("eval", cls=_ListsObjectives)
@@ -451,15 +403,16 @@ def eval_cmd(
 ) -> None:
     """Held-out scores by position bucket, as the objective scores a fine-tune; or, with --task, long-document retrieval."""
     if task:
-        _retrieval(model, data, task, lengths, documents, mode, max_tokens, reference, json_path, haystack)
+        with without_library_bars():
+            _retrieval(model, data, task, lengths, documents, mode, max_tokens, reference, json_path, haystack)
         return
     from posextend.training.evaluate import evaluate
 
-    with err_console.status("Evaluating"):
+    with err_console.status("Evaluating"), without_library_bars():
         report = evaluate(model, data, **options, max_sequences=max_sequences or None, json_path=json_path,
                           plot_path=plot)
-    _eval_table(f"{model}: {report.sequences} sequences of {report.length} tokens", {"model": report})
-    _print_verdict(report.verdict)
+    eval_table(console, f"{model}: {report.sequences} sequences of {report.length} tokens", {"model": report})
+    print_verdict(console, report.verdict)
 
 
 def _retrieval(model: str, data: list[Path], tasks: str, lengths: str, documents: int, mode: str,

@@ -20,7 +20,8 @@ PAGE = ROOT / "docs" / "concepts" / "architecture.md"
 BEGIN, END = "<!-- layers:begin (python scripts/layers.py) -->", "<!-- layers:end -->"
 
 # Bottom to top: a module may import from its own layer and the layers below it, never from one above.
-LAYERS = ["errors", "version", "registry", "options", "tables", "files", "families", "resize", "scoring", "training", "cli"]
+LAYERS = ["errors", "version", "registry", "options", "tables", "files", "families", "resize", "scoring", "training", "terminal",
+          "cli"]
 
 
 def module_name(path: Path) -> str:

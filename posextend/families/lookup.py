@@ -117,9 +117,12 @@ def spec_for(
         grid_error = _grids(config, cls)[1] if wanted == 2 else None
         if grid_error is not None:  # it has an image size, but its grid was refused: say why
             raise grid_error
+        has = ", ".join(f"{'positions' if s.rank == 1 else 'an image grid'} ({s.length_keys[0]}="
+                        f"{get_path(config, s.length_keys[0])})" for s in every)
         raise UnsupportedArchitectureError(
             f"Model type {config.get('model_type')!r} has no learned table of {what} posextend resizes; "
-            f"its tables: {', '.join(s.group for s in every)}."
+            + (f"it has {has}: give {'a length' if wanted == 2 else 'an image size'} instead." if every else
+               "nor any other.")
         )
     if table is None and len(specs) == 1:
         return specs[0]

@@ -47,26 +47,28 @@ class ResizeOptions:
     """Every option of ``resize_checkpoint`` (see it for their meaning), as its keywords name them."""
 
     new_length: int | None = _option(
-        None, "New length in usable positions (what the tokenizer's model_max_length will say).", flag="--length",
-        short="-n")
+        None, "New length in tokens: the positions the model can use (its tokenizer's model_max_length after).",
+        flag="--length", short="-n")
     image_size: int | tuple[int, int] | None = _option(  # pixels: 448, or (height, width)
         None, "New image size in pixels for an image-patch grid (ViT, DINOv2, CLIP's vision tower): 448, or "
-        "HEIGHTxWIDTH such as 448x336.", cli_type=str)  # the command reads it (parse_image_size)
+        "HEIGHTxWIDTH such as 448x336.", metavar="SIZE", cli_type=str)  # the command reads it (parse_image_size)
     strategy: str | None = _option(
-        None, "How to fill the table(s): see `posextend strategies` (default: tile for positions, bicubic for image "
-        "grids).", short="-s")
+        None, "How to fill the new rows of the table(s), listed by `posextend strategies` (default: tile for "
+        "positions, bicubic for image grids).", short="-s", metavar="NAME")
     seed: int | None = _option(None, "Seed for strategies that draw random numbers.")
     params: Mapping[str, Any] | None = _option(
-        None, "Strategy parameter key=value (repeatable), e.g. std=matched.", flag="--param", short="-p",
-        cli_type=list[str])  # the command reads them (parse_params)
+        None, "A parameter of the strategy (repeatable), e.g. std=matched.", flag="--param", short="-p",
+        metavar="KEY=VALUE", cli_type=list[str])  # the command reads them (parse_params)
     overwrite: bool = _option(False, "Replace DST if it exists.")
     allow_shrink: bool = _option(False, "Allow a length below the current one (cuts positions).", flag="--shrink")
     link: bool = _option(False, "Hard-link shards that need no change instead of copying them.")
     table: str | None = _option(
-        None, "Which tables, for a model with several lengths (encoder, decoder, text; see inspect).")
+        None, "Which tables, for a model with several lengths: encoder, decoder, text... (inspect lists them).",
+        metavar="NAME")
     verify: bool | None = _option(
-        None, "Check the output on a twin of its written config before it appears (default: for families without "
-        "a written spec).", flag="--verify/--no-verify")
+        None, "Before the output appears, check that a tiny random model built from its new config takes the new "
+        "tables and runs at the full new length (default: for families without a built-in description; see "
+        "docs/concepts/positions.md).", flag="--verify/--no-verify")
     st_max_seq_length: int | None = _option(
         None, "sentence-transformers max_seq_length of the output (default: the new length).")
 

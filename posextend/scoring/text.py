@@ -1,4 +1,8 @@
-"""Training and evaluation text: read, tokenise, pack into sequences of exactly the new length."""
+"""Training and evaluation text: read, tokenise, pack into sequences of exactly the new length.
+
+Data is text: a file is judged on its first 64 KiB (:func:`not_text`), and one that is not text (a model's weights,
+a program) is refused by name, or skipped, with one warning, where a directory holds it.
+"""
 
 from __future__ import annotations
 
@@ -16,22 +20,63 @@ log = logging.getLogger(__name__)
 
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".text", ".jsonl", ".json")
 PAIR_FIELDS = ("source", "target")  # a JSON Lines record of supervised sequence-to-sequence data
+SNIFFED = 64 * 1024  # bytes of a file that decide whether it is text
+MOST_UNDECODABLE = 0.3  # the largest share of those that may be no UTF-8 (a Latin-1 text's accents: a few %)
 
 
-def _files(paths: Iterable[str | Path]) -> list[Path]:
+def not_text(path: Path) -> str | None:
+    """Why the file ``path`` is not text, judged on its first 64 KiB; None when it is. Not text: a NUL byte (binary
+    files have them, UTF-8 text never), or more than 30% of the bytes undecodable as UTF-8 (random bytes: about
+    half). A Latin-1 text is read: only its accented letters, a few in a hundred, are lost (replaced)."""
+    try:
+        with path.open("rb") as f:
+            head = f.read(SNIFFED)
+    except OSError as exc:
+        raise DataError(f"Cannot read {path}: {exc}") from None
+    if b"\0" in head:
+        return "it holds NUL bytes: binary, or UTF-16 text"
+    undecodable = len(head) - len(head.decode("utf-8", errors="ignore").encode("utf-8"))
+    if undecodable > MOST_UNDECODABLE * len(head):
+        return f"{undecodable / len(head):.0%} of its first {len(head):,} bytes are not UTF-8"
+    return None
+
+
+def _files(paths: Iterable[str | Path]) -> tuple[list[Path], list[Path]]:
+    """The text files ``paths`` name (files, and the text files under directories), and those skipped under
+    directories because they are not text. A file named that is not text is refused."""
     files: list[Path] = []
+    skipped: list[Path] = []
     for raw in paths:
         path = Path(raw).expanduser()
         if path.is_dir():
             found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
             if not found:
                 raise DataError(f"{path} holds no text files ({', '.join(TEXT_SUFFIXES)}).")
-            files += found
+            text = {p: not_text(p) is None for p in found}
+            if not any(text.values()):
+                raise DataError(f"{path} holds no text: its files are binary or not UTF-8 ({_names(found)}).")
+            files += [p for p in found if text[p]]
+            skipped += [p for p in found if not text[p]]
         elif path.is_file():
+            reason = not_text(path)
+            if reason:
+                raise DataError(f"Data file {path} is not text ({reason}): give UTF-8 text files, directories of "
+                                "them, or JSON Lines.")
             files.append(path)
         else:
             raise DataError(f"Data path {path} does not exist.")
-    return files
+    return files, skipped
+
+
+def _names(paths: Sequence[Path], shown: int = 10) -> str:
+    """``paths`` as one list for a message, the first ``shown`` of them by name."""
+    more = f" and {len(paths) - shown} more" if len(paths) > shown else ""
+    return ", ".join(map(str, paths[:shown])) + more
+
+
+def _warn_skipped(skipped: Sequence[Path]) -> None:
+    if skipped:
+        log.warning("Skipped %d data file(s) that are not text: %s", len(skipped), _names(skipped))
 
 
 def _read(path: Path) -> str:
@@ -56,7 +101,9 @@ def read_documents(paths: Sequence[str | Path], *, text_field: str = "text") -> 
     if not paths:
         raise DataError("No data given: pass data=PATH (a text file, a directory, or JSON Lines).")
     docs: list[str] = []
-    for path in _files(paths):
+    files, skipped = _files(paths)
+    _warn_skipped(skipped)
+    for path in files:
         if path.suffix.lower() != ".jsonl":
             docs.append(_read(path))
             continue
@@ -73,7 +120,7 @@ def read_documents(paths: Sequence[str | Path], *, text_field: str = "text") -> 
 def read_pairs(paths: Sequence[str | Path]) -> list[tuple[str, str]] | None:
     """``(source, target)`` pairs (a document and its summary) when the data is JSON Lines whose records
     hold both :data:`PAIR_FIELDS`; None when no file's first record does (plain text). A mix is refused."""
-    files = _files(paths) if paths else []
+    files, skipped = _files(paths) if paths else ([], [])
     paired = [f for f in files if f.suffix.lower() == ".jsonl"
               and isinstance(first := next((r for _, r in _records(f)), None), dict) and set(PAIR_FIELDS) <= first.keys()]
     if not paired:
@@ -82,6 +129,7 @@ def read_pairs(paths: Sequence[str | Path]) -> list[tuple[str, str]] | None:
         other = next(f for f in files if f not in paired)
         raise DataError(f"{paired[0]} holds {'/'.join(PAIR_FIELDS)} pairs but {other} does not: give pairs only, "
                         "or plain text only.")
+    _warn_skipped(skipped)  # here, not when the data is plain text: read_documents reads it then, and warns
     pairs = []
     for path in paired:
         for i, record in _records(path):

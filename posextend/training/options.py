@@ -25,8 +25,10 @@ SCHEDULES = ("constant", "cosine")
 PRECISIONS = ("no", "fp16", "bf16")
 DEFAULT_BUDGET = "15min"  # what a run that extends may spend to become worth it, when neither steps nor budget is given
 # an option's help and flag are in its field (:func:`posextend.options.option`): the CLI's ``finetune`` shows each
-# field, ``eval`` the ones whose help names it
+# field, ``eval`` the ones whose help names it; ``finetune --help`` groups them in these panels (a field that names
+# none is shown last, under "Advanced")
 _option = functools.partial(option, commands=("finetune",))
+MOST, TRAINING, EVALUATION = "What most users set", "Training", "Evaluation"
 # options that change how a run is carried out or reported, not what it computes: a resume may change them
 _NOT_FINGERPRINTED = {"resume", "overwrite", "eval_every", "save_every", "eval_sequences", "buckets",
                       "gradient_checkpointing", "batch_size", "budget", "margin", "tolerance"}
@@ -83,58 +85,76 @@ class FinetuneConfig:
     ``eval`` commands are generated from them.
     """
 
-    length: int | None = _option(None, {"finetune": "Extend to this many usable positions first.",
-                                        "eval": "Sequence length (default: the model's)."}, short="-n")
+    length: int | None = _option(None, {"finetune": "Extend SRC to this many positions (tokens) first.",
+                                        "eval": "Sequence length in tokens (default: the model's)."}, short="-n",
+                                 panel={"finetune": MOST})
     decoder_length: int | None = _option(
         None, "Encoder-decoders with a length per stack (LED): extend the decoder's table to this many positions "
         "too (--length sizes the encoder's).")
     strategy: str | None = _option(
-        None, "How --length fills the new rows: see `posextend strategies` (default: interpolate for causal LMs "
-        "with --train all, else tile; from the quality grid).", short="-s")
+        None, "How --length fills the new positions, listed by `posextend strategies` (default: the best in our "
+        "benchmarks, interpolate for causal LMs with --train all, else tile; see docs/concepts/strategies.md).",
+        short="-s", metavar="NAME", panel=MOST)
     steps: int | None = _option(
-        None, "Train exactly this many optimizer steps (default: train until the extension is worth it, within --budget).")
+        None, "Train exactly this many steps (default: train until the extension is worth it, within --budget).",
+        panel=MOST)
     budget: str | None = _option(
         None, "What training may spend until the extension is worth it: a time (15min, 1h), tokens (20M tokens) or "
-        "steps (2000 steps). It stops earlier once the far range beats the source's own reading of it twice in a row "
-        f"(default: {DEFAULT_BUDGET}).")
-    train: TrainMode = _option("all", "all (every parameter; best in our benchmark), positions (the table), or "
-                                      "new-rows (only rows beyond the old length).")
+        "steps (2000 steps). It stops earlier once the far positions read held-out text better than the source "
+        f"reading it in its own windows, twice in a row (default: {DEFAULT_BUDGET}).", metavar="SIZE", panel=MOST)
+    train: TrainMode = _option(
+        "all", "What learns: all (every weight; the best in our benchmarks), positions (the position table only) or "
+        "new-rows (only the positions past the old length; the rest stays exactly as it was).", metavar="WHAT",
+        panel=MOST)
     lr: float | None = _option(
-        None, "Learning rate (default: new-rows 3e-3, positions 1e-3; all: causal 1e-3 x min(1, 192/width), "
-        "masked 1e-4, contrastive 5e-5).")
+        None, "Learning rate (default by --train: new-rows 3e-3, positions 1e-3; all: 1e-3 for causal LMs up to "
+        "192 wide, scaled down by 192/width for wider ones, 1e-4 masked, 5e-5 contrastive).", panel=TRAINING)
     schedule: Literal["constant", "cosine"] | None = _option(
         None, "Learning rate after a 10% warm-up: constant, or cosine down to 10% (default: cosine for causal LMs "
-        "and contrastive with --train all, else constant).")
+        "and contrastive with --train all, else constant).", metavar="NAME", panel=TRAINING)
     batch_size: int = _option(4, {"finetune": "Sequences per micro-batch (per process).",
-                                  "eval": "Sequences per batch."})
-    grad_accum: int = _option(1, "Micro-batches per optimizer step.")
-    mixed_precision: Literal["no", "fp16", "bf16"] = _option("no", "no, fp16 or bf16 (through accelerate).")
-    gradient_checkpointing: bool = _option(False, "Trade compute for memory.")
-    eval_every: int = _option(0, "Evaluate on held-out data every N steps (0: as the budget needs: about 20 times a run).")
+                                  "eval": "Sequences per batch."}, panel={"finetune": TRAINING})
+    grad_accum: int = _option(1, "Micro-batches per optimizer step (a larger batch in the same memory).",
+                              panel=TRAINING)
+    mixed_precision: Literal["no", "fp16", "bf16"] = _option(
+        "no", "Compute in half precision on a GPU: no, fp16 or bf16 (through accelerate).", metavar="NAME",
+        panel=TRAINING)
+    gradient_checkpointing: bool = _option(False, "Use less memory for more compute (recompute activations).",
+                                           panel=TRAINING)
+    eval_every: int = _option(0, "Evaluate on held-out data every N steps (0: as the budget needs, about 20 times "
+                                 "a run).", panel=EVALUATION)
     eval_data: list[str] | None = _option(
         None, {"finetune": "Held-out text to judge the extension on (default: a few percent of --data, whole "
-                           "documents, never trained on)."}, cli_type=list[Path], metavar="PATH")
-    margin: float = _option(MARGIN, "How much better than the source's own reading the far range must be to stop "
-                                    "early (0.01: 1% lower perplexity).")
-    tolerance: float = _option(TOLERANCE, "How much worse the original range may get than the source's (0.02: 2%).")
-    save_every: int = _option(0, "Save resumable state to DST.state/ every N steps.")
-    resume: bool = _option(False, "Continue from DST.state/.")
-    seed: int = _option(0, "Seed for data order, masking and strategies.")
-    old_length: int | None = _option(None, "Old length of a checkpoint extended by another tool (for new-rows).")
-    init_head: bool = _option(False, "Train a fresh LM head when SRC has none.")
+                           "documents, never trained on)."}, cli_type=list[Path], metavar="PATH",
+        panel={"finetune": EVALUATION})
+    margin: float = _option(MARGIN, "How much better than the source's own reading the far positions must read "
+                                    "held-out text to stop early (0.01: 1% lower perplexity).", panel=EVALUATION)
+    tolerance: float = _option(TOLERANCE, "How much worse the first positions (the old length) may read it than the "
+                                          "source does (0.02: 2%).", panel=EVALUATION)
+    save_every: int = _option(0, "Save resumable state to DST.state/ every N steps.", panel=TRAINING)
+    resume: bool = _option(False, "Continue from DST.state/ (saved by --save-every).", panel=TRAINING)
+    seed: int = _option(0, "Seed for data order, masking and strategies.", panel=TRAINING)
+    old_length: int | None = _option(
+        None, "The length SRC had before another tool extended it (--train new-rows needs it; posextend's own "
+        "outputs record it).")
+    init_head: bool = _option(False, "SRC has no language-model head (a bare model): add a new one and train it.")
     objective: str | None = _option(None, {
-        "finetune": "The objective to train with (default: the one the registry prefers for SRC: contrastive for "
-                    "a sentence-transformers model, else the one whose head the family has). Registered objectives:",
-        "eval": "Score as this objective does (default: the one finetune would use). Registered objectives:"})
+        "finetune": "What the model learns from the data (default: contrastive for a sentence-transformers "
+                    "model, else the one that fits the model's head). Registered objectives:",
+        "eval": "Score as this objective does (default: the one finetune would use). Registered objectives:"},
+        metavar="NAME", panel={"finetune": MOST})
     anchor: float | None = _option(
-        None, "Weight of the term keeping the source's outputs on inputs within the old length (causal: default 1; "
-        "contrastive: default 2; seq2seq: default 0, off; 0 turns it off and saves a copy of the model in memory).")
+        None, "How strongly training keeps the outputs on inputs within the old length as they were (default: "
+        "causal 1, contrastive 2, seq2seq 0; 0 turns it off and saves a copy of the model in memory; see "
+        "docs/concepts/training.md).", panel=TRAINING)
     source: str | Path | None = _option(
-        None, "The original model the anchor holds to, for a SRC resized earlier (default: the original SRC's "
-        "provenance records, when it is still there).")
+        None, "The original model the anchor compares with, when SRC was resized earlier (default: the model "
+        "SRC was resized from, as posextend recorded in SRC's files, when it is still there).", metavar="PATH")
     eval_sequences: int = _option(16, "Held-out sequences evaluated before and after.", commands=())  # API only
-    buckets: int = _option(8, {"finetune": "Position buckets in the before/after table.",
-                               "eval": "Number of position buckets."})
+    buckets: int = _option(8, {"finetune": "Rows of the before/after table: the positions cut into this many "
+                                           "ranges.",
+                               "eval": "Rows of the table: the positions cut into this many ranges."},
+                           panel={"finetune": EVALUATION})
     overwrite: bool = _option(False, "Replace DST if it exists.")
 
     @classmethod
