@@ -71,17 +71,20 @@ def test_held_out_documents_are_whole_seeded_and_never_trained_on():
     text = "\n\n".join(f"Paragraph {i}. " + "word " * 50 for i in range(200))
     (rest,), (tail,) = split_documents([text], share=0.05)
     assert rest + tail == text and tail.startswith("Paragraph") and 0.04 < len(tail) / len(text) < 0.07
+    # records of pairs are held out whole: one record cannot be split
+    assert split_documents([("a b", "c")] * 40, share=0.05)[1] == [("a b", "c")] * 2
     with pytest.raises(DataError, match="too little"):
-        split_documents(["tiny"], least=10**6)
+        split_documents([("a document", "its summary")])
 
 
 def test_the_source_window_reads_each_far_token_with_its_own_length_of_context():
     torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=50, n_positions=16, n_embd=32, n_layer=1, n_head=2))
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=50, n_positions=16, n_embd=32, n_layer=1, n_head=2)).eval()
     seqs = torch.randint(50, (3, 64))
     total, count = position_losses(model, seqs, "causal", window=16)
     # by hand: the block of positions 40-47 is read by the window 32-47
-    logits = model(input_ids=seqs[:, 32:48]).logits
+    with torch.no_grad():
+        logits = model(input_ids=seqs[:, 32:48]).logits
     by_hand = torch.nn.functional.cross_entropy(logits[:, 7:15].transpose(1, 2), seqs[:, 40:48], reduction="sum")
     assert float(total[40:48].sum()) == pytest.approx(float(by_hand), rel=1e-5)
     assert count[1:].tolist() == [3.0] * 63 and count[0] == 0
