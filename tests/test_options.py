@@ -21,7 +21,7 @@ def test_unknown_options_are_refused_with_the_valid_ones(gpt, corpus, tmp_path):
 def test_resolved_fills_the_objectives_defaults_once():
     causal, contrastive = get_objective("causal"), get_objective("contrastive")
     c = FinetuneConfig().resolved(causal)
-    assert (c.objective, c.steps, c.schedule, c.strategy, c.anchor, c.lr) == ("causal", 200, "cosine", "interpolate", 1.0, None)
+    assert (c.objective, c.steps, c.schedule, c.strategy, c.anchor, c.lr) == ("causal", None, "cosine", "interpolate", 1.0, None)
     assert c.with_lr(causal, 768).lr == pytest.approx(1e-3 * 192 / 768) and c.with_lr(causal, 64).lr == 1e-3
     e = FinetuneConfig(train="positions", steps=7).resolved(contrastive)
     assert (e.steps, e.schedule, e.strategy, e.anchor) == (7, "constant", "tile", 2.0)
@@ -35,6 +35,9 @@ def test_resolved_fills_the_objectives_defaults_once():
     ({"schedule": "linear"}, "schedule must be constant or cosine"),
     ({"mixed_precision": "fp8"}, "Mixed precision must be one of no, fp16, bf16"),
     ({"steps": 0}, "steps must be at least 1"),
+    ({"steps": 5, "budget": "5 steps"}, "not both"),
+    ({"budget": "soon"}, "Cannot read the budget 'soon'"),
+    ({"margin": 1.5}, "margin must be a fraction"),
     ({"grad_accum": 0}, "grad_accum must be at least 1"),
     ({"save_every": -1}, "save_every must be 0"),
 ])
@@ -139,5 +142,5 @@ def test_the_reports_hold_their_options_and_read_them_as_before():
     assert list(report.to_dict()) == [
         "dst", "train", "objective", "steps", "old_length", "new_length", "lr", "batch_size", "grad_accum", "tokens",
         "seconds", "tokens_per_second", "losses", "eval_losses", "before", "after", "processes", "main_process",
-        "strategy", "anchor", "schedule", "anchor_source", "anchor_note", "notes"]
+        "strategy", "anchor", "schedule", "anchor_source", "anchor_note", "notes", "verdict"]
     assert report.to_dict()["anchor"] == 1.0 and "config" not in report.to_dict()

@@ -88,11 +88,12 @@ def test_sentence_ends_are_read_off_each_tokens_text(bart):
 
 def test_the_anchor_keeps_old_length_inputs_near_the_source(bart, corpus, tmp_path):
     """With its anchor on (off by default), the seq2seq fine-tune keeps what the model predicts for inputs
-    within the old length closer to the source's than the same run without it."""
+    within the old length closer to the source's than the same run without it (weight 2: at 1, six steps leave the
+    two within noise of each other, depending on which sequences the held-out split leaves to train on)."""
     kwargs = dict(length=2 * OLD, steps=6, batch_size=2, lr=3e-3, eval_sequences=2, seed=0)
-    anchored = posextend.finetune(bart, tmp_path / "anchored", [corpus], anchor=1, **kwargs)
+    anchored = posextend.finetune(bart, tmp_path / "anchored", [corpus], anchor=2, **kwargs)
     plain = posextend.finetune(bart, tmp_path / "plain", [corpus], **kwargs)
-    assert (anchored.anchor, plain.anchor) == (1.0, 0.0)
+    assert (anchored.anchor, plain.anchor) == (2.0, 0.0)
     tok = transformers.AutoTokenizer.from_pretrained(bart)
     text = corpus.read_text()[:3000]
     ids = tok(text, truncation=True, max_length=OLD, return_tensors="pt").input_ids  # within the old length

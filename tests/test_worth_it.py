@@ -138,3 +138,27 @@ def test_the_cli_and_eval_give_the_verdict(gpt, corpus, tmp_path):
     result = CliRunner().invoke(app, ["eval", str(out), "--data", str(corpus)])
     assert result.exit_code == 0, result.output
     assert "the source through its own 32-token window" in result.output  # read from the provenance's original
+
+
+def test_masked_and_seq2seq_name_their_baselines(bert, corpus, tmp_path):
+    from tiny import bart
+
+    report = finetune(bert, tmp_path / "bert", [corpus], length=64, steps=1, **QUICK)
+    assert report.verdict.baseline_name == "the source through its own 32-token window"
+    assert report.verdict.baseline.metric == report.after.metric and report.verdict.baseline.far > 1
+    source = bart(tmp_path / "bart", positions=64)
+    report = finetune(source, tmp_path / "bart-out", [corpus], length=128, steps=1, **QUICK)
+    baseline = report.verdict.baseline
+    assert report.verdict.baseline_name == "the source reading the text in its own 64-token windows"
+    assert baseline.far == baseline.original > 1 and baseline.metric == "masked-sentence perplexity"
+
+
+def test_eval_of_a_resized_checkpoint_gives_the_verdict_of_the_resize_alone(gpt, corpus, tmp_path):
+    import posextend
+
+    posextend.resize_checkpoint(gpt, tmp_path / "tiled", 64, "tile", seed=0)
+    report = posextend.evaluate(tmp_path / "tiled", [corpus], max_sequences=4)
+    assert report.verdict is not None and report.verdict.budget is None
+    # tile keeps the old rows: the original range reads as the source reads it, to float precision
+    assert report.verdict.reading.original == pytest.approx(report.verdict.baseline.original, rel=1e-4)
+    assert json.loads(json.dumps(report.to_dict()))["verdict"]["baseline"]["far"] == report.verdict.baseline.far

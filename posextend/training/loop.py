@@ -218,12 +218,20 @@ def finetune(
     progress: Callable[[int, int, float, float], None] | None = None,
     **options: Any,
 ) -> FinetuneReport:
-    """Extend (optionally) and fine-tune ``src``, evaluate before and after, save to ``dst``.
+    """Extend (optionally) and fine-tune ``src`` until the extension is worth it, evaluate before and after,
+    save to ``dst``.
 
-    ``options`` are :class:`~posextend.training.options.FinetuneConfig`'s fields (``length``, ``steps``, ``train``,
-    ``lr``, ``objective``, ``anchor``, ``seed`` …); those left out take the objective's defaults
-    (:mod:`posextend.training.objectives`: 200 steps for language models, 60 for ``contrastive``; lr and
-    schedule by ``train``: with ``all``, causal LMs 1e-3 × min(1, 192 / width) from
+    A run that extends measures its baseline first: the source reading held-out text (a few percent of
+    ``data``, whole documents, never trained on; or ``eval_data``) its own way, through its own window
+    (:meth:`Objective.baseline <posextend.training.objectives.base.Objective.baseline>`). It then trains
+    until the far range beats that by ``margin`` and the original range is within ``tolerance`` at two
+    checks in a row, or its ``budget`` (a time, tokens or steps; default 15 minutes) is spent;
+    ``steps`` trains exactly that many. ``report.verdict`` says whether it is worth it
+    (:class:`~posextend.scoring.verdict.Verdict`).
+
+    ``options`` are :class:`~posextend.training.options.FinetuneConfig`'s fields (``length``, ``budget``,
+    ``steps``, ``train``, ``lr``, ``objective``, ``anchor``, ``seed`` …); those left out take the objective's
+    defaults (:mod:`posextend.training.objectives`; lr and schedule by ``train``: with ``all``, causal LMs 1e-3 × min(1, 192 / width) from
     ``interpolate``, contrastive 5e-5, both with a cosine decay; ``tile`` and a constant lr
     otherwise). ``anchor``: the weight of the objective's term that keeps the source model's
     outputs on inputs within the old length (causal 1, contrastive 2, seq2seq 0; 0 turns it off and saves

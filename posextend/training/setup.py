@@ -251,7 +251,8 @@ def _baseline_source(chosen: Objective, checkpoint: Checkpoint, loaded: Loaded, 
         return loaded.reference
     if extended:
         return chosen.copy_reference(loaded)
-    original = anchor_original(checkpoint, config.source, old_length=old_length, length=length, extended=False)
+    given = config.source if chosen.anchor else None  # the anchor's source: without an anchor it goes unread
+    original = anchor_original(checkpoint, given, old_length=old_length, length=length, extended=False)
     return chosen.read_reference(original.path, init_head=config.init_head) if original.path else None
 
 
