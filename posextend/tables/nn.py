@@ -1,7 +1,6 @@
 """A learned absolute position embedding that fails fast and extends with the same strategies.
 
-Example::
-
+Examples:
     >>> pe = LearnedPositionalEmbedding(d_model=64, max_len=512)
     >>> x = torch.zeros(8, 100, 64)
     >>> pe(x).shape                      # x + P[0:100]

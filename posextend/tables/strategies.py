@@ -30,15 +30,17 @@ Third-party packages register strategies through the entry-point group
 registers them with :func:`register_strategy`. They are imported lazily, on the first
 lookup.
 
-Example::
+Examples:
+    A strategy of your own, then used like a built-in one:
 
-    import posextend
-
-    @posextend.register_strategy("mirror", description="Reflect the table at its end.")
-    def mirror(table, new_len, *, generator):
-        idx = torch.arange(new_len) % (2 * len(table))
-        idx = torch.where(idx < len(table), idx, 2 * len(table) - 1 - idx)
-        return table[idx]
+    >>> import posextend, torch
+    >>> @posextend.register_strategy("mirror", description="Reflect the table at its end.")
+    ... def mirror(table, new_len, *, generator):
+    ...     idx = torch.arange(new_len) % (2 * len(table))
+    ...     idx = torch.where(idx < len(table), idx, 2 * len(table) - 1 - idx)
+    ...     return table[idx]
+    >>> posextend.resize_table(torch.randn(512, 8), 1024, "mirror").shape
+    torch.Size([1024, 8])
 """
 
 from __future__ import annotations
@@ -95,19 +97,35 @@ def register_strategy(
 ) -> Callable[[StrategyFn], StrategyFn]:
     """Decorator registering ``fn`` as strategy ``name``; refuses invalid or duplicate names.
 
-    ``ranks``: the grid ranks ``fn`` handles, ``(1,)`` for tables of positions (the default),
-    ``(2,)`` for image-patch grids (see the module doc).
+    ``fn(table, new_len, *, generator, **params)`` gets the usable rows in float32 and returns the new
+    ones (see the module doc); its keyword-only parameters other than ``generator`` are the strategy's
+    parameters.
 
-    ``rows`` (row strategies only, see the module doc) must agree with ``fn``: ``fn(table,
-    n)`` is ``table[rows(len(table), n)]``.
+    Args:
+        name: the strategy's name: lowercase letters, digits, ``-`` and ``_``, starting with a
+            letter; a name already registered is refused.
+        description: one line for ``posextend strategies`` and the model card (default: the first
+            line of ``fn``'s docstring).
+        keeps_rows: whether the rows below the old length come out bit-exact when the table grows.
+        rows: row strategies only: ``rows(old_len, new_len)`` gives the old row behind each new row; it
+            must agree with ``fn`` (``fn(table, n)`` is ``table[rows(len(table), n)]``), and files are
+            then resized by copying those rows' bytes.
+        ranks: the grid ranks ``fn`` handles: ``(1,)`` for tables of positions (the default),
+            ``(2,)`` for image-patch grids.
 
-    Example::
+    Returns:
+        The decorator; it returns ``fn`` unchanged.
 
-        @register_strategy("zeros", description="New rows are zero.", keeps_rows=True)
-        def zeros(table, new_len, *, generator):
-            out = table.new_zeros(new_len, table.shape[1])
-            out[: min(len(table), new_len)] = table[:new_len]
-            return out
+    Raises:
+        StrategyError: the name is invalid or taken, ``fn`` has no keyword-only ``generator``, or
+            ``ranks`` / ``rows`` do not fit.
+
+    Examples:
+        >>> @register_strategy("zeros", description="New rows are zero.", keeps_rows=True)
+        ... def zeros(table, new_len, *, generator):
+        ...     out = table.new_zeros(new_len, table.shape[1])
+        ...     out[: min(len(table), new_len)] = table[:new_len]
+        ...     return out
     """
     _REGISTRY.check_name(name)
 
@@ -133,12 +151,28 @@ def register_strategy(
 
 
 def available_strategies() -> dict[str, Strategy]:
-    """All registered strategies (built-ins and plugins), by name."""
+    """All registered strategies (built-ins and plugins), by name.
+
+    Examples:
+        >>> sorted(posextend.available_strategies())[:4]
+        ['bicubic', 'bilinear', 'interpolate', 'kps']
+    """
     return _REGISTRY.available()
 
 
 def get_strategy(name: str) -> Strategy:
-    """The registered strategy ``name``; raises :class:`StrategyError` listing the valid ones."""
+    """The registered strategy ``name``.
+
+    Args:
+        name: a strategy's name, as :func:`available_strategies` lists them.
+
+    Raises:
+        StrategyError: no strategy has that name (the message lists the valid ones).
+
+    Examples:
+        >>> posextend.get_strategy("tile").keeps_rows
+        True
+    """
     return _REGISTRY.get(name)
 
 
@@ -201,8 +235,22 @@ def resize_table(
 ) -> torch.Tensor:
     """Return ``table`` with ``new_usable`` usable rows, its ``reserved`` leading rows kept.
 
-    Example::
+    Args:
+        table: the table, ``[rows, dim]``; not modified.
+        new_usable: the usable rows of the result (the reserved rows come on top).
+        strategy: a registered strategy that handles tables of positions (:func:`available_strategies`).
+        reserved: leading rows that are no position (RoBERTa's padding rows, OPT's offset), kept bit-exact.
+        seed: seeds the generator a random strategy draws from (default: a random seed).
+        params: the strategy's parameters (``{"std": "matched"}`` for ``random``).
+        context: the model config's values a strategy may ask for (``initializer_range``).
 
+    Returns:
+        A new ``[reserved + new_usable, dim]`` tensor of ``table``'s dtype and device.
+
+    Raises:
+        StrategyError: the table's shape, the strategy, its parameters or its result do not fit.
+
+    Examples:
         >>> t = torch.randn(514, 8)            # RoBERTa-style: 2 reserved + 512 usable
         >>> resize_table(t, 1024, "tile", reserved=2).shape
         torch.Size([1026, 8])
@@ -233,8 +281,24 @@ def resize_grid(
     strategy in float32, checked (shape, finiteness), flattened back and cast to the table's dtype.
     A ``[1, H, W, D]`` table (SAM's ``pos_embed``, no prefix tokens) is written in the same layout.
 
-    Example::
+    Args:
+        table: the table; not modified.
+        grid: the usable rows' grid: ``(L,)`` for positions, ``(H, W)`` for image patches.
+        new_grid: the grid of the result, of the same rank.
+        strategy: a registered strategy that handles grids of this rank (:func:`available_strategies`).
+        reserved: leading rows (prefix tokens: ViT's class token, DeiT's distillation token), kept bit-exact.
+        seed: seeds the generator a random strategy draws from (default: a random seed).
+        params: the strategy's parameters.
+        context: the model config's values a strategy may ask for (``initializer_range``).
 
+    Returns:
+        A new tensor in ``table``'s layout, dtype and device, with ``new_grid``'s rows.
+
+    Raises:
+        StrategyError: the table's shape, the grid, the strategy, its parameters or its result do not fit.
+        CorruptCheckpointError: the table already holds NaN or Inf values.
+
+    Examples:
         >>> t = torch.randn(1, 1 + 14 * 14, 768)      # ViT-B/16 at 224 px: class token + 14x14
         >>> resize_grid(t, (14, 14), (28, 28), "bicubic", reserved=1).shape
         torch.Size([1, 785, 768])
@@ -305,8 +369,7 @@ def resize_relative(table: torch.Tensor, new_len: int) -> torch.Tensor:
     no antialias), in float32 and cast back: a model holding the result computes what the source computes on
     inputs of the new size.
 
-    Example::
-
+    Examples:
         >>> resize_relative(torch.randn(127, 64), 159).shape   # 64x64 patches -> 80x80
         torch.Size([159, 64])
     """

@@ -193,8 +193,7 @@ def finetune(
     with N processes the global batch is N × ``batch_size``, and the result equals a
     one-process run with that batch (tested).
 
-    Example::
-
+    Examples:
         >>> report = posextend.finetune("gpt2", "gpt2-2k", ["corpus/"], length=2048, steps=500)
         >>> report.before.perplexity, report.after.perplexity
     """
