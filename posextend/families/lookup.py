@@ -37,7 +37,8 @@ def all_specs(config: Mapping[str, Any], *, cls: type | None = None) -> tuple[Ar
             says why); :class:`RunTimeGridError` for a grid the family adapts to each image.
 
     Examples:
-        >>> [s.group for s in all_specs(json.load(open("clip-vit-base-patch16/config.json")))]
+        >>> config = json.load(open("clip-vit-base-patch16/config.json"))
+        >>> [s.group for s in all_specs(config)]
         ['text', 'vision']
     """
     model_type = config.get("model_type")

@@ -71,7 +71,7 @@ def transformer_dir(directory: Path) -> str:
             model sits both at the root and in the Transformer module's folder.
 
     Examples:
-        >>> transformer_dir(Path("all-MiniLM-L6-v2")), transformer_dir(Path("old-st-model"))
+        >>> transformer_dir(Path("all-MiniLM-L6-v2")), transformer_dir(Path("old-st"))
         ('', '0_Transformer')
     """
     path = directory / MODULES

@@ -65,8 +65,10 @@ def extend_model(
         >>> model.config.max_position_embeddings
         2048
         >>> tokenizer = AutoTokenizer.from_pretrained("bert-base-uncased")
-        >>> tokenizer.model_max_length = 2048              # the tokenizer is yours to update
-        >>> vit = posextend.extend_model(AutoModel.from_pretrained("google/vit-base-patch16-224"), image_size=448)
+        >>> tokenizer.model_max_length = 2048  # the tokenizer is yours to update
+        >>> vit = AutoModel.from_pretrained("google/vit-base-patch16-224")
+        >>> posextend.extend_model(vit, image_size=448).config.image_size
+        448
     """
     resize_in_memory(model, Request(new_length, image_size, strategy, params, group=table, allow_shrink=allow_shrink), seed)
     return model

@@ -96,7 +96,7 @@ def inspect_checkpoint(src: str | Path | Checkpoint) -> CheckpointInfo:
             message says why).
 
     Examples:
-        >>> info = posextend.inspect_checkpoint("sentence-transformers/all-MiniLM-L6-v2")
+        >>> info = posextend.inspect_checkpoint("all-MiniLM-L6-v2")
         >>> info.usable, info.tables[0].name
         (512, 'embeddings.position_embeddings.weight')
     """

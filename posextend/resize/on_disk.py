@@ -101,10 +101,12 @@ def resize_checkpoint(
             ``dst`` exists. Nothing is written then.
 
     Examples:
-        >>> report = posextend.resize_checkpoint("gpt2", "gpt2-4k", 4096, "interpolate", seed=0)
+        >>> report = posextend.resize_checkpoint("gpt2", "gpt2-4k", 4096,
+        ...                                      "interpolate", seed=0)
         >>> report.old_length, report.new_length
         (1024, 4096)
-        >>> posextend.resize_checkpoint("google/vit-base-patch16-224", "vit-448", image_size=448).new_grid
+        >>> vit = "google/vit-base-patch16-224"
+        >>> posextend.resize_checkpoint(vit, "vit-448", image_size=448).new_grid
         [28, 28]
     """
     start = time.perf_counter()

@@ -23,7 +23,7 @@ truncated past it), or ``chunk`` (the usual workaround: embed each ``max_seq_len
 and average). :func:`short_input_cosine` compares two models on texts within the old length.
 
 Examples:
-    >>> report = evaluate_retrieval("minilm-2k", ["held_out.txt"], lengths=(512, 2048), haystack="shared")
+    >>> report = evaluate_retrieval("minilm-2k", ["held_out.txt"], lengths=(512, 2048))
     >>> report.scores["passkey"][2048]
 """
 
@@ -325,7 +325,8 @@ def evaluate_retrieval(
         short-input cosine when ``reference`` is given.
 
     Examples:
-        >>> report = posextend.evaluate_retrieval("minilm-2k", ["held_out.txt"], lengths=(512, 2048), n=20)
+        >>> report = posextend.evaluate_retrieval("minilm-2k", ["held_out.txt"],
+        ...                                       lengths=(512, 2048), n=20)
         >>> report.scores["passkey"][2048]
     """
     if haystack not in HAYSTACKS:

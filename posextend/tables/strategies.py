@@ -34,7 +34,7 @@ Examples:
     A strategy of your own, then used like a built-in one:
 
     >>> import posextend, torch
-    >>> @posextend.register_strategy("mirror", description="Reflect the table at its end.")
+    >>> @posextend.register_strategy("mirror", description="Reflect at the end.")
     ... def mirror(table, new_len, *, generator):
     ...     idx = torch.arange(new_len) % (2 * len(table))
     ...     idx = torch.where(idx < len(table), idx, 2 * len(table) - 1 - idx)
@@ -121,7 +121,7 @@ def register_strategy(
             ``ranks`` / ``rows`` do not fit.
 
     Examples:
-        >>> @register_strategy("zeros", description="New rows are zero.", keeps_rows=True)
+        >>> @register_strategy("zeros", description="New rows are 0.", keeps_rows=True)
         ... def zeros(table, new_len, *, generator):
         ...     out = table.new_zeros(new_len, table.shape[1])
         ...     out[: min(len(table), new_len)] = table[:new_len]
@@ -251,7 +251,7 @@ def resize_table(
         StrategyError: the table's shape, the strategy, its parameters or its result do not fit.
 
     Examples:
-        >>> t = torch.randn(514, 8)            # RoBERTa-style: 2 reserved + 512 usable
+        >>> t = torch.randn(514, 8)     # RoBERTa-style: 2 reserved + 512 usable
         >>> resize_table(t, 1024, "tile", reserved=2).shape
         torch.Size([1026, 8])
     """
@@ -299,7 +299,7 @@ def resize_grid(
         CorruptCheckpointError: the table already holds NaN or Inf values.
 
     Examples:
-        >>> t = torch.randn(1, 1 + 14 * 14, 768)      # ViT-B/16 at 224 px: class token + 14x14
+        >>> t = torch.randn(1, 1 + 14 * 14, 768)  # ViT-B/16, 224 px: class + 14x14
         >>> resize_grid(t, (14, 14), (28, 28), "bicubic", reserved=1).shape
         torch.Size([1, 785, 768])
     """
@@ -370,7 +370,7 @@ def resize_relative(table: torch.Tensor, new_len: int) -> torch.Tensor:
     inputs of the new size.
 
     Examples:
-        >>> resize_relative(torch.randn(127, 64), 159).shape   # 64x64 patches -> 80x80
+        >>> resize_relative(torch.randn(127, 64), 159).shape  # 64x64 -> 80x80
         torch.Size([159, 64])
     """
     import torch

@@ -194,7 +194,8 @@ def finetune(
     one-process run with that batch (tested).
 
     Examples:
-        >>> report = posextend.finetune("gpt2", "gpt2-2k", ["corpus/"], length=2048, steps=500)
+        >>> report = posextend.finetune("gpt2", "gpt2-2k", ["corpus/"],
+        ...                             length=2048, steps=500)
         >>> report.before.perplexity, report.after.perplexity
     """
     checkpoint = Checkpoint.resolve(src)  # the one resolution of src: passed down, its facts read once

@@ -257,7 +257,7 @@ def register_objective(name: str, *, description: str | None = None) -> Callable
         TrainingError: the name is invalid or taken, or the class is no :class:`Objective`.
 
     Examples:
-        >>> @posextend.register_objective("my-masked", description="Masked LM with my masking.")
+        >>> @posextend.register_objective("my-masked", description="My masking.")
         ... class MyMasked(Objective):
         ...     ...
     """
