@@ -276,7 +276,7 @@ def strategies_cmd() -> None:
 @handle_errors
 def families_cmd(
     query: Annotated[str | None, typer.Argument(
-        help="A model type (bert), a class name (BertModel) or a checkpoint folder; none: a summary.")] = None,
+        metavar="QUERY", help="A model type (bert), a class name (BertModel) or a checkpoint folder; none: a summary.")] = None,
 ) -> None:
     """Is my model supported? How a family is covered, as the census of every model type found it."""
     from posextend.families import coverage
