@@ -28,21 +28,19 @@ TRANSFORMERS = "5.23.0"
 #: Every outcome, best first: its title and what it means for a user.
 OUTCOMES: dict[str, tuple[str, str]] = {
     "verified": ("Resized and verified",
-                 "resized 2x and checked: loads cleanly, outputs on short inputs unchanged, runs at the full new length"),
+                 "resized 2x and checked: loads, runs at the new length, short inputs unchanged"),
     "grid-spec": ("Image grids with a written spec",
-                  "resized with an image size; the same outputs as transformers' run-time interpolation"),
+                  "resized with an image size: the outputs of transformers' run-time interpolation"),
     "grid-probed": ("Image grids observed and checked",
                     "a grid observed on twins, resized to twice the image size, loads and runs"),
     "run-time-grid": ("Grids adapted to each image",
                       "the family resizes its grid to each image on every forward: nothing on disk to resize"),
     "grid": ("Image grids refused", "a grid that cannot be resized on disk safely (the reason says why)"),
     "refused-table": ("Tables refused", "a position-named table that cannot be resized safely (the reason says why)"),
-    "refused": ("No learned absolute table", "positions are rotary, relative, sinusoidal or absent: no table to extend"),
+    "refused": ("No learned absolute table",
+                "positions are rotary, relative, sinusoidal or absent: no table to extend"),
     "no-twin": ("Not checked", "transformers itself cannot build the type from its default config"),
 }
-LAYOUTS = {"headed": "as save_pretrained writes the headed class",
-           "bare": "the base model's weights under the headed class's architectures (sentence-transformers, hub uploads)",
-           "bare-class": "the bare weights under the base class's own architectures"}
 
 
 @cache
@@ -95,7 +93,7 @@ def describe(entry: Mapping[str, Any]) -> str:
     """One model type's coverage: its outcome and what it means, how it is covered, its lengths and image
     grids, each layout's outcome, and the reason for a refusal."""
     meaning = OUTCOMES.get(entry["outcome"], ("", ""))[1]
-    lines = [f"{entry['model_type']}: {entry['outcome']}: {meaning}",
+    lines = [f"{entry['model_type']}: {entry['outcome']}", f"  {meaning}",
              f"  class checked: {entry['cls'] or 'none (transformers has no model class for it)'}"]
     if entry["covered_by"]:
         lines.append("  covered by: " + ("a written spec" if entry["covered_by"] == "spec"

@@ -81,8 +81,8 @@ class ResizeReport:
         params = ", ".join(f"{k}={v}" for k, v in self.params.items())
         lines = []
         if self.options.new_length is not None:
-            lines.append(f"Resized {self.model_type} checkpoint: {self.old_length} → {self.new_length} usable positions "
-                         f"with {self.strategy}" + (f" ({params})" if params else "")
+            lines.append(f"Resized {self.model_type} checkpoint: {self.old_length} → {self.new_length} usable "
+                         f"positions with {self.strategy}" + (f" ({params})" if params else "")
                          + f", seed {self.seed}, in {self.seconds:.2f} s")
         if self.new_image_size:
             size = "x".join
@@ -100,8 +100,8 @@ class ResizeReport:
             lines.append(f"  sentence-transformers max_seq_length: {self.st_max_seq_length}")
         if self.buffers:
             lines.append(f"  buffers rebuilt: {len(self.buffers)}")
-        lines.append(f"  weights: {len(self.files_rewritten)} file(s) rewritten, {len(self.files_copied)} copied whole; "
-                     f"{self.bytes_written / 2**20:.1f} MiB")
+        lines.append(f"  weights: {len(self.files_rewritten)} file(s) rewritten, {len(self.files_copied)} copied "
+                     f"whole; {self.bytes_written / 2**20:.1f} MiB")
         if self.files_skipped:
             lines.append(f"  left out (the old table in other formats; export again from the output): "
                          f"{', '.join(self.files_skipped)}")

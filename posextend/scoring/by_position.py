@@ -98,8 +98,9 @@ def side_by_side(reports: Mapping[str, EvalReport | None]) -> str:
         rows.append([f"{bucket.start}–{bucket.end - 1}{mark}", *cells(lambda r: r.buckets[i]), str(bucket.tokens)])
     rows.append(["all", *cells(lambda r: r), str(first.tokens)])
     widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
-    return "\n".join("  ".join(cell.ljust(w) if c == 0 else cell.rjust(w) for c, (cell, w) in enumerate(zip(row, widths)))
-                     for row in rows)
+    aligned = [[cell.ljust(w) if c == 0 else cell.rjust(w) for c, (cell, w) in enumerate(zip(row, widths))]
+               for row in rows]
+    return "\n".join("  ".join(row) for row in aligned)
 
 
 def _number(value: Any) -> str:

@@ -31,16 +31,12 @@ registers them with :func:`register_strategy`. They are imported lazily, on the 
 lookup.
 
 Examples:
-    A strategy of your own, then used like a built-in one:
-
     >>> import posextend, torch
     >>> @posextend.register_strategy("mirror", description="Reflect at the end.")
     ... def mirror(table, new_len, *, generator):
     ...     idx = torch.arange(new_len) % (2 * len(table))
     ...     idx = torch.where(idx < len(table), idx, 2 * len(table) - 1 - idx)
     ...     return table[idx]
-    >>> posextend.resize_table(torch.randn(512, 8), 1024, "mirror").shape
-    torch.Size([1024, 8])
 """
 
 from __future__ import annotations
@@ -95,30 +91,17 @@ def register_strategy(
     rows: Callable[[int, int], list[int]] | None = None,
     ranks: tuple[int, ...] = (1,),
 ) -> Callable[[StrategyFn], StrategyFn]:
-    """Decorator registering ``fn`` as strategy ``name``; refuses invalid or duplicate names.
-
-    ``fn(table, new_len, *, generator, **params)`` gets the usable rows in float32 and returns the new
-    ones (see the module doc); its keyword-only parameters other than ``generator`` are the strategy's
-    parameters.
+    """Decorator registering ``fn(table, new_len, *, generator, **params)`` (see the module doc) as strategy
+    ``name``; returns ``fn`` unchanged. Refuses (:class:`StrategyError`) a name invalid or taken, and an ``fn``
+    without a keyword-only ``generator`` or with ``ranks`` / ``rows`` that do not fit.
 
     Args:
-        name: the strategy's name: lowercase letters, digits, ``-`` and ``_``, starting with a
-            letter; a name already registered is refused.
-        description: one line for ``posextend strategies`` and the model card (default: the first
-            line of ``fn``'s docstring).
+        name: lowercase letters, digits, ``-`` and ``_``, starting with a letter; not one registered.
+        description: one line for ``posextend strategies`` (default: the first line of ``fn``'s docstring).
         keeps_rows: whether the rows below the old length come out bit-exact when the table grows.
-        rows: row strategies only: ``rows(old_len, new_len)`` gives the old row behind each new row; it
-            must agree with ``fn`` (``fn(table, n)`` is ``table[rows(len(table), n)]``), and files are
-            then resized by copying those rows' bytes.
-        ranks: the grid ranks ``fn`` handles: ``(1,)`` for tables of positions (the default),
-            ``(2,)`` for image-patch grids.
-
-    Returns:
-        The decorator; it returns ``fn`` unchanged.
-
-    Raises:
-        StrategyError: the name is invalid or taken, ``fn`` has no keyword-only ``generator``, or
-            ``ranks`` / ``rows`` do not fit.
+        rows: row strategies only: ``rows(old_len, new_len)``, the old row behind each new row; it must
+            agree with ``fn`` (``fn(table, n)`` is ``table[rows(len(table), n)]``).
+        ranks: the grid ranks ``fn`` handles: ``(1,)`` positions (the default), ``(2,)`` image-patch grids.
 
     Examples:
         >>> @register_strategy("zeros", description="New rows are 0.", keeps_rows=True)
@@ -151,27 +134,15 @@ def register_strategy(
 
 
 def available_strategies() -> dict[str, Strategy]:
-    """All registered strategies (built-ins and plugins), by name.
-
-    Examples:
-        >>> sorted(posextend.available_strategies())[:4]
-        ['bicubic', 'bilinear', 'interpolate', 'kps']
-    """
+    """All registered strategies (built-ins and plugins), by name."""
     return _REGISTRY.available()
 
 
 def get_strategy(name: str) -> Strategy:
-    """The registered strategy ``name``.
+    """The registered strategy ``name``; raises :class:`StrategyError` listing the valid ones.
 
     Args:
         name: a strategy's name, as :func:`available_strategies` lists them.
-
-    Raises:
-        StrategyError: no strategy has that name (the message lists the valid ones).
-
-    Examples:
-        >>> posextend.get_strategy("tile").keeps_rows
-        True
     """
     return _REGISTRY.get(name)
 
@@ -244,12 +215,6 @@ def resize_table(
         params: the strategy's parameters (``{"std": "matched"}`` for ``random``).
         context: the model config's values a strategy may ask for (``initializer_range``).
 
-    Returns:
-        A new ``[reserved + new_usable, dim]`` tensor of ``table``'s dtype and device.
-
-    Raises:
-        StrategyError: the table's shape, the strategy, its parameters or its result do not fit.
-
     Examples:
         >>> t = torch.randn(514, 8)     # RoBERTa-style: 2 reserved + 512 usable
         >>> resize_table(t, 1024, "tile", reserved=2).shape
@@ -279,7 +244,8 @@ def resize_grid(
 
     The usable rows are reshaped to the grid (row-major, as ViT flattens patches), given to the
     strategy in float32, checked (shape, finiteness), flattened back and cast to the table's dtype.
-    A ``[1, H, W, D]`` table (SAM's ``pos_embed``, no prefix tokens) is written in the same layout.
+    A ``[1, H, W, D]`` table (SAM's ``pos_embed``, no prefix tokens) is written in the same layout. Raises
+    :class:`StrategyError` where a shape, the strategy or its result does not fit (``resize_table`` too).
 
     Args:
         table: the table; not modified.
@@ -291,11 +257,7 @@ def resize_grid(
         params: the strategy's parameters.
         context: the model config's values a strategy may ask for (``initializer_range``).
 
-    Returns:
-        A new tensor in ``table``'s layout, dtype and device, with ``new_grid``'s rows.
-
     Raises:
-        StrategyError: the table's shape, the grid, the strategy, its parameters or its result do not fit.
         CorruptCheckpointError: the table already holds NaN or Inf values.
 
     Examples:
