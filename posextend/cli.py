@@ -163,43 +163,7 @@ def resize_model(
     with progress:
         image_size, given = parse_image_size(options.pop("image_size")), parse_params(options.pop("params"))
         report = resize_checkpoint(src, dst, image_size=image_size, progress=update, **options, **given)
-    params = ", ".join(f"{k}={v}" for k, v in report.params.items())
-    if length is not None:
-        console.print(
-            f"[green]Resized[/] {report.model_type} checkpoint: {report.old_length} → [bold]{report.new_length}[/] "
-            f"usable positions with [bold]{report.strategy}[/]" + (f" ({params})" if params else "")
-            + f", seed {report.seed}, in {report.seconds:.2f} s",
-            highlight=False,
-        )
-    if report.new_image_size:
-        size = "x".join
-        grid_strategy = list(report.strategies.values())[-1]
-        console.print(
-            f"[green]Resized[/] {report.model_type} image grid: {size(map(str, report.old_image_size))} → "
-            f"[bold]{size(map(str, report.new_image_size))}[/] px, patches {size(map(str, report.old_grid))} → "
-            f"{size(map(str, report.new_grid))} with [bold]{grid_strategy}[/]"
-            + (f" ({params})" if params and length is None else "") + f", in {report.seconds:.2f} s",
-            highlight=False,
-        )
-    console.print(f"  tables: {', '.join(report.tables)}", highlight=False)
-    if report.covered_by == "probed":
-        console.print("  family observed on a twin of its config (no written spec)", highlight=False)
-    if report.verified:
-        console.print("  [green]verified[/]: a twin of the written config has its shapes and runs at the full new size",
-                      highlight=False)
-    if report.st_max_seq_length is not None:
-        console.print(f"  sentence-transformers max_seq_length: {report.st_max_seq_length}", highlight=False)
-    if report.buffers:
-        console.print(f"  buffers rebuilt: {len(report.buffers)}", highlight=False)
-    console.print(
-        f"  weights: {len(report.files_rewritten)} file(s) rewritten, {len(report.files_copied)} copied whole; "
-        f"{report.bytes_written / 2**20:.1f} MiB",
-        highlight=False,
-    )
-    if report.files_skipped:
-        console.print(f"  [yellow]left out[/] (the old table in other formats; export again from the output): "
-                      f"{', '.join(report.files_skipped)}", highlight=False)
-    console.print(f"  written to {report.dst}", highlight=False)
+    console.print(str(report), highlight=False, markup=False)
     _exit_without_teardown()
 
 
@@ -314,6 +278,26 @@ def strategies_cmd() -> None:
     console.print(table)
 
 
+@app.command("families")
+@handle_errors
+def families_cmd(
+    query: Annotated[str | None, typer.Argument(
+        metavar="QUERY", help="A model type (bert), a class name (BertModel) or a checkpoint folder; none: a summary.")] = None,
+) -> None:
+    """Is my model supported? How a family is covered, as the census of every model type found it."""
+    from posextend.families import coverage
+
+    if query is None:
+        text = coverage.summary() + "\nAsk about one: posextend families MODEL_TYPE, CLASS or FOLDER."
+    elif Path(query).is_dir():
+        from posextend.files.checkpoint import Checkpoint
+
+        text = coverage.for_config(Checkpoint.resolve(query).config, query)
+    else:
+        text = coverage.answer(query)
+    console.print(text, highlight=False, markup=False)
+
+
 class _ListsObjectives(Command):
     """A command whose ``--objective`` help ends with the registered objectives (plug-ins included), each with
     its help line: listed when the command runs or shows its help, since the objectives import torch."""
@@ -411,7 +395,7 @@ def eval_cmd(
     with err_console.status("Evaluating"), without_library_bars():
         report = evaluate(model, data, **options, max_sequences=max_sequences or None, json_path=json_path,
                           plot_path=plot)
-    eval_table(console, f"{model}: {report.sequences} sequences of {report.length} tokens", {"model": report})
+    console.print(f"{model}: {report}", highlight=False, markup=False)
     print_verdict(console, report.verdict)
 
 

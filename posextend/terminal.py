@@ -106,23 +106,12 @@ def without_library_bars() -> Iterator[None]:
             hub.disable_progress_bars()
 
 
-def _number(value: Any) -> str:
-    return f"{value:.3f}" if isinstance(value, float) else str(value)
-
-
 def eval_table(console: Console, title: str, reports: dict[str, Any]) -> None:
-    """Held-out scores by position bucket, a column per report (``None``: not measured)."""
-    from rich.table import Table
+    """Held-out scores by position bucket, a column per report (``None``: not measured): the text
+    :func:`posextend.scoring.by_position.side_by_side` makes, which ``print(report)`` shows too."""
+    from posextend.scoring.by_position import side_by_side
 
-    first = next(r for r in reports.values() if r is not None)
-    metric, key, count = first.metric, first.score, first.unit
-    table = Table("positions", *(f"{label} {metric}" for label in reports), count, title=title)
-    for i, bucket in enumerate(first.buckets):
-        cells = [_number(getattr(r.buckets[i], key)) if r is not None else "-" for r in reports.values()]
-        mark = " (new)" if first.old_length and bucket.start >= first.old_length else ""
-        table.add_row(f"{bucket.start}–{bucket.end - 1}{mark}", *cells, str(bucket.tokens))
-    table.add_row("all", *(_number(getattr(r, key)) if r is not None else "-" for r in reports.values()), str(first.tokens))
-    console.print(table)
+    console.print(f"{title}\n{side_by_side(reports)}", highlight=False, markup=False)
 
 
 def far_range_advice(console: Console, report: Any) -> None:

@@ -1,7 +1,7 @@
 """Count how the image-grid probe covers the model types the census refuses as ``grid``.
 
 Not a test: ``python tests/grid_census.py [TYPES...] [--json out.json]``. For each model type whose
-docs/families.json outcome is ``grid`` (or the types given), a config is built as the census builds
+posextend/families/census.json outcome is ``grid`` (or the types given), a config is built as the census builds
 it (default config, census class, lengths capped, widths shrunk) and :func:`observe_grids` runs on it.
 Prints one line per type, then the counts: probed (by how it was verified) and refused, the refusals
 grouped by reason.
@@ -39,7 +39,7 @@ def _alarm(*_):
 
 
 def grid_types() -> list[str]:
-    data = json.loads((Path(__file__).parent.parent / "docs" / "families.json").read_text())
+    data = json.loads((Path(__file__).parent.parent / "posextend" / "families" / "census.json").read_text())
     return sorted(r["model_type"] for r in data if r["outcome"] == "grid")
 
 

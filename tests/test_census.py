@@ -1,6 +1,6 @@
 """The census in the suite: no model type may be written and then fail.
 
-By default, every type that the last full census (``docs/families.json``) found holding a
+By default, every type that the last full census (``posextend/families/census.json``) found holding a
 learned table is rebuilt and checked again (a few minutes). ``POSEXTEND_CENSUS=all`` walks
 every model type the installed transformers registers (~20 minutes on 2 cores).
 """
@@ -15,7 +15,7 @@ import pytest
 
 import census
 
-RECORD = Path(__file__).parent.parent / "docs" / "families.json"
+RECORD = Path(__file__).parent.parent / "posextend" / "families" / "census.json"
 RECORDED = {r["model_type"]: r for r in json.loads(RECORD.read_text())}
 WITH_TABLE = sorted(t for t, r in RECORDED.items() if r["outcome"] in ("verified", "refused-table", "grid-probed"))
 
@@ -40,7 +40,7 @@ def test_named_vision_towers_have_a_probed_grid():
 
 
 def test_the_record_covers_every_registered_type():
-    assert set(RECORDED) == set(census.model_types()), "rerun: python tests/census.py --out docs/families.md --json docs/families.json"
+    assert set(RECORDED) == set(census.model_types()), "rerun: python tests/census.py --json posextend/families/census.json"
     assert not [t for t, r in RECORDED.items() if r["outcome"] in ("silently-wrong", "error")]
 
 

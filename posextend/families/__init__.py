@@ -9,6 +9,7 @@ rows a forward looks up, images and patch sequences); :mod:`.probe` (1-D tables 
 twins; verification of a written checkpoint) and, for image grids, :mod:`.grid_probe` (the grids an image
 size sizes) with :mod:`.grid_fields`, :mod:`.grid_resampling` (the family's own resampling),
 :mod:`.grid_buffers` (buffers that follow the grid) and :mod:`.run_time_grids` (grids adapted to each image);
-and :mod:`.lookup` (the one lookup of a family's facts that every door uses). May import:
+:mod:`.lookup` (the one lookup of a family's facts that every door uses); and :mod:`.coverage` (how each
+model type is covered, as the census record ``census.json`` has it: the ``families`` command and page). May import:
 ``posextend.errors``, ``posextend.tables``.
 """

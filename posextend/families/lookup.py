@@ -21,8 +21,25 @@ from posextend.families.specs import ArchitectureSpec
 def all_specs(config: Mapping[str, Any], *, cls: type | None = None) -> tuple[ArchitectureSpec, ...]:
     """Every position length of a model: one spec per group of tables that one config field sizes.
 
-    ``cls``: the model's class when it is not the one ``config["architectures"]`` names
-    (in memory). Raises :class:`NotLearnedPositionsError` or :class:`UnsupportedArchitectureError`.
+    A family with a written spec gets it; any other is observed on tiny twins of its config (seconds).
+
+    Args:
+        config: the model's ``config.json``, as a dict.
+        cls: the model's class when it is not the one ``config["architectures"]`` names (in memory).
+
+    Returns:
+        One :class:`~posextend.families.specs.ArchitectureSpec` per length (LED: ``decoder`` and
+        ``encoder``; CLIP: ``text`` and its ``vision`` grid; BERT: one, ``model``).
+
+    Raises:
+        NotLearnedPositionsError: its positions are no learned table (rotary, relative, sinusoidal).
+        UnsupportedArchitectureError: no table could be found or observed unambiguously (the message
+            says why); :class:`RunTimeGridError` for a grid the family adapts to each image.
+
+    Examples:
+        >>> config = json.load(open("clip-vit-base-patch16/config.json"))
+        >>> [s.group for s in all_specs(config)]
+        ['text', 'vision']
     """
     model_type = config.get("model_type")
     problem = positions_kind_problem(config)
@@ -96,11 +113,22 @@ def spec_for(
 ) -> ArchitectureSpec:
     """The spec of the tables to resize: the model's only length, or the group named ``table``.
 
-    ``rank``: 1 for a length of positions, 2 for an image grid. Without ``table`` or ``rank``,
-    a model with a text length and an image grid (CLIP) gives its text length.
+    Args:
+        config: the model's ``config.json``, as a dict.
+        cls: the model's class when it is not the one ``config["architectures"]`` names (in memory).
+        table: the group to resize, for a model with several lengths (``"encoder"``, ``"decoder"``,
+            ``"text"``, ``"vision"``).
+        rank: 1 for a length of positions, 2 for an image grid. Without ``table`` or ``rank``,
+            a model with a text length and an image grid (CLIP) gives its text length.
 
-    Example::
+    Returns:
+        The :class:`~posextend.families.specs.ArchitectureSpec` of those tables.
 
+    Raises:
+        UnsupportedArchitectureError: no such table, or several lengths and no ``table`` named;
+            and what :func:`all_specs` raises.
+
+    Examples:
         >>> spec_for(json.load(open("led/config.json")), table="decoder").length_keys
         ('max_decoder_position_embeddings',)
     """

@@ -34,8 +34,7 @@ class Checkpoint:
     Used as a context manager, it releases the weights it holds open (a ``.bin`` file's memory map)
     on leaving; it stays usable and opens them again when asked.
 
-    Example::
-
+    Examples:
         >>> with Checkpoint.open("all-MiniLM-L6-v2") as ckpt:
         ...     ckpt.transformer_dir, ckpt.config["model_type"], ckpt.sentence_transformers
         ('', 'bert', True)

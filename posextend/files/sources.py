@@ -70,9 +70,8 @@ def transformer_dir(directory: Path) -> str:
             Transformer module's folder has no config.json; no module is a transformers model; or a
             model sits both at the root and in the Transformer module's folder.
 
-    Example::
-
-        >>> transformer_dir(Path("all-MiniLM-L6-v2")), transformer_dir(Path("old-st-model"))
+    Examples:
+        >>> transformer_dir(Path("all-MiniLM-L6-v2")), transformer_dir(Path("old-st"))
         ('', '0_Transformer')
     """
     path = directory / MODULES

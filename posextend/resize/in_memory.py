@@ -24,24 +24,51 @@ def extend_model(
     **params: Any,
 ) -> nn.Module:
     """Give a transformers ``PreTrainedModel`` ``new_length`` usable positions and/or image grids
-    for ``image_size`` pixels (``448`` or ``(height, width)``), in place.
+    for ``image_size`` pixels, in place.
 
     The table keeps its module class, dtype, device, ``padding_idx`` and ``requires_grad``;
     length-dependent buffers are rebuilt and the config updated, so a forward pass at
     ``new_length`` (or on images of ``image_size``) works and ``save_pretrained`` →
     ``from_pretrained`` loads cleanly. Create optimizers after calling this (the table is a new
-    ``Parameter``). Returns the model. ``strategy`` applies to the tables whose grid rank it
-    handles; the others get their rank's default (``tile``, ``bicubic``).
-    ``table`` names the tables to resize in a model with several lengths (``"decoder"``, ``"text"``).
-    A family without a written spec is first observed on a twin of ``type(model)`` (seconds).
+    ``Parameter``). A family without a written spec is first observed on a twin of
+    ``type(model)`` (seconds).
 
-    Example::
+    Only the model changes: its tokenizer (or image processor) is a separate object and is left
+    as it was, so a BERT tokenizer still says ``model_max_length == 512`` and truncates there
+    (or warns) with ``truncation=True``. Set ``tokenizer.model_max_length = new_length`` (and a
+    sentence-transformers model's ``max_seq_length``) yourself, or resize the checkpoint on disk
+    with :func:`~posextend.resize.on_disk.resize_checkpoint`, which updates
+    ``tokenizer_config.json`` and the image processor's size with the model.
 
+    Args:
+        model: a transformers model (``PreTrainedModel``), headed or bare; changed in place.
+        new_length: usable positions of the table(s) of positions; reserved rows are added for you.
+        strategy: how new rows are made (:func:`~posextend.tables.strategies.available_strategies`);
+            it applies to the tables whose grid rank it handles, the others get their rank's
+            default (``tile`` for positions, ``bicubic`` for image grids).
+        image_size: pixels, ``448`` or ``(height, width)``, for an image-patch grid.
+        seed: seeds a strategy that draws random rows (default: a random seed).
+        allow_shrink: allow a ``new_length`` (or image size) below the current one.
+        table: which tables, for a model with several lengths (``"decoder"``, ``"text"``).
+        **params: the strategy's parameters (``std="matched"`` for ``random``, ``keep=20`` for ``kps``).
+
+    Returns:
+        ``model`` itself, extended.
+
+    Raises:
+        PosExtendError: a subclass saying what to fix (no learned table, a length or strategy
+            that does not fit); the model is unchanged then.
+
+    Examples:
         >>> model = AutoModel.from_pretrained("bert-base-uncased")
         >>> posextend.extend_model(model, 2048, "interpolate")
         >>> model.config.max_position_embeddings
         2048
-        >>> vit = posextend.extend_model(AutoModel.from_pretrained("google/vit-base-patch16-224"), image_size=448)
+        >>> tokenizer = AutoTokenizer.from_pretrained("bert-base-uncased")
+        >>> tokenizer.model_max_length = 2048  # the tokenizer is yours to update
+        >>> vit = AutoModel.from_pretrained("google/vit-base-patch16-224")
+        >>> posextend.extend_model(vit, image_size=448).config.image_size
+        448
     """
     resize_in_memory(model, Request(new_length, image_size, strategy, params, group=table, allow_shrink=allow_shrink), seed)
     return model

@@ -82,8 +82,20 @@ def read_position_table(src: str | Path | Checkpoint, table: str | None = None, 
 def inspect_checkpoint(src: str | Path | Checkpoint) -> CheckpointInfo:
     """Describe a checkpoint's position table(s) without loading the model.
 
-    Example::
+    Args:
+        src: the checkpoint: a folder (transformers or sentence-transformers), a hub id in the
+            local Hugging Face cache, or a :class:`~posextend.files.checkpoint.Checkpoint`.
 
+    Returns:
+        Where its tables are, their rows, the usable and reserved positions, the config fields
+        and buffers that follow the length, and what its tokenizer says; one
+        :class:`GroupInfo` per length (``info.groups``) for a model with several.
+
+    Raises:
+        PosExtendError: the folder is no checkpoint, or its family has no learned table (the
+            message says why).
+
+    Examples:
         >>> info = posextend.inspect_checkpoint("all-MiniLM-L6-v2")
         >>> info.usable, info.tables[0].name
         (512, 'embeddings.position_embeddings.weight')

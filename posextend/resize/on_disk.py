@@ -57,17 +57,29 @@ def resize_checkpoint(
 
     Only the position table(s) and the buffers that follow the length change; every
     other tensor's bytes are copied as they are. ``src`` is never modified, and ``dst``
-    appears only when complete. ``progress(done_bytes, total_bytes)`` is called while
-    writing (one call at a time, possibly from the threads that copy whole shards).
-    ``link=True`` hard-links shards that need no change instead of copying them.
+    appears only when complete.
 
     Args:
-        new_length: usable positions of the table(s) of positions (text).
-        strategy: applies to the tables whose grid rank it handles; the others get their
-            rank's default (``tile`` for positions, ``bicubic`` for image grids).
+        src: the checkpoint: a folder (transformers or sentence-transformers), a hub id in the
+            local Hugging Face cache, or a :class:`~posextend.files.checkpoint.Checkpoint`.
+        dst: the output folder; it must not exist (see ``overwrite``) and must not be ``src``
+            or inside it.
+        new_length: usable positions of the table(s) of positions (text): what the tokenizer's
+            ``model_max_length`` becomes; reserved rows (RoBERTa's padding rows, OPT's offset)
+            are added for you.
+        strategy: how new rows are made (:func:`~posextend.tables.strategies.available_strategies`);
+            it applies to the tables whose grid rank it handles, the others get their rank's
+            default (``tile`` for positions, ``bicubic`` for image grids).
         image_size: pixels, ``448`` or ``(height, width)``, for an image-patch grid (ViT,
             DINOv2, CLIP's vision tower); ``config.json``'s ``image_size`` and the image
             processor's ``size``/``crop_size`` follow it.
+        seed: seeds a strategy that draws random rows (default: drawn, and reported in
+            ``report.seed`` and the model card).
+        overwrite: replace ``dst`` if it exists (the old folder is swapped out only once the
+            new one is complete).
+        allow_shrink: allow a ``new_length`` below the current one (rows are dropped).
+        link: hard-link the weight files that need no change instead of copying them (copied
+            where the destination is on another file system).
         table: which tables, for a model with several lengths (``"encoder"``, ``"decoder"``,
             ``"text"``; see ``inspect_checkpoint(src).groups``). Not needed with one length.
         verify: check the output against a twin of its written config (shapes, a forward
@@ -75,13 +87,26 @@ def resize_checkpoint(
             family observed on a twin (no written spec) and for every image grid; ``True`` for any family.
         st_max_seq_length: what a sentence-transformers model's ``max_seq_length`` becomes
             (default: the new length).
+        progress: called as ``progress(done_bytes, total_bytes)`` while writing (one call at a
+            time, possibly from the threads that copy whole files).
+        **params: the strategy's parameters (``std="matched"`` for ``random``, ``keep=20`` for ``kps``).
 
-    Example::
+    Returns:
+        What was done: lengths, tables, files written and copied, whether the output was
+        verified; ``print(report)`` shows the summary the command line prints.
 
-        >>> report = posextend.resize_checkpoint("gpt2", "gpt2-4k", 4096, "interpolate", seed=0)
+    Raises:
+        PosExtendError: a subclass saying what to fix: the source is missing or damaged, the
+            family has no learned table to resize, the length or strategy does not fit, or
+            ``dst`` exists. Nothing is written then.
+
+    Examples:
+        >>> report = posextend.resize_checkpoint("gpt2", "gpt2-4k", 4096,
+        ...                                      "interpolate", seed=0)
         >>> report.old_length, report.new_length
         (1024, 4096)
-        >>> posextend.resize_checkpoint("vit-base", "vit-448", image_size=448).new_grid
+        >>> vit = "google/vit-base-patch16-224"
+        >>> posextend.resize_checkpoint(vit, "vit-448", image_size=448).new_grid
         [28, 28]
     """
     start = time.perf_counter()

@@ -19,7 +19,30 @@ from posextend.resize.writer import Written
 
 @dataclass
 class ResizeReport:
-    """What ``resize_checkpoint`` did; ``options``: what it was asked, resolved (``seed`` reads it)."""
+    """What :func:`~posextend.resize.on_disk.resize_checkpoint` did. ``print(report)`` shows the summary the
+    command line prints.
+
+    Attributes:
+        src: the source folder, resolved. ``dst``: the output folder.
+        model_type: the config's ``model_type``.
+        strategy: the strategy of the first group of tables (``strategies``: each group's, when several).
+        params: the strategy's parameters.
+        options: what was asked, resolved: the seed drawn when none was given (``seed`` reads it).
+        old_length: usable positions before (the first group's). ``new_length``: after.
+        reserved: rows before the usable ones (RoBERTa's padding rows, OPT's offset, ViT's class token).
+        tables: the tensors resized. ``buffers``: the length-dependent buffers rebuilt.
+        dropped: obsolete tensors left out (a causal mask an older GPT-2 file stores).
+        covered_by: ``"spec"`` (a written spec) or ``"probed"`` (observed on a twin of its config).
+        verified: whether a twin of the written config had the written shapes and ran at the full new size.
+        st_max_seq_length: the sentence-transformers ``max_seq_length`` written (None: not one).
+        files_rewritten: weight files written with a changed tensor. ``files_copied``: copied whole.
+        files_skipped: files left out: the old table in other formats (ONNX, OpenVINO, other weight files).
+        bytes_written: bytes of the weight files written. ``seconds``: the time it took.
+        old_image_size: image grids: ``[height, width]`` in pixels before (``new_image_size``: after).
+        old_grid: image grids: ``[H, W]`` patches before (``new_grid``: after).
+        transformer_dir: where the model sits in ``src`` and ``dst`` (``"0_Transformer"`` in an older
+            sentence-transformers folder; ``""``: at the root).
+    """
 
     src: str
     dst: str
@@ -50,7 +73,40 @@ class ResizeReport:
 
     @property
     def seed(self) -> int:
+        """The seed the strategy was given (drawn when none was asked for)."""
         return self.options.seed
+
+    def __str__(self) -> str:
+        """The summary ``posextend resize-model`` prints: what changed and how, then one line per fact."""
+        params = ", ".join(f"{k}={v}" for k, v in self.params.items())
+        lines = []
+        if self.options.new_length is not None:
+            lines.append(f"Resized {self.model_type} checkpoint: {self.old_length} → {self.new_length} usable "
+                         f"positions with {self.strategy}" + (f" ({params})" if params else "")
+                         + f", seed {self.seed}, in {self.seconds:.2f} s")
+        if self.new_image_size:
+            size = "x".join
+            lines.append(f"Resized {self.model_type} image grid: {size(map(str, self.old_image_size))} → "
+                         f"{size(map(str, self.new_image_size))} px, patches {size(map(str, self.old_grid))} → "
+                         f"{size(map(str, self.new_grid))} with {list(self.strategies.values())[-1]}"
+                         + (f" ({params})" if params and self.options.new_length is None else "")
+                         + f", in {self.seconds:.2f} s")
+        lines.append(f"  tables: {', '.join(self.tables)}")
+        if self.covered_by == "probed":
+            lines.append("  family observed on a twin of its config (no written spec)")
+        if self.verified:
+            lines.append("  verified: a twin of the written config has its shapes and runs at the full new size")
+        if self.st_max_seq_length is not None:
+            lines.append(f"  sentence-transformers max_seq_length: {self.st_max_seq_length}")
+        if self.buffers:
+            lines.append(f"  buffers rebuilt: {len(self.buffers)}")
+        lines.append(f"  weights: {len(self.files_rewritten)} file(s) rewritten, {len(self.files_copied)} copied "
+                     f"whole; {self.bytes_written / 2**20:.1f} MiB")
+        if self.files_skipped:
+            lines.append(f"  left out (the old table in other formats; export again from the output): "
+                         f"{', '.join(self.files_skipped)}")
+        lines.append(f"  written to {self.dst}")
+        return "\n".join(lines)
 
     def record(self, written: Written) -> None:
         """Take the writer's account of the files (:class:`Written`)."""

@@ -4,8 +4,7 @@ Works on a tensor, a :class:`~posextend.tables.nn.LearnedPositionalEmbedding`, a
 a transformers model, or a checkpoint directory (reserved rows are stripped for models
 and checkpoints, via the architecture spec).
 
-Example::
-
+Examples:
     >>> stats = analyze(table_of("gpt2-4k"))
     >>> stats.components_90, stats.similarity_by_distance[:3]
 """

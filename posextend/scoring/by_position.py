@@ -8,7 +8,7 @@ over :data:`ROUNDS` masks: a masked-LM ("pseudo") perplexity.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +34,19 @@ class Bucket:
 
 @dataclass
 class EvalReport:
+    """Scores by position: overall and per bucket of positions. ``print(report)`` shows them as the table
+    ``posextend eval`` prints.
+
+    Attributes:
+        objective: the objective that scored (``causal``, ``masked``, ``contrastive``, ``seq2seq`` …).
+        length: tokens per sample. ``sequences``: samples scored.
+        loss: mean loss over every scored token. ``perplexity``: its exponential. ``tokens``: tokens scored.
+        buckets: the same per bucket of positions (``start`` inclusive, ``end`` exclusive).
+        old_length: the length before an extension, when known: the positions from it on are new.
+        accuracy: contrastive objectives: mean retrieval accuracy@1 (its numbers, in place of perplexity).
+        metric: what its numbers are, as reports print it (``"perplexity"``, ``"masked-LM perplexity"`` …).
+    """
+
     objective: str
     length: int
     sequences: int
@@ -57,7 +70,12 @@ class EvalReport:
         return "passages" if self.accuracy is not None else "tokens"
 
     def to_dict(self) -> dict[str, Any]:
+        """The report as plain data (JSON-ready)."""
         return asdict(self)
+
+    def __str__(self) -> str:
+        """The table ``posextend eval`` prints: its score per position bucket (the new range marked), then overall."""
+        return f"{self.sequences} sequences of {self.length} tokens ({self.objective})\n{side_by_side({'': self})}"
 
     def range_perplexity(self, start: int, end: int) -> float:
         """Perplexity over the buckets that lie within positions ``start..end-1`` (token-weighted)."""
@@ -66,6 +84,30 @@ class EvalReport:
             raise PosExtendError(f"No evaluation bucket lies within positions {start}-{end - 1}.")
         loss = sum(b.loss * b.tokens for b in inside) / sum(b.tokens for b in inside)
         return math.exp(min(loss, 50))
+
+
+def side_by_side(reports: Mapping[str, EvalReport | None]) -> str:
+    """Reports of the same buckets side by side, as text: a column per report (headed by its label and the
+    metric), a row per bucket (the new range marked), then ``all``; a report that is None shows ``-``."""
+    first = next(r for r in reports.values() if r is not None)
+    key = first.score
+
+    def cells(pick) -> list[str]:
+        return [_number(getattr(pick(r), key)) if r is not None else "-" for r in reports.values()]
+
+    rows = [["positions", *(f"{label} {first.metric}".strip() for label in reports), first.unit]]
+    for i, bucket in enumerate(first.buckets):
+        mark = " (new)" if first.old_length and bucket.start >= first.old_length else ""
+        rows.append([f"{bucket.start}–{bucket.end - 1}{mark}", *cells(lambda r: r.buckets[i]), str(bucket.tokens)])
+    rows.append(["all", *cells(lambda r: r), str(first.tokens)])
+    widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
+    aligned = [[cell.ljust(w) if c == 0 else cell.rjust(w) for c, (cell, w) in enumerate(zip(row, widths))]
+               for row in rows]
+    return "\n".join("  ".join(row) for row in aligned)
+
+
+def _number(value: Any) -> str:
+    return f"{value:.3f}" if isinstance(value, float) else str(value)
 
 
 def far_range_gap(before: EvalReport, after: EvalReport) -> tuple[float, float, int] | None:

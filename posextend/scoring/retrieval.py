@@ -22,9 +22,8 @@ A model reads a document as a user's code would: ``full`` (up to its ``max_seq_l
 truncated past it), or ``chunk`` (the usual workaround: embed each ``max_seq_length`` chunk
 and average). :func:`short_input_cosine` compares two models on texts within the old length.
 
-Example::
-
-    >>> report = evaluate_retrieval("minilm-2k", ["held_out.txt"], lengths=(512, 2048), haystack="shared")
+Examples:
+    >>> report = evaluate_retrieval("minilm-2k", ["held_out.txt"], lengths=(512, 2048))
     >>> report.scores["passkey"][2048]
 """
 
@@ -308,6 +307,27 @@ def evaluate_retrieval(
     own key at an evenly spread depth; the passkey haystack is LongEmbed's repeated filler, the
     needle haystack one span of ``data``): the numbers to compare with LongEmbed's.
     ``"varied"`` builds each document from its own span of ``data``, the key at a random depth.
+
+    Args:
+        model_path: a sentence-transformers model folder (a plain transformers checkpoint gets mean pooling).
+        data: text files or folders of them: the haystacks (and the short inputs for ``reference``).
+        tasks: ``"passkey"`` and/or ``"needle"``.
+        lengths: document lengths in tokens.
+        n: documents (and queries) per task and length.
+        mode: ``"full"`` or ``"chunk"`` (above).
+        max_tokens: read at most this many tokens at once (default: the model's ``max_seq_length``).
+        reference: the original model, for the short-input cosine.
+        seed: seeds the keys, names and spans drawn.
+        haystack: ``"shared"`` or ``"varied"`` (above).
+
+    Returns:
+        Accuracy@1 by task and length (``report.scores[task][length]``), by depth, and the
+        short-input cosine when ``reference`` is given.
+
+    Examples:
+        >>> report = posextend.evaluate_retrieval("minilm-2k", ["held_out.txt"],
+        ...                                       lengths=(512, 2048), n=20)
+        >>> report.scores["passkey"][2048]
     """
     if haystack not in HAYSTACKS:
         raise PosExtendError(f"Unknown haystack protocol {haystack!r}; choose one of: {', '.join(HAYSTACKS)}.")

@@ -1,12 +1,11 @@
 """A learned absolute position embedding that fails fast and extends with the same strategies.
 
-Example::
-
+Examples:
     >>> pe = LearnedPositionalEmbedding(d_model=64, max_len=512)
     >>> x = torch.zeros(8, 100, 64)
     >>> pe(x).shape                      # x + P[0:100]
     torch.Size([8, 100, 64])
-    >>> pe(x, offset=400).shape          # x + P[400:500] (e.g. a KV-cache continuation)
+    >>> pe(x, offset=400).shape          # x + P[400:500] (a KV-cache continuation)
     torch.Size([8, 100, 64])
     >>> longer = pe.extend(2048, "interpolate")
 """

@@ -30,15 +30,13 @@ Third-party packages register strategies through the entry-point group
 registers them with :func:`register_strategy`. They are imported lazily, on the first
 lookup.
 
-Example::
-
-    import posextend
-
-    @posextend.register_strategy("mirror", description="Reflect the table at its end.")
-    def mirror(table, new_len, *, generator):
-        idx = torch.arange(new_len) % (2 * len(table))
-        idx = torch.where(idx < len(table), idx, 2 * len(table) - 1 - idx)
-        return table[idx]
+Examples:
+    >>> import posextend, torch
+    >>> @posextend.register_strategy("mirror", description="Reflect at the end.")
+    ... def mirror(table, new_len, *, generator):
+    ...     idx = torch.arange(new_len) % (2 * len(table))
+    ...     idx = torch.where(idx < len(table), idx, 2 * len(table) - 1 - idx)
+    ...     return table[idx]
 """
 
 from __future__ import annotations
@@ -93,21 +91,24 @@ def register_strategy(
     rows: Callable[[int, int], list[int]] | None = None,
     ranks: tuple[int, ...] = (1,),
 ) -> Callable[[StrategyFn], StrategyFn]:
-    """Decorator registering ``fn`` as strategy ``name``; refuses invalid or duplicate names.
+    """Decorator registering ``fn(table, new_len, *, generator, **params)`` (see the module doc) as strategy
+    ``name``; returns ``fn`` unchanged. Refuses (:class:`StrategyError`) a name invalid or taken, and an ``fn``
+    without a keyword-only ``generator`` or with ``ranks`` / ``rows`` that do not fit.
 
-    ``ranks``: the grid ranks ``fn`` handles, ``(1,)`` for tables of positions (the default),
-    ``(2,)`` for image-patch grids (see the module doc).
+    Args:
+        name: lowercase letters, digits, ``-`` and ``_``, starting with a letter; not one registered.
+        description: one line for ``posextend strategies`` (default: the first line of ``fn``'s docstring).
+        keeps_rows: whether the rows below the old length come out bit-exact when the table grows.
+        rows: row strategies only: ``rows(old_len, new_len)``, the old row behind each new row; it must
+            agree with ``fn`` (``fn(table, n)`` is ``table[rows(len(table), n)]``).
+        ranks: the grid ranks ``fn`` handles: ``(1,)`` positions (the default), ``(2,)`` image-patch grids.
 
-    ``rows`` (row strategies only, see the module doc) must agree with ``fn``: ``fn(table,
-    n)`` is ``table[rows(len(table), n)]``.
-
-    Example::
-
-        @register_strategy("zeros", description="New rows are zero.", keeps_rows=True)
-        def zeros(table, new_len, *, generator):
-            out = table.new_zeros(new_len, table.shape[1])
-            out[: min(len(table), new_len)] = table[:new_len]
-            return out
+    Examples:
+        >>> @register_strategy("zeros", description="New rows are 0.", keeps_rows=True)
+        ... def zeros(table, new_len, *, generator):
+        ...     out = table.new_zeros(new_len, table.shape[1])
+        ...     out[: min(len(table), new_len)] = table[:new_len]
+        ...     return out
     """
     _REGISTRY.check_name(name)
 
@@ -138,7 +139,11 @@ def available_strategies() -> dict[str, Strategy]:
 
 
 def get_strategy(name: str) -> Strategy:
-    """The registered strategy ``name``; raises :class:`StrategyError` listing the valid ones."""
+    """The registered strategy ``name``; raises :class:`StrategyError` listing the valid ones.
+
+    Args:
+        name: a strategy's name, as :func:`available_strategies` lists them.
+    """
     return _REGISTRY.get(name)
 
 
@@ -201,9 +206,17 @@ def resize_table(
 ) -> torch.Tensor:
     """Return ``table`` with ``new_usable`` usable rows, its ``reserved`` leading rows kept.
 
-    Example::
+    Args:
+        table: the table, ``[rows, dim]``; not modified.
+        new_usable: the usable rows of the result (the reserved rows come on top).
+        strategy: a registered strategy that handles tables of positions (:func:`available_strategies`).
+        reserved: leading rows that are no position (RoBERTa's padding rows, OPT's offset), kept bit-exact.
+        seed: seeds the generator a random strategy draws from (default: a random seed).
+        params: the strategy's parameters (``{"std": "matched"}`` for ``random``).
+        context: the model config's values a strategy may ask for (``initializer_range``).
 
-        >>> t = torch.randn(514, 8)            # RoBERTa-style: 2 reserved + 512 usable
+    Examples:
+        >>> t = torch.randn(514, 8)     # RoBERTa-style: 2 reserved + 512 usable
         >>> resize_table(t, 1024, "tile", reserved=2).shape
         torch.Size([1026, 8])
     """
@@ -231,11 +244,24 @@ def resize_grid(
 
     The usable rows are reshaped to the grid (row-major, as ViT flattens patches), given to the
     strategy in float32, checked (shape, finiteness), flattened back and cast to the table's dtype.
-    A ``[1, H, W, D]`` table (SAM's ``pos_embed``, no prefix tokens) is written in the same layout.
+    A ``[1, H, W, D]`` table (SAM's ``pos_embed``, no prefix tokens) is written in the same layout. Raises
+    :class:`StrategyError` where a shape, the strategy or its result does not fit (``resize_table`` too).
 
-    Example::
+    Args:
+        table: the table; not modified.
+        grid: the usable rows' grid: ``(L,)`` for positions, ``(H, W)`` for image patches.
+        new_grid: the grid of the result, of the same rank.
+        strategy: a registered strategy that handles grids of this rank (:func:`available_strategies`).
+        reserved: leading rows (prefix tokens: ViT's class token, DeiT's distillation token), kept bit-exact.
+        seed: seeds the generator a random strategy draws from (default: a random seed).
+        params: the strategy's parameters.
+        context: the model config's values a strategy may ask for (``initializer_range``).
 
-        >>> t = torch.randn(1, 1 + 14 * 14, 768)      # ViT-B/16 at 224 px: class token + 14x14
+    Raises:
+        CorruptCheckpointError: the table already holds NaN or Inf values.
+
+    Examples:
+        >>> t = torch.randn(1, 1 + 14 * 14, 768)  # ViT-B/16, 224 px: class + 14x14
         >>> resize_grid(t, (14, 14), (28, 28), "bicubic", reserved=1).shape
         torch.Size([1, 785, 768])
     """
@@ -305,9 +331,8 @@ def resize_relative(table: torch.Tensor, new_len: int) -> torch.Tensor:
     no antialias), in float32 and cast back: a model holding the result computes what the source computes on
     inputs of the new size.
 
-    Example::
-
-        >>> resize_relative(torch.randn(127, 64), 159).shape   # 64x64 patches -> 80x80
+    Examples:
+        >>> resize_relative(torch.randn(127, 64), 159).shape  # 64x64 -> 80x80
         torch.Size([159, 64])
     """
     import torch

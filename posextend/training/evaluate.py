@@ -68,8 +68,25 @@ def evaluate(
     provenance records the original it was extended from, ``report.verdict`` says whether the extension is
     worth it on this data: its far range against the original reading the text its own way.
 
-    Example::
+    Args:
+        model_path: the checkpoint folder (a hub id in the local Hugging Face cache also works).
+        data: text files, folders of them, or JSON Lines with a ``"text"`` field: held-out text.
+        length: tokens per sample (default: the model's usable positions; no more than those).
+        objective: how to score: ``"causal"``, ``"masked"``, ``"contrastive"``, ``"seq2seq"`` or a
+            plug-in's (:func:`~posextend.training.objectives.available_objectives`).
+        buckets: position buckets to report; with an old length on record, the original range is
+            the first bucket and the new range is split into the rest.
+        batch_size: samples per forward pass.
+        max_sequences: score at most this many samples (``None``: all).
+        seed: seeds what the objective draws (a masked LM's masks), so runs compare.
+        json_path: also write the report as JSON here.
+        plot_path: also save perplexity against position as a PNG here (needs matplotlib).
 
+    Returns:
+        Loss and perplexity (or accuracy, for embeddings) overall and per position bucket;
+        ``print(report)`` shows them as a table.
+
+    Examples:
         >>> report = posextend.evaluate("gpt2-4k", ["held_out.txt"], buckets=4)
         >>> [round(b.perplexity, 1) for b in report.buckets]
     """

@@ -248,9 +248,9 @@ def finetune(
     with N processes the global batch is N × ``batch_size``, and the result equals a
     one-process run with that batch (tested).
 
-    Example::
-
-        >>> report = posextend.finetune("gpt2", "gpt2-2k", ["corpus/"], length=2048, steps=500)
+    Examples:
+        >>> report = posextend.finetune("gpt2", "gpt2-2k", ["corpus/"],
+        ...                             length=2048, steps=500)
         >>> report.before.perplexity, report.after.perplexity
     """
     checkpoint = Checkpoint.resolve(src)  # the one resolution of src: passed down, its facts read once

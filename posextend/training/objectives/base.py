@@ -284,7 +284,24 @@ _REGISTRY: Registry[Objective] = Registry("objective", "objectives", ENTRY_POINT
 
 def register_objective(name: str, *, description: str | None = None) -> Callable[[type[Objective]], type[Objective]]:
     """Class decorator registering an :class:`Objective` under ``name``; refuses invalid or duplicate names.
-    ``description``: its help line (default: the class's, else the first line of its docstring)."""
+
+    Args:
+        name: the objective's name: lowercase letters, digits, ``-`` and ``_``, starting with a letter;
+            a name already registered is refused.
+        description: its help line (default: the class's ``description``, else the first line of its
+            docstring).
+
+    Returns:
+        The class decorator; it returns the class, with ``name`` and ``description`` set.
+
+    Raises:
+        TrainingError: the name is invalid or taken, or the class is no :class:`Objective`.
+
+    Examples:
+        >>> @posextend.register_objective("my-masked", description="My masking.")
+        ... class MyMasked(Objective):
+        ...     ...
+    """
     _REGISTRY.check_name(name)
 
     def decorator(cls: type[Objective]) -> type[Objective]:
@@ -300,7 +317,12 @@ def register_objective(name: str, *, description: str | None = None) -> Callable
 
 
 def available_objectives() -> dict[str, Objective]:
-    """All registered objectives (built-ins and plug-ins), by name."""
+    """All registered objectives (built-ins and plug-ins), by name.
+
+    Examples:
+        >>> sorted(posextend.available_objectives())
+        ['causal', 'contrastive', 'masked', 'seq2seq']
+    """
     return _REGISTRY.available()
 
 
