@@ -17,7 +17,7 @@ from rich.console import Console
 
 from posextend.errors import PosExtendError
 from posextend.options import with_options as with_cli_options
-from posextend.resize.options import ResizeOptions
+from posextend.resize.options import REVISION_HELP, ResizeOptions
 from posextend.training.options import FinetuneConfig
 from posextend.version import __version__
 
@@ -35,7 +35,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 # The library's messages name its arguments (``length=N``, ``overwrite=True``); the CLI shows its own flags.
-_FLAGS = {"allow_shrink": "--shrink", "data": "--data", "decoder_length": "--decoder-length", "init_head": "--init-head", "length": "--length", "lr": "--lr",
+_FLAGS = {"allow_large": "--yes", "allow_same": "--allow-same", "allow_shrink": "--shrink", "data": "--data", "decoder_length": "--decoder-length", "init_head": "--init-head", "length": "--length", "lr": "--lr",
           "mixed_precision": "--mixed-precision", "old_length": "--old-length", "overwrite": "--overwrite",
           "resume": "--resume"}
 
@@ -145,28 +145,37 @@ def byte_progress(description: str):
 @handle_errors
 @with_options(ResizeOptions, "resize-model")
 def resize_model(
-    src: Annotated[str, typer.Argument(help="Checkpoint directory (or a hub id in the local HF cache).")],
+    src: Annotated[str, typer.Argument(help="Checkpoint directory, or a Hugging Face Hub id (downloaded into the HF cache).")],
     dst: Annotated[Path, typer.Argument(help="Output directory; created atomically.")],
     options: dict[str, Any],
 ) -> None:
     """Resize the position table(s) of a checkpoint on disk, without loading the model."""
-    from posextend.errors import InvalidLengthError
+    from posextend.errors import InvalidLengthError, LargeOutputError
     from posextend.resize.on_disk import resize_checkpoint
     from posextend.resize.options import parse_image_size, parse_params
 
     length = options["new_length"]
     if length is None and options["image_size"] is None:
         raise InvalidLengthError("Give --length (positions), --image-size (image grids), or both.")
-    progress, update = byte_progress("Writing")
-    with progress:
-        image_size, given = parse_image_size(options.pop("image_size")), parse_params(options.pop("params"))
-        report = resize_checkpoint(src, dst, image_size=image_size, progress=update, **options, **given)
+    image_size, given = parse_image_size(options.pop("image_size")), parse_params(options.pop("params"))
+
+    def resize(**asked: Any) -> Any:
+        progress, update = byte_progress("Writing")
+        with progress:
+            return resize_checkpoint(src, dst, image_size=image_size, progress=update, **{**options, **asked}, **given)
+
+    try:
+        report = resize()
+    except LargeOutputError as exc:  # asked on a terminal; elsewhere the error says to pass --yes
+        if not sys.stdin.isatty() or not typer.confirm(f"{exc.summary} Write it anyway?", err=True):
+            raise
+        report = resize(allow_large=True)
     params = ", ".join(f"{k}={v}" for k, v in report.params.items())
     if length is not None:
         console.print(
             f"[green]Resized[/] {report.model_type} checkpoint: {report.old_length} → [bold]{report.new_length}[/] "
             f"usable positions with [bold]{report.strategy}[/]" + (f" ({params})" if params else "")
-            + f", seed {report.seed}, in {report.seconds:.2f} s",
+            + (f", seed {report.seed}" if report.uses_seed else "") + f", in {report.seconds:.2f} s",
             highlight=False,
         )
     if report.new_image_size:
@@ -204,11 +213,12 @@ def resize_model(
 @app.command("inspect")
 @handle_errors
 def inspect_cmd(
-    src: Annotated[str, typer.Argument(help="Checkpoint directory (or a hub id in the local HF cache).")],
+    src: Annotated[str, typer.Argument(help="Checkpoint directory, or a Hugging Face Hub id (downloaded into the HF cache).")],
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
     plot: Annotated[Path | None, typer.Option("--plot", help="Write diagnostics of the table (PNGs, analysis.json) to this directory.")] = None,
     compare: Annotated[str | None, typer.Option("--compare", help="Another checkpoint to compare the table with (e.g. the original).")] = None,
     table: Annotated[str | None, typer.Option("--table", help="Which tables --plot/--compare analyse, for a model with several lengths (default: the first).")] = None,
+    revision: Annotated[str | None, typer.Option("--revision", help=REVISION_HELP)] = None,
 ) -> None:
     """Show where a checkpoint keeps its positions and how long its context is."""
     from rich.table import Table
@@ -216,7 +226,7 @@ def inspect_cmd(
     from posextend.files.checkpoint import Checkpoint
     from posextend.resize.inspection import inspect_checkpoint
 
-    checkpoint = Checkpoint.resolve(src)  # resolved once: the diagnostics read the same one
+    checkpoint = Checkpoint.resolve(src, revision=revision)  # resolved once: the diagnostics read the same one
     info = inspect_checkpoint(checkpoint)
     if (plot or compare) and table is None and len(info.groups) > 1:
         table = info.groups[0].group
@@ -366,6 +376,7 @@ def finetune_cmd(
     data: Data,
     options: dict[str, Any],
     plot: Annotated[Path | None, typer.Option("--plot", help="Save perplexity vs position (before and after) as PNG.")] = None,
+    revision: Annotated[str | None, typer.Option("--revision", help=REVISION_HELP)] = None,
 ) -> None:
     """Extend (optionally) and fine-tune so the new positions learn; evaluate before and after."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
@@ -381,7 +392,7 @@ def finetune_cmd(
     task = progress.add_task("Training", total=options["steps"] or 1, loss=float("nan"), tps=0.0)
     with progress:
         report = finetune(
-            src, dst, data, **options,
+            src, dst, data, **options, revision=revision,
             progress=lambda step, total, loss, tps: progress.update(task, completed=step, total=total, loss=loss, tps=tps),
         )
     if not report.main_process:
@@ -425,16 +436,21 @@ def eval_cmd(
     haystack: Annotated[str, typer.Option("--haystack", help="With --task: shared (LongEmbed's protocol: one haystack per length, "
                                           "keys at evenly spread depths; passkey in LongEmbed's filler) or varied (each document "
                                           "its own span of the data, key at a random depth).")] = "shared",
+    revision: Annotated[str | None, typer.Option("--revision", help=REVISION_HELP)] = None,
 ) -> None:
     """Held-out scores by position bucket, as the objective scores a fine-tune; or, with --task, long-document retrieval."""
     if task:
+        if revision is not None:  # the retrieval evaluation reads a folder: the revision's, downloaded
+            from posextend.files.checkpoint import Checkpoint
+
+            model = str(Checkpoint.resolve(model, revision=revision))
         _retrieval(model, data, task, lengths, documents, mode, max_tokens, reference, json_path, haystack)
         return
     from posextend.training.evaluate import evaluate
 
     with err_console.status("Evaluating"):
         report = evaluate(model, data, **options, max_sequences=max_sequences or None, json_path=json_path,
-                          plot_path=plot)
+                          plot_path=plot, revision=revision)
     _eval_table(f"{model}: {report.sequences} sequences of {report.length} tokens", {"model": report})
 
 

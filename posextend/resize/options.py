@@ -40,6 +40,7 @@ def parse_params(items: list[str] | None) -> dict[str, Any]:
 
 
 _option = functools.partial(option, commands=("resize-model",))
+REVISION_HELP = "For a Hugging Face Hub id: the branch, tag or commit to download (default: main)."  # every command
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,11 @@ class ResizeOptions:
         "a written spec).", flag="--verify/--no-verify")
     st_max_seq_length: int | None = _option(
         None, "sentence-transformers max_seq_length of the output (default: the new length).")
+    revision: str | None = _option(None, REVISION_HELP)
+    allow_same: bool = _option(False, "Write a copy even when the length (or image size) is the current one.")
+    allow_large: bool = _option(
+        False, "Do not ask before writing position tables over 4x the size of the rest of the model (and over "
+        "1 GiB).", flag="--yes", short="-y")
 
     def request(self) -> Request:
         """What the plan of this resize is asked (:func:`posextend.resize.plan.plan_resize`)."""

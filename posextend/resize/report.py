@@ -52,6 +52,11 @@ class ResizeReport:
     def seed(self) -> int:
         return self.options.seed
 
+    @property
+    def uses_seed(self) -> bool:
+        """Whether a strategy of this resize draws random numbers (its registration says so), so the seed matters."""
+        return any(get_strategy(name).random for name in {self.strategy, *self.strategies.values()})
+
     def record(self, written: Written) -> None:
         """Take the writer's account of the files (:class:`Written`)."""
         for f in dataclasses.fields(written):
@@ -116,7 +121,7 @@ def model_card(report: ResizeReport, original: str = "", *, trained: bool = Fals
         f"- Strategy: `{report.strategy}` — {strategy.description}",
         *([f"- Strategies by table group: {', '.join(f'{g} `{s}`' for g, s in report.strategies.items())}"]
           if len(report.strategies) > 1 else []),
-        f"- Parameters: `{json.dumps(report.params, sort_keys=True)}`, seed {report.seed}",
+        f"- Parameters: `{json.dumps(report.params, sort_keys=True)}`" + (f", seed {report.seed}" if report.uses_seed else ""),
         f"- Tables: {', '.join(f'`{t}`' for t in report.tables)}",
     ]
     if report.covered_by == "probed":

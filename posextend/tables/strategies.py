@@ -71,6 +71,7 @@ class Strategy:
     keeps_rows: bool  # whether rows below the old length come out bit-exact when growing
     rows: Callable[[int, int], list[int]] | None = None  # old row of each new row, for row strategies
     ranks: tuple[int, ...] = (1,)  # the grid ranks it resizes: 1 (positions), 2 (image patches)
+    random: bool = False  # whether it draws from its generator (its seed is then reported)
 
     @property
     def params(self) -> dict[str, inspect.Parameter]:
@@ -92,6 +93,7 @@ def register_strategy(
     keeps_rows: bool = False,
     rows: Callable[[int, int], list[int]] | None = None,
     ranks: tuple[int, ...] = (1,),
+    random: bool = False,
 ) -> Callable[[StrategyFn], StrategyFn]:
     """Decorator registering ``fn`` as strategy ``name``; refuses invalid or duplicate names.
 
@@ -100,6 +102,9 @@ def register_strategy(
 
     ``rows`` (row strategies only, see the module doc) must agree with ``fn``: ``fn(table,
     n)`` is ``table[rows(len(table), n)]``.
+
+    ``random=True``: ``fn`` draws from ``generator``, so its result depends on the seed, which is then
+    shown with the result (the seed is recorded in the provenance either way).
 
     Example::
 
@@ -126,7 +131,7 @@ def register_strategy(
         ):
             raise StrategyError(f"Strategy {name!r}: a row strategy (rows=...) takes no parameters.")
         doc = description or (inspect.getdoc(fn) or "").split("\n")[0]
-        _REGISTRY.add(name, Strategy(name, fn, doc, keeps_rows, rows, tuple(ranks)))
+        _REGISTRY.add(name, Strategy(name, fn, doc, keeps_rows, rows, tuple(ranks), random))
         return fn
 
     return decorator
@@ -376,6 +381,7 @@ def interpolate(table: torch.Tensor, new_len: int, *, generator: torch.Generator
     "random",
     description="Old rows kept bit-exact; new rows ~ N(0, std), std = initializer_range or 'matched'.",
     keeps_rows=True,
+    random=True,
 )
 def random(
     table: torch.Tensor,

@@ -42,17 +42,19 @@ def evaluate(
     seed: int = 0,
     json_path: str | Path | None = None,
     plot_path: str | Path | None = None,
+    revision: str | None = None,
 ) -> EvalReport:
     """``posextend eval``: load a checkpoint through its objective (``objective``, default: the one
     ``finetune`` would use), cut ``data`` into samples at ``length`` (default: the model's), and report
-    by position as the objective scores them (at most ``max_sequences`` samples).
+    by position as the objective scores them (at most ``max_sequences`` samples). ``revision``: for a
+    ``model_path`` that is a Hugging Face Hub id, the branch, tag or commit downloaded (default: main).
 
     Example::
 
         >>> report = posextend.evaluate("gpt2-4k", ["held_out.txt"], buckets=4)
         >>> [round(b.perplexity, 1) for b in report.buckets]
     """
-    checkpoint = Checkpoint.resolve(model_path)  # resolved once, passed down
+    checkpoint = Checkpoint.resolve(model_path, revision=revision)  # resolved once, passed down
     chosen = get_objective(objective or default_objective(checkpoint))
     docs = chosen.documents(data)
     if chosen.anchor:
