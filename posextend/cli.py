@@ -371,7 +371,7 @@ def _far_range_advice(report) -> None:
 @handle_errors
 @with_options(FinetuneConfig, "finetune")
 def finetune_cmd(
-    src: Annotated[str, typer.Argument(help="Original checkpoint (with --length) or one extended already.")],
+    src: Annotated[str, typer.Argument(help="Original checkpoint (with --length) or one extended already: a folder or a Hugging Face Hub id.")],
     dst: Annotated[Path, typer.Argument(help="Where the fine-tuned model is written (atomically).")],
     data: Data,
     options: dict[str, Any],
@@ -421,7 +421,7 @@ def finetune_cmd(
 @handle_errors
 @with_options(FinetuneConfig, "eval")
 def eval_cmd(
-    model: Annotated[str, typer.Argument(help="Checkpoint directory.")],
+    model: Annotated[str, typer.Argument(help="Checkpoint directory, or a Hugging Face Hub id.")],
     data: Data,
     options: dict[str, Any],
     max_sequences: Annotated[int, typer.Option(help="Evaluate at most this many sequences (0: all).")] = 64,
@@ -439,18 +439,16 @@ def eval_cmd(
     revision: Annotated[str | None, typer.Option("--revision", help=REVISION_HELP)] = None,
 ) -> None:
     """Held-out scores by position bucket, as the objective scores a fine-tune; or, with --task, long-document retrieval."""
-    if task:
-        if revision is not None:  # the retrieval evaluation reads a folder: the revision's, downloaded
-            from posextend.files.checkpoint import Checkpoint
-
-            model = str(Checkpoint.resolve(model, revision=revision))
-        _retrieval(model, data, task, lengths, documents, mode, max_tokens, reference, json_path, haystack)
-        return
+    from posextend.files.checkpoint import Checkpoint
     from posextend.training.evaluate import evaluate
 
+    checkpoint = Checkpoint.resolve(model, revision=revision)  # a hub id: downloaded once, for either evaluation
+    if task:
+        _retrieval(str(checkpoint), data, task, lengths, documents, mode, max_tokens, reference, json_path, haystack)
+        return
     with err_console.status("Evaluating"):
-        report = evaluate(model, data, **options, max_sequences=max_sequences or None, json_path=json_path,
-                          plot_path=plot, revision=revision)
+        report = evaluate(checkpoint, data, **options, max_sequences=max_sequences or None, json_path=json_path,
+                          plot_path=plot)
     _eval_table(f"{model}: {report.sequences} sequences of {report.length} tokens", {"model": report})
 
 

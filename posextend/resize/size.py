@@ -3,9 +3,9 @@
 A resize (or a fine-tune, which extends in memory and then writes) is refused before it writes a byte when
 the destination's file system has less free space than the output needs, or when its new position tables
 would be *large*: more than :data:`LARGE_FACTOR` times every other weight of the checkpoint together, and
-more than :data:`LARGE_FLOOR` bytes. No family uses tables of that size (all-MiniLM-L6-v2's 90 MB of
-weights reach it near 180,000 positions, GPT-2's 500 MB near 650,000); a length typed with a few zeros too
-many does. The caller may say that it is intended (``allow_large``).
+more than :data:`LARGE_FLOOR` bytes. No family uses tables of that size (all-MiniLM-L6-v2, 90 MB of
+weights, reaches it near 700,000 positions, GPT-2, 500 MB, near 650,000); a length typed with a few zeros
+too many does. The caller may say that it is intended (``allow_large``).
 """
 
 from __future__ import annotations
