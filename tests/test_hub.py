@@ -116,16 +116,19 @@ def posextend_cli(hub: StandIn, home: Path, *args: object, offline: bool = False
 
 
 def _repo(folder: Path, where: Path, decoys: tuple[str, ...] = DECOYS) -> tuple[Path, set[str]]:
-    """A hub repository at ``where``: the files of ``folder`` (linked) and ``decoys`` that no command needs,
-    with a model card; returns it and the files a command needs (all but the decoys)."""
-    for path in folder.rglob("*"):
-        if path.is_file():
-            (where / path.relative_to(folder)).parent.mkdir(parents=True, exist_ok=True)
-            (where / path.relative_to(folder)).symlink_to(path)
-    (where / "README.md").write_text("---\nlicense: apache-2.0\n---\n# A tiny model\n")
+    """A hub repository at ``where``: ``decoys`` that no command needs, the files of ``folder`` (linked, never
+    written through: ``folder`` may be an installed package's), and a model card where ``folder`` has none;
+    returns it and the files a command needs (all but the decoys)."""
     for name in decoys:
         (where / name).parent.mkdir(parents=True, exist_ok=True)
         (where / name).write_bytes(b"not needed")
+    for path in folder.rglob("*"):
+        link = where / path.relative_to(folder)
+        if path.is_file() and not link.exists():
+            link.parent.mkdir(parents=True, exist_ok=True)
+            link.symlink_to(path)
+    if not (where / "README.md").exists():
+        (where / "README.md").write_text("---\nlicense: apache-2.0\n---\n# A tiny model\n")
     needed = {p.relative_to(where).as_posix() for p in where.rglob("*") if p.is_file()} - set(decoys)
     return where, needed
 

@@ -66,14 +66,14 @@ def test_a_destination_without_the_space_refuses_before_writing(gpt, tmp_path, m
     seen = []
     monkeypatch.setattr(size.shutil, "disk_usage", lambda path: seen.append(Path(path)) or Usage(10**9, 10**9, 1000))
     dst = tmp_path / "not" / "yet" / "out"
-    with pytest.raises(posextend.DestinationError, match=r"^The output needs 6\.5 MiB, but the file system of "
-                       rf"{tmp_path} has 1000 B free: free some space or choose a destination on another disk\. "
+    with pytest.raises(posextend.DestinationError, match=rf"^Writing {dst} needs 6\.5 MiB, but its file system has "
+                       r"only 1000 B free: free some space or choose a destination on another disk\. "
                        r"Nothing was written\.$"):
         posextend.resize_checkpoint(gpt, dst, 64)
     assert seen == [tmp_path]  # the nearest folder that exists
     assert list(tmp_path.iterdir()) == []
     r = CliRunner().invoke(app, ["resize-model", str(gpt), str(dst), "--length", "64"])
-    assert r.exit_code == 1 and r.output.strip().startswith("Error: The output needs 6.5 MiB") and "\n" not in r.output.strip()
+    assert r.exit_code == 1 and r.output.strip().startswith(f"Error: Writing {dst} needs 6.5 MiB") and "\n" not in r.output.strip()
 
 
 def test_tables_far_past_what_the_model_can_use_are_refused_at_once_stating_their_size(gpt, tmp_path):
@@ -103,13 +103,13 @@ def test_the_cli_asks_before_large_tables_and_refuses_without_a_terminal(gpt, tm
     r = CliRunner().invoke(app, args)  # stdin is no terminal: no question, one line
     assert r.exit_code == 1 and r.output.strip().count("\n") == 0 and r.output.endswith("To write them anyway, pass --yes.\n")
     r = CliRunner().invoke(app, [*args, "--yes"])
-    assert r.exit_code == 1 and "Error: The output needs 6.0 GiB, but the file system of" in r.output
+    assert r.exit_code == 1 and "needs 6.0 GiB, but its file system has only 976.6 KiB free" in r.output
 
     monkeypatch.setattr(typer.testing._NamedTextIOWrapper, "isatty", lambda self: True, raising=False)  # a terminal
     r = CliRunner().invoke(app, args, input="n\n")
     assert r.exit_code == 1 and "6.0 GiB, 1,976 times the 3.1 MiB" in r.output and "Write it anyway? [y/N]" in r.output
     r = CliRunner().invoke(app, args, input="y\n")  # answered yes: on to the space check, which refuses here
-    assert r.exit_code == 1 and "Error: The output needs 6.0 GiB" in r.output
+    assert r.exit_code == 1 and "needs 6.0 GiB, but its file system" in r.output
     assert list(tmp_path.iterdir()) == []
 
 
@@ -121,7 +121,7 @@ def test_a_finetune_checks_the_size_of_its_output_before_it_trains(gpt, corpus, 
         posextend.finetune(gpt, tmp_path / "out", [corpus], length=100_000_000)
     monkeypatch.setattr(size.shutil, "disk_usage", lambda path: Usage(10**9, 10**9, 1000))
     monkeypatch.setattr(loop, "setup", lambda *a: pytest.fail("trained without the space to save"))
-    with pytest.raises(posextend.DestinationError, match=r"The output needs 6\.5 MiB, but the file system"):
+    with pytest.raises(posextend.DestinationError, match=r"needs 6\.5 MiB, but its file system has only 1000 B free"):
         posextend.finetune(gpt, tmp_path / "out", [corpus], length=64)
     assert list(tmp_path.iterdir()) == []
 

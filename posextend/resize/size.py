@@ -87,12 +87,11 @@ def check_output_size(source: Checkpoint, dst: Path, plans: Sequence[GroupPlan],
         then = ("To write them anyway, pass allow_large=True." if allow_large is False
                 else "Choose a shorter length.")
         raise LargeOutputError(f"{summary} Nothing was written. {then}", summary=summary)
-    where = _existing(dst)
-    free = shutil.disk_usage(where).free
+    free = shutil.disk_usage(_existing(dst)).free
     if size.total > free:
         raise DestinationError(
-            f"The output needs {human_bytes(size.total)}, but the file system of {where} has {human_bytes(free)} "
-            "free: free some space or choose a destination on another disk. Nothing was written.")
+            f"Writing {dst} needs {human_bytes(size.total)}, but its file system has only {human_bytes(free)} free: "
+            "free some space or choose a destination on another disk. Nothing was written.")
     return size
 
 
