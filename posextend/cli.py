@@ -17,7 +17,7 @@ from rich.console import Console
 
 from posextend.errors import PosExtendError
 from posextend.options import with_options as with_cli_options
-from posextend.resize.options import ResizeOptions
+from posextend.resize.options import REVISION_HELP, ResizeOptions
 from posextend.terminal import (App, Command, Group, eval_table, far_range_advice, plot_run, print_verdict, progress_bar,
                                 without_library_bars)
 from posextend.training.options import EVALUATION, MOST, FinetuneConfig
@@ -38,7 +38,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 # The library's messages name its arguments (``length=N``, ``overwrite=True``); the CLI shows its own flags.
-_FLAGS = {"allow_shrink": "--shrink", "data": "--data", "decoder_length": "--decoder-length", "init_head": "--init-head", "length": "--length", "lr": "--lr",
+_FLAGS = {"allow_large": "--yes", "allow_same": "--allow-same", "allow_shrink": "--shrink", "data": "--data", "decoder_length": "--decoder-length", "init_head": "--init-head", "length": "--length", "lr": "--lr",
           "mixed_precision": "--mixed-precision", "old_length": "--old-length", "overwrite": "--overwrite",
           "resume": "--resume"}
 
@@ -147,22 +147,31 @@ def byte_progress(description: str):
 @handle_errors
 @with_options(ResizeOptions, "resize-model")
 def resize_model(
-    src: Annotated[str, typer.Argument(help="Checkpoint directory (or a hub id in the local HF cache).")],
+    src: Annotated[str, typer.Argument(help="Checkpoint directory, or a Hugging Face Hub id (downloaded into the HF cache).")],
     dst: Annotated[Path, typer.Argument(help="Output directory; created atomically.")],
     options: dict[str, Any],
 ) -> None:
     """Resize the position table(s) of a checkpoint on disk, without loading the model."""
-    from posextend.errors import InvalidLengthError
+    from posextend.errors import InvalidLengthError, LargeOutputError
     from posextend.resize.on_disk import resize_checkpoint
     from posextend.resize.options import parse_image_size, parse_params
 
     length = options["new_length"]
     if length is None and options["image_size"] is None:
         raise InvalidLengthError("Give --length (positions), --image-size (image grids), or both.")
-    progress, update = byte_progress("Writing")
-    with progress:
-        image_size, given = parse_image_size(options.pop("image_size")), parse_params(options.pop("params"))
-        report = resize_checkpoint(src, dst, image_size=image_size, progress=update, **options, **given)
+    image_size, given = parse_image_size(options.pop("image_size")), parse_params(options.pop("params"))
+
+    def resize(**asked: Any) -> Any:
+        progress, update = byte_progress("Writing")
+        with progress:
+            return resize_checkpoint(src, dst, image_size=image_size, progress=update, **{**options, **asked}, **given)
+
+    try:
+        report = resize()
+    except LargeOutputError as exc:  # asked on a terminal; elsewhere the error says to pass --yes
+        if not sys.stdin.isatty() or not typer.confirm(f"{exc.summary} Write it anyway?", err=True):
+            raise
+        report = resize(allow_large=True)
     console.print(str(report), highlight=False, markup=False)
     _exit_without_teardown()
 
@@ -170,11 +179,12 @@ def resize_model(
 @app.command("inspect")
 @handle_errors
 def inspect_cmd(
-    src: Annotated[str, typer.Argument(help="Checkpoint directory (or a hub id in the local HF cache).")],
+    src: Annotated[str, typer.Argument(help="Checkpoint directory, or a Hugging Face Hub id (downloaded into the HF cache).")],
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
     plot: Annotated[Path | None, typer.Option("--plot", help="Write diagnostics of the table (PNGs, analysis.json) to this directory.")] = None,
     compare: Annotated[str | None, typer.Option("--compare", help="Another checkpoint to compare the table with (e.g. the original).")] = None,
     table: Annotated[str | None, typer.Option("--table", help="Which tables --plot/--compare analyse, for a model with several lengths (default: the first).")] = None,
+    revision: Annotated[str | None, typer.Option("--revision", help=REVISION_HELP)] = None,
 ) -> None:
     """Show where a checkpoint keeps its positions and how long its context is."""
     from rich.table import Table
@@ -182,7 +192,7 @@ def inspect_cmd(
     from posextend.files.checkpoint import Checkpoint
     from posextend.resize.inspection import inspect_checkpoint
 
-    checkpoint = Checkpoint.resolve(src)  # resolved once: the diagnostics read the same one
+    checkpoint = Checkpoint.resolve(src, revision=revision)  # resolved once: the diagnostics read the same one
     info = inspect_checkpoint(checkpoint)
     if (plot or compare) and table is None and len(info.groups) > 1:
         table = info.groups[0].group
@@ -320,12 +330,13 @@ Data = Annotated[list[Path], typer.Option("--data", "-d", help=_DATA)]
 @handle_errors
 @with_options(FinetuneConfig, "finetune")
 def finetune_cmd(
-    src: Annotated[str, typer.Argument(help="Original checkpoint (with --length) or one extended already.")],
+    src: Annotated[str, typer.Argument(help="Original checkpoint (with --length) or one extended already: a folder or a Hugging Face Hub id.")],
     dst: Annotated[Path, typer.Argument(help="Where the fine-tuned model is written (atomically).")],
     data: Annotated[list[Path], typer.Option("--data", "-d", help=_DATA, rich_help_panel=MOST)],
     options: dict[str, Any],
     plot: Annotated[Path | None, typer.Option("--plot", help="Save perplexity vs position (before and after) as PNG.",
                                               rich_help_panel=EVALUATION)] = None,
+    revision: Annotated[str | None, typer.Option("--revision", help=REVISION_HELP, rich_help_panel=MOST)] = None,
 ) -> None:
     """Extend (optionally) and fine-tune so the new positions learn; evaluate before and after."""
     from rich.progress import BarColumn, TextColumn, TimeRemainingColumn
@@ -341,7 +352,7 @@ def finetune_cmd(
     task = progress.add_task("Training", total=options["steps"] or None, loss=float("nan"), tps=0.0)
     with progress, without_library_bars():
         report = finetune(
-            src, dst, data, **options,
+            src, dst, data, **options, revision=revision,
             progress=lambda step, total, loss, tps: progress.update(task, completed=step, total=total, loss=loss, tps=tps),
         )
     if not report.main_process:
@@ -369,7 +380,7 @@ def finetune_cmd(
 @handle_errors
 @with_options(FinetuneConfig, "eval")
 def eval_cmd(
-    model: Annotated[str, typer.Argument(help="Checkpoint directory.")],
+    model: Annotated[str, typer.Argument(help="Checkpoint directory, or a Hugging Face Hub id.")],
     data: Data,
     options: dict[str, Any],
     max_sequences: Annotated[int, typer.Option(help="Evaluate at most this many sequences (0: all).")] = 64,
@@ -384,16 +395,19 @@ def eval_cmd(
     haystack: Annotated[str, typer.Option("--haystack", help="With --task: shared (LongEmbed's protocol: one haystack per length, "
                                           "keys at evenly spread depths; passkey in LongEmbed's filler) or varied (each document "
                                           "its own span of the data, key at a random depth).")] = "shared",
+    revision: Annotated[str | None, typer.Option("--revision", help=REVISION_HELP)] = None,
 ) -> None:
     """Held-out scores by position bucket, as the objective scores a fine-tune; or, with --task, long-document retrieval."""
-    if task:
-        with without_library_bars():
-            _retrieval(model, data, task, lengths, documents, mode, max_tokens, reference, json_path, haystack)
-        return
+    from posextend.files.checkpoint import Checkpoint
     from posextend.training.evaluate import evaluate
 
+    checkpoint = Checkpoint.resolve(model, revision=revision)  # a hub id: downloaded once, for either evaluation
+    if task:
+        with without_library_bars():
+            _retrieval(str(checkpoint), data, task, lengths, documents, mode, max_tokens, reference, json_path, haystack)
+        return
     with err_console.status("Evaluating"), without_library_bars():
-        report = evaluate(model, data, **options, max_sequences=max_sequences or None, json_path=json_path,
+        report = evaluate(checkpoint, data, **options, max_sequences=max_sequences or None, json_path=json_path,
                           plot_path=plot)
     console.print(f"{model}: {report}", highlight=False, markup=False)
     print_verdict(console, report.verdict)

@@ -39,6 +39,15 @@ class InvalidLengthError(PosExtendError):
     """The requested length is not usable (<= 0, or a shrink that was not asked for)."""
 
 
+class LargeOutputError(InvalidLengthError):
+    """The new position tables would be far larger than any model of this size can use (and this was not
+    said to be intended); ``summary`` states the size in one sentence."""
+
+    def __init__(self, message: str, *, summary: str = ""):
+        super().__init__(message)
+        self.summary = summary or message
+
+
 class StrategyError(PosExtendError):
     """Unknown strategy, bad strategy parameters, or a strategy that broke its contract."""
 

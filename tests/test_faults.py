@@ -96,14 +96,18 @@ def _unprivileged() -> tuple[str, ...] | str:
     return "setpriv cannot run this interpreter without privileges"
 
 
-def test_full_disk_is_one_line_and_leaves_nothing(src, tmp_path):
+@pytest.mark.parametrize("full, message", [
+    ("size=1m", "needs 6.5 MiB, but its file system has only 1.0 MiB free"),  # known before writing: refused at once
+    ("size=64m,nr_inodes=5", "no space left"),  # the bytes are free, the inodes run out while writing
+])
+def test_full_disk_is_one_line_and_leaves_nothing(src, tmp_path, full, message):
     mnt = tmp_path / "mnt"
     mnt.mkdir()
-    r = _in_namespace('mount -t tmpfs -o size=1m tmpfs "$1" || exit 99; "$2" -m posextend.cli resize-model "$3" "$1/out" '
+    r = _in_namespace(f'mount -t tmpfs -o {full} tmpfs "$1" || exit 99; "$2" -m posextend.cli resize-model "$3" "$1/out" '
                       '-n 64; echo "exit $?"; ls -A "$1"', mnt, sys.executable, src)
     assert r.stdout.split() == ["exit", "1"], (r.stdout, r.stderr)  # nothing listed on the tmpfs: no DST, no temp
     line = _one_line(r.stderr)
-    assert line.startswith("Error:") and "no space left" in line and f"{mnt}/out" in line
+    assert line.startswith("Error:") and message in line and f"{mnt}/out" in line
 
 
 def test_read_only_destination_is_one_line_and_leaves_nothing(src, tmp_path):

@@ -25,9 +25,9 @@ def lookups(monkeypatch) -> Counter:
     counts: Counter = Counter()
     resolve, read = sources.resolve_source, sources.read_config
 
-    def counted_resolve(src):
+    def counted_resolve(src, **kwargs):
         counts["resolve", Path(src).expanduser().resolve()] += 1
-        return resolve(src)
+        return resolve(src, **kwargs)
 
     def counted_read(directory):
         counts["config", Path(directory).resolve()] += 1

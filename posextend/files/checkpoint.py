@@ -26,16 +26,16 @@ from posextend.files.tensorfile import read_header
 class Checkpoint:
     """A checkpoint folder and what is known about it.
 
-    ``directory`` is the folder the user named, resolved (:meth:`resolve`: a local folder, or a hub id in
-    the local cache). The model's own files are in :attr:`model_dir`: the folder itself, or the
-    Transformer module's folder of an older sentence-transformers folder (``0_Transformer/``). Where a
-    path is expected (``str()``, ``os.fspath``, ``/``, messages), a checkpoint stands for its ``directory``.
+    ``directory`` is the folder the user named, resolved (:meth:`resolve`: a local folder, or the files of a
+    Hugging Face Hub model in the Hugging Face cache). The model's own files are in :attr:`model_dir`: the folder
+    itself, or the Transformer module's folder of an older sentence-transformers folder (``0_Transformer/``).
+    Where a path is expected (``str()``, ``os.fspath``, ``/``, messages), a checkpoint stands for its ``directory``.
 
     Used as a context manager, it releases the weights it holds open (a ``.bin`` file's memory map)
     on leaving; it stays usable and opens them again when asked.
 
     Examples:
-        >>> with Checkpoint.open("all-MiniLM-L6-v2") as ckpt:
+        >>> with Checkpoint.open("sentence-transformers/all-MiniLM-L6-v2") as ckpt:
         ...     ckpt.transformer_dir, ckpt.config["model_type"], ckpt.sentence_transformers
         ('', 'bert', True)
     """
@@ -43,10 +43,11 @@ class Checkpoint:
     directory: Path
 
     @classmethod
-    def resolve(cls, src: str | Path | Checkpoint) -> Checkpoint:
-        """The checkpoint ``src`` names (:func:`~posextend.files.sources.resolve_source`); a
-        :class:`Checkpoint` is returned as it is."""
-        return src if isinstance(src, Checkpoint) else cls(sources.resolve_source(src))
+    def resolve(cls, src: str | Path | Checkpoint, *, revision: str | None = None) -> Checkpoint:
+        """The checkpoint ``src`` names: a local folder, or a Hugging Face Hub id whose files are downloaded
+        into the cache at ``revision`` (:func:`~posextend.files.sources.resolve_source`, the one place that
+        looks a source up); a :class:`Checkpoint` is returned as it is."""
+        return src if isinstance(src, Checkpoint) else cls(sources.resolve_source(src, revision=revision))
 
     @classmethod
     def of(cls, directory: str | Path | Checkpoint) -> Checkpoint:
@@ -54,10 +55,10 @@ class Checkpoint:
         return directory if isinstance(directory, Checkpoint) else cls(Path(directory))
 
     @classmethod
-    def open(cls, src: str | Path | Checkpoint) -> Checkpoint:
-        """The checkpoint ``src`` names with its model located, its config read and its weights opened
-        lazily (:class:`~posextend.files.reader.CheckpointReader`), in that order; use it in a ``with``."""
-        checkpoint = cls.resolve(src)
+    def open(cls, src: str | Path | Checkpoint, *, revision: str | None = None) -> Checkpoint:
+        """The checkpoint ``src`` names (:meth:`resolve`) with its model located, its config read and its weights
+        opened lazily (:class:`~posextend.files.reader.CheckpointReader`), in that order; use it in a ``with``."""
+        checkpoint = cls.resolve(src, revision=revision)
         checkpoint.config  # noqa: B018 - read now: the errors come in the order of the files
         checkpoint.reader  # noqa: B018
         return checkpoint

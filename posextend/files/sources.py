@@ -1,5 +1,5 @@
-"""Where a checkpoint's parts are: its folder (local, or a hub id in the local cache), its
-``config.json``, the transformers model inside a sentence-transformers folder, that folder's
+"""Where a checkpoint's parts are: its folder (local, or a Hugging Face Hub id, downloaded into the Hugging
+Face cache), its ``config.json``, the transformers model inside a sentence-transformers folder, that folder's
 sentence-transformers config, the tokenizer's files, and whether a destination may be written.
 
 A command asks these of its checkpoint once, through :class:`posextend.files.checkpoint.Checkpoint`."""
@@ -11,27 +11,114 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from posextend.errors import DestinationError, SourceError
+from posextend.files.reader import BIN_INDEX, BIN_SINGLE, SAFE_INDEX, SAFE_SINGLE
 
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "vocab.txt", "merges.txt", "spiece.model",
                     "sentencepiece.bpe.model", "tokenizer.model")
 
 
-def resolve_source(src: str | Path) -> Path:
-    """A local checkpoint directory, or a hub id already present in the local HF cache."""
+def resolve_source(src: str | Path, *, revision: str | None = None) -> Path:
+    """The folder of checkpoint ``src``: a local folder, or, for a text that is no folder here but a Hugging
+    Face Hub id (``"openai-community/gpt2"``), the files of that model a command needs, downloaded into the
+    Hugging Face cache (:func:`download`) at ``revision`` (a branch, tag or commit; default: main). A
+    :class:`~pathlib.Path` is always a local folder.
+
+    Raises:
+        SourceError: ``src`` is a file, a folder that does not exist, or a hub id that cannot be had (one
+            line saying how to get it: download it, log in, or unset ``HF_HUB_OFFLINE``).
+    """
     path = Path(src).expanduser()
     if path.is_dir():
+        if revision is not None:
+            raise SourceError(f"{src} is a local folder; a revision ({revision}) selects a version of a model on the "
+                              "Hugging Face Hub: give its hub id, or leave the revision unset.")
         return path.resolve()
     if path.exists():
         raise SourceError(f"{src} is a file; give the checkpoint's directory (the one holding config.json, or "
                           "a sentence-transformers folder's modules.json).")
-    if str(src).count("/") == 1 and not str(src).startswith((".", "/", "~")):
-        try:
-            from huggingface_hub import snapshot_download
+    if isinstance(src, str) and _is_hub_id(src):
+        return download(src, revision)
+    raise SourceError(f"{src} does not exist; give the folder of a saved model, or a Hugging Face Hub id such as "
+                      "openai-community/gpt2.")
 
-            return Path(snapshot_download(str(src), local_files_only=True))
-        except Exception:
-            pass
-    raise SourceError(f"{src} does not exist (and is not a model in the local Hugging Face cache).")
+
+def _is_hub_id(text: str) -> bool:
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(text)
+    except HFValidationError:
+        return False
+    return True
+
+
+# What a resize, an inspection or a fine-tune reads of a model on the Hub, in the model's folder and in the
+# folders of a sentence-transformers model's modules (1_Pooling/, 2_Dense/, an older 0_Transformer/): every
+# config (model, generation, tokenizer, image processor, processor, sentence-transformers module), the
+# tokenizer's files, the list of modules, and the model card (the output's card quotes it). Patterns as
+# huggingface_hub matches them (``fnmatch``: ``*`` matches ``/`` too).
+HUB_FILES = ("*config.json", "*config_sentence_transformers.json", "*modules.json", "*special_tokens_map.json",
+             "*added_tokens.json", "*chat_template.json", "*chat_template.jinja",
+             *(f"*{name}" for name in TOKENIZER_FILES), "README.md")
+# The weights, in one format: safetensors (single, or shards with their index) where the model has them, else
+# PyTorch's; in the model's folder or a module's.
+WEIGHT_NAMES = {"safetensors": (SAFE_SINGLE, SAFE_INDEX, "model-*-of-*.safetensors"),
+                "bin": (BIN_SINGLE, BIN_INDEX, "pytorch_model-*-of-*.bin")}
+
+
+def download(repo_id: str, revision: str | None = None) -> Path:
+    """The snapshot folder in the Hugging Face cache of the files a command needs of hub model ``repo_id``
+    (:data:`HUB_FILES`, and its weights in one format, :data:`WEIGHT_NAMES`: safetensors where the model
+    has them, else PyTorch's), downloading what the cache lacks.
+
+    huggingface_hub decides where the cache is (``HF_HOME``, ``HF_HUB_CACHE``) and whether to ask the Hub
+    at all (``HF_HUB_OFFLINE``): offline, or with the Hub out of reach, the files come from the cache.
+
+    Raises:
+        SourceError: one line saying why the model cannot be had and how to get it.
+    """
+    from huggingface_hub import snapshot_download
+
+    folder = Path()
+    try:
+        for names in WEIGHT_NAMES.values():  # PyTorch's only where the model has no safetensors weights
+            weights = [pattern for name in names for pattern in (name, f"*/{name}")]
+            folder = Path(snapshot_download(repo_id, revision=revision, allow_patterns=[*HUB_FILES, *weights]))
+            model = folder / transformer_dir(folder)
+            if any((model / name).is_file() for name in names[:2]):
+                break
+    except SourceError:
+        raise
+    except Exception as exc:  # whatever huggingface_hub or the network raised: one line saying what to do
+        raise SourceError(_download_error(repo_id, revision, exc)) from exc
+    return folder
+
+
+def _download_error(repo_id: str, revision: str | None, exc: Exception) -> str:
+    """Why hub model ``repo_id`` could not be had (``exc``, as huggingface_hub raised it), and how to get it."""
+    from huggingface_hub import constants
+    from huggingface_hub.utils import GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
+
+    at = f" at revision {revision}" if revision else ""
+    get = f"`hf download {repo_id}{f' --revision {revision}' if revision else ''} --local-dir DIR`"
+    reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    if isinstance(exc, GatedRepoError):
+        return (f"{repo_id} is a gated model on the Hugging Face Hub: accept its conditions on "
+                f"https://huggingface.co/{repo_id} and log in (`hf auth login`), then run again.")
+    if isinstance(exc, RepositoryNotFoundError):
+        return (f"{repo_id} is neither a folder here nor a model on the Hugging Face Hub (a private model needs "
+                "`hf auth login` first): give the folder of a saved model, or a hub id such as openai-community/gpt2.")
+    if isinstance(exc, RevisionNotFoundError):
+        return f"The Hugging Face Hub model {repo_id} has no revision {revision or 'main'!r}: give a branch, tag or commit it has."
+    if constants.HF_HUB_OFFLINE:
+        return (f"{repo_id} is not a folder here, and HF_HUB_OFFLINE is set while the Hugging Face cache "
+                f"({constants.HF_HUB_CACHE}) does not hold it{at}: unset HF_HUB_OFFLINE to download it, or download "
+                f"it where the Hub can be reached ({get}) and give that folder.")
+    if isinstance(exc, LocalEntryNotFoundError):
+        return (f"{repo_id} is not a folder here, and the Hugging Face Hub could not be reached to download it{at}: "
+                f"check the connection (or HF_ENDPOINT), or download it elsewhere ({get}) and give that folder.")
+    return (f"Downloading {repo_id}{at} from the Hugging Face Hub failed ({type(exc).__name__}: {reason}); run "
+            f"again, or download it ({get}) and give that folder.")
 
 
 def read_config(directory: Path) -> dict[str, Any]:

@@ -79,12 +79,14 @@ def read_position_table(src: str | Path | Checkpoint, table: str | None = None, 
         return rows.reshape(*layout.grid, rows.shape[-1]) if grid else rows
 
 
-def inspect_checkpoint(src: str | Path | Checkpoint) -> CheckpointInfo:
+def inspect_checkpoint(src: str | Path | Checkpoint, *, revision: str | None = None) -> CheckpointInfo:
     """Describe a checkpoint's position table(s) without loading the model.
 
     Args:
-        src: the checkpoint: a folder (transformers or sentence-transformers), a hub id in the
-            local Hugging Face cache, or a :class:`~posextend.files.checkpoint.Checkpoint`.
+        src: the checkpoint: a folder (transformers or sentence-transformers), a Hugging Face Hub
+            id (its files downloaded into the Hugging Face cache), or a
+            :class:`~posextend.files.checkpoint.Checkpoint`.
+        revision: with a hub id, the branch, tag or commit (default: main).
 
     Returns:
         Where its tables are, their rows, the usable and reserved positions, the config fields
@@ -96,11 +98,11 @@ def inspect_checkpoint(src: str | Path | Checkpoint) -> CheckpointInfo:
             message says why).
 
     Examples:
-        >>> info = posextend.inspect_checkpoint("all-MiniLM-L6-v2")
+        >>> info = posextend.inspect_checkpoint("sentence-transformers/all-MiniLM-L6-v2")
         >>> info.usable, info.tables[0].name
         (512, 'embeddings.position_embeddings.weight')
     """
-    with Checkpoint.open(src) as source:
+    with Checkpoint.open(src, revision=revision) as source:
         config, reader, shapes, where = source.config, source.reader, source.shapes, source.transformer_dir
         groups = []
         for spec in all_specs(config):

@@ -22,7 +22,7 @@ from posextend.files.checkpoint import Checkpoint
 from posextend.files.atomic import atomic_output
 from posextend.files.reader import CheckpointReader, nonfinite_count
 from posextend.files.tensorfile import ByteRanges, Entry, TensorData
-from posextend.files.sources import check_destination, read_config
+from posextend.files.sources import check_destination, json_int, read_config
 from posextend.families.renames import names_on_load
 from posextend.families.specs import Layout
 from posextend.families.twin import layout_class
@@ -30,6 +30,7 @@ from posextend.tables.strategies import get_strategy
 from posextend.resize.options import ResizeOptions
 from posextend.resize.plan import GroupPlan, ImageSize, plan_resize
 from posextend.resize.report import ResizeReport, model_card, resize_report
+from posextend.resize.size import check_output_size
 from posextend.resize.writer import Change, write_checkpoint
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,9 @@ def resize_checkpoint(
     table: str | None = None,
     verify: bool | None = None,
     st_max_seq_length: int | None = None,
+    revision: str | None = None,
+    allow_same: bool = False,
+    allow_large: bool = False,
     progress: Callable[[int, int], None] | None = None,
     **params: Any,
 ) -> ResizeReport:
@@ -90,6 +94,13 @@ def resize_checkpoint(
         progress: called as ``progress(done_bytes, total_bytes)`` while writing (one call at a
             time, possibly from the threads that copy whole files).
         **params: the strategy's parameters (``std="matched"`` for ``random``, ``keep=20`` for ``kps``).
+        revision: for a ``src`` that is a Hugging Face Hub id (downloaded into the Hugging Face
+            cache, only the files a resize needs): the branch, tag or commit (default: main).
+        allow_same: write a copy even when every table keeps its size (the length or image size
+            asked for is the current one); otherwise that is refused and nothing is written.
+        allow_large: write new tables over 4 times the size of every other weight together (and
+            over 1 GiB), far past what the model can use; otherwise that is refused
+            (:class:`~posextend.errors.LargeOutputError`, stating the size) and nothing is written.
 
     Returns:
         What was done: lengths, tables, files written and copied, whether the output was
@@ -98,10 +109,11 @@ def resize_checkpoint(
     Raises:
         PosExtendError: a subclass saying what to fix: the source is missing or damaged, the
             family has no learned table to resize, the length or strategy does not fit, or
-            ``dst`` exists. Nothing is written then.
+            ``dst`` exists, or its file system has less free space than the output needs (known
+            from the plan before anything is written). Nothing is written then.
 
     Examples:
-        >>> report = posextend.resize_checkpoint("gpt2", "gpt2-4k", 4096,
+        >>> report = posextend.resize_checkpoint("openai-community/gpt2", "gpt2-4k", 4096,
         ...                                      "interpolate", seed=0)
         >>> report.old_length, report.new_length
         (1024, 4096)
@@ -112,13 +124,17 @@ def resize_checkpoint(
     start = time.perf_counter()
     options = ResizeOptions(new_length=new_length, image_size=image_size, strategy=strategy, seed=seed, params=params,
                             overwrite=overwrite, allow_shrink=allow_shrink, link=link, table=table, verify=verify,
-                            st_max_seq_length=st_max_seq_length)
+                            st_max_seq_length=st_max_seq_length, revision=revision, allow_same=allow_same,
+                            allow_large=allow_large)
     dst = Path(dst).expanduser()
-    with Checkpoint.open(src) as source:
+    with Checkpoint.open(src, revision=revision) as source:
         reader, config = source.reader, source.config
         plans = plan_resize(config, source.shapes, options.request())
         check_destination(source.directory, dst, overwrite=overwrite)
         _check_request(reader, plans, new_length, st_max_seq_length)
+        if not allow_same:
+            _check_changes(source, plans, st_max_seq_length)
+        check_output_size(source, dst, plans, allow_large=allow_large, link=link)
         options = options.resolved()
         report = resize_report(source, dst, plans, options)
         change = dataclasses.replace(resize_change(reader, config, plans, options.seed), metadata=report.provenance(),
@@ -152,6 +168,19 @@ def _check_request(reader: CheckpointReader, plans: list[GroupPlan], new_length:
         )
     for plan in plans:
         _check_source_tables(reader, plan.layout)
+
+
+def _check_changes(source: Checkpoint, plans: list[GroupPlan], st_max_seq_length: int | None) -> None:
+    """Refuse a resize that changes no table: the length (and image size) asked for are the current ones."""
+    if any(plan.changes(source.config) for plan in plans):
+        return
+    has = " and ".join(f"{p.new_usable} usable positions" if not p.spec.grid else
+                       f"an image size of {p.target[0]}x{p.target[1]} pixels" for p in plans)
+    current, wanted = json_int(source.st_config, "max_seq_length"), st_max_seq_length or plans[0].new_usable
+    st = (f" (its only change: the sentence-transformers max_seq_length, {current} -> {wanted})"
+          if current is not None and current != wanted and not plans[0].spec.grid else "")
+    raise InvalidLengthError(f"{source.directory} already has {has}: the resize would change no table, so nothing was "
+                             f"written. To write a copy anyway{st}, pass allow_same=True.")
 
 
 def resize_change(reader: CheckpointReader, config: Mapping[str, Any], plans: list[GroupPlan], seed: int) -> Change:

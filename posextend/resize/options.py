@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from posextend.errors import InvalidLengthError
+from posextend.errors import InvalidLengthError, StrategyError
 from posextend.options import option
 
 if TYPE_CHECKING:
@@ -34,12 +34,11 @@ def parse_image_size(text: str | None) -> int | tuple[int, int] | None:
 
 def parse_params(items: list[str] | None) -> dict[str, Any]:
     """Strategy parameters given as ``key=value`` texts, as a mapping."""
-    from posextend.tables.strategies import parse_param
-
     return dict(parse_param(item) for item in items or [])
 
 
 _option = functools.partial(option, commands=("resize-model",))
+REVISION_HELP = "For a Hugging Face Hub id: the branch, tag or commit to download (default: main)."  # every command
 
 
 @dataclass(frozen=True)
@@ -71,6 +70,11 @@ class ResizeOptions:
         "docs/concepts/positions.md).", flag="--verify/--no-verify")
     st_max_seq_length: int | None = _option(
         None, "sentence-transformers max_seq_length of the output (default: the new length).")
+    revision: str | None = _option(None, REVISION_HELP)
+    allow_same: bool = _option(False, "Write a copy even when the length (or image size) is the current one.")
+    allow_large: bool = _option(
+        False, "Do not ask before writing position tables over 4x the size of the rest of the model (and over "
+        "1 GiB).", flag="--yes", short="-y")
 
     def request(self) -> Request:
         """What the plan of this resize is asked (:func:`posextend.resize.plan.plan_resize`)."""
@@ -82,3 +86,24 @@ class ResizeOptions:
     def resolved(self) -> ResizeOptions:
         """The options with a seed: the given one, else one drawn at random (and reported)."""
         return self if self.seed is not None else dataclasses.replace(self, seed=secrets.randbits(63))
+
+
+def parse_param(text: str) -> tuple[str, Any]:
+    """Parse a CLI ``key=value`` into a typed pair (int, float, bool, None or str)."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise StrategyError(f"Strategy parameter {text!r} is not key=value (e.g. std=matched).")
+    value: Any = raw.strip()
+    lowered = value.lower()
+    if lowered in ("true", "false"):
+        value = lowered == "true"
+    elif lowered in ("none", "null"):
+        value = None
+    else:
+        for cast in (int, float):
+            try:
+                value = cast(value)
+                break
+            except ValueError:
+                pass
+    return key.strip(), value

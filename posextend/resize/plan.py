@@ -82,6 +82,10 @@ class GroupPlan:
                                 "tables have the same rows: which is which is ambiguous; nothing was changed.")
         return True
 
+    def changes(self, config: Mapping[str, Any]) -> bool:
+        """Whether the plan changes its tables or config: a new grid, or (an image grid) a new image size."""
+        return self.new_grid != self.layout.grid or bool(self.spec.grid and self.target != self.spec.grid.sizes(config)[0])
+
     def buffer_value(self, config: Mapping[str, Any]) -> int:
         """The value length-dependent buffers are rebuilt for (see :meth:`ArchitectureSpec.config_value`)."""
         return self.spec.config_value(config, self.new_usable)

@@ -76,6 +76,11 @@ class ResizeReport:
         """The seed the strategy was given (drawn when none was asked for)."""
         return self.options.seed
 
+    @property
+    def uses_seed(self) -> bool:
+        """Whether a strategy of this resize draws random numbers (its registration says so), so the seed matters."""
+        return any(get_strategy(name).random for name in {self.strategy, *self.strategies.values()})
+
     def __str__(self) -> str:
         """The summary ``posextend resize-model`` prints: what changed and how, then one line per fact."""
         params = ", ".join(f"{k}={v}" for k, v in self.params.items())
@@ -83,7 +88,7 @@ class ResizeReport:
         if self.options.new_length is not None:
             lines.append(f"Resized {self.model_type} checkpoint: {self.old_length} → {self.new_length} usable "
                          f"positions with {self.strategy}" + (f" ({params})" if params else "")
-                         + f", seed {self.seed}, in {self.seconds:.2f} s")
+                         + (f", seed {self.seed}" if self.uses_seed else "") + f", in {self.seconds:.2f} s")
         if self.new_image_size:
             size = "x".join
             lines.append(f"Resized {self.model_type} image grid: {size(map(str, self.old_image_size))} → "
@@ -172,7 +177,7 @@ def model_card(report: ResizeReport, original: str = "", *, trained: bool = Fals
         f"- Strategy: `{report.strategy}` — {strategy.description}",
         *([f"- Strategies by table group: {', '.join(f'{g} `{s}`' for g, s in report.strategies.items())}"]
           if len(report.strategies) > 1 else []),
-        f"- Parameters: `{json.dumps(report.params, sort_keys=True)}`, seed {report.seed}",
+        f"- Parameters: `{json.dumps(report.params, sort_keys=True)}`" + (f", seed {report.seed}" if report.uses_seed else ""),
         f"- Tables: {', '.join(f'`{t}`' for t in report.tables)}",
     ]
     if report.covered_by == "probed":

@@ -15,7 +15,7 @@ import json
 import logging
 import shutil
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -254,16 +254,9 @@ def _copy_other_files(source: Checkpoint, out_dir: Path, change: Change, written
     updates = {k: v for plan in change.plans for k, v in plan.config_updates(config).items()}
     text = next((p for p in change.plans if not p.spec.grid), None)
     image = next((p for p in change.plans if p.spec.grid), None)
-    weight_files = {f.resolve() for f in source.reader.files}
     model = Path(source.transformer_dir)  # relative to src and out_dir; Path("") is the root
     st_file = source.st_config
-    for path in sorted(src.rglob("*")):
-        rel = path.relative_to(src)
-        if any(part.startswith(".") and part != ".gitattributes" for part in rel.parts):
-            continue
-        if path.resolve() in weight_files or (rel.parent == model and rel.name in (SAFE_INDEX, BIN_INDEX)):
-            continue  # written by _write_weights
-        left_out = _left_out(rel, model, path.is_dir())
+    for path, rel, left_out in _other_files(source):
         if left_out:
             entry, kind = left_out
             if entry not in written.files_skipped:
@@ -297,6 +290,27 @@ def _copy_other_files(source: Checkpoint, out_dir: Path, change: Change, written
     if change.st_max_seq_length is not None and written.st_max_seq_length is None:
         log.warning("A sentence-transformers max_seq_length was given, but %s has no %s: nothing to set.",
                     src / model, ST_CONFIG)
+
+
+def _other_files(source: Checkpoint) -> Iterator[tuple[Path, Path, tuple[str, str] | None]]:
+    """Each file and folder of ``source`` but its weights (hidden ones aside): its path, its path relative to
+    the source, and, for the source model in another format that is not copied, what :func:`_left_out` says."""
+    src, model = source.directory, Path(source.transformer_dir)
+    weight_files = {f.resolve() for f in source.reader.files}
+    for path in sorted(src.rglob("*")):
+        rel = path.relative_to(src)
+        if any(part.startswith(".") and part != ".gitattributes" for part in rel.parts):
+            continue
+        if path.resolve() in weight_files or (rel.parent == model and rel.name in (SAFE_INDEX, BIN_INDEX)):
+            continue  # written by _write_weights
+        yield path, rel, _left_out(rel, model, path.is_dir())
+
+
+def copied_bytes(source: Checkpoint) -> int:
+    """Bytes of the files the writer writes beside the weights (configs, tokenizer, modules), as the source
+    has them (the edited JSON files differ by a few bytes); the model card aside."""
+    return sum(path.stat().st_size for path, rel, left_out in _other_files(source)
+               if left_out is None and rel != Path("README.md") and path.is_file())
 
 
 def _left_out(rel: Path, model: Path, is_dir: bool) -> tuple[str, str] | None:

@@ -69,6 +69,7 @@ class Strategy:
     keeps_rows: bool  # whether rows below the old length come out bit-exact when growing
     rows: Callable[[int, int], list[int]] | None = None  # old row of each new row, for row strategies
     ranks: tuple[int, ...] = (1,)  # the grid ranks it resizes: 1 (positions), 2 (image patches)
+    random: bool = False  # whether it draws from its generator (its seed is then reported)
 
     @property
     def params(self) -> dict[str, inspect.Parameter]:
@@ -90,6 +91,7 @@ def register_strategy(
     keeps_rows: bool = False,
     rows: Callable[[int, int], list[int]] | None = None,
     ranks: tuple[int, ...] = (1,),
+    random: bool = False,
 ) -> Callable[[StrategyFn], StrategyFn]:
     """Decorator registering ``fn(table, new_len, *, generator, **params)`` (see the module doc) as strategy
     ``name``; returns ``fn`` unchanged. Refuses (:class:`StrategyError`) a name invalid or taken, and an ``fn``
@@ -102,6 +104,7 @@ def register_strategy(
         rows: row strategies only: ``rows(old_len, new_len)``, the old row behind each new row; it must
             agree with ``fn`` (``fn(table, n)`` is ``table[rows(len(table), n)]``).
         ranks: the grid ranks ``fn`` handles: ``(1,)`` positions (the default), ``(2,)`` image-patch grids.
+        random: ``fn`` draws from ``generator``: its result depends on the seed, which is then shown with it.
 
     Examples:
         >>> @register_strategy("zeros", description="New rows are 0.", keeps_rows=True)
@@ -127,7 +130,7 @@ def register_strategy(
         ):
             raise StrategyError(f"Strategy {name!r}: a row strategy (rows=...) takes no parameters.")
         doc = description or (inspect.getdoc(fn) or "").split("\n")[0]
-        _REGISTRY.add(name, Strategy(name, fn, doc, keeps_rows, rows, tuple(ranks)))
+        _REGISTRY.add(name, Strategy(name, fn, doc, keeps_rows, rows, tuple(ranks), random))
         return fn
 
     return decorator
@@ -145,27 +148,6 @@ def get_strategy(name: str) -> Strategy:
         name: a strategy's name, as :func:`available_strategies` lists them.
     """
     return _REGISTRY.get(name)
-
-
-def parse_param(text: str) -> tuple[str, Any]:
-    """Parse a CLI ``key=value`` into a typed pair (int, float, bool, None or str)."""
-    key, sep, raw = text.partition("=")
-    if not sep or not key.strip():
-        raise StrategyError(f"Strategy parameter {text!r} is not key=value (e.g. std=matched).")
-    value: Any = raw.strip()
-    lowered = value.lower()
-    if lowered in ("true", "false"):
-        value = lowered == "true"
-    elif lowered in ("none", "null"):
-        value = None
-    else:
-        for cast in (int, float):
-            try:
-                value = cast(value)
-                break
-            except ValueError:
-                pass
-    return key.strip(), value
 
 
 def check_params(strategy: str, params: Mapping[str, Any] | None) -> Strategy:
@@ -401,6 +383,7 @@ def interpolate(table: torch.Tensor, new_len: int, *, generator: torch.Generator
     "random",
     description="Old rows kept bit-exact; new rows ~ N(0, std), std = initializer_range or 'matched'.",
     keeps_rows=True,
+    random=True,
 )
 def random(
     table: torch.Tensor,

@@ -61,6 +61,7 @@ def evaluate(
     seed: int = 0,
     json_path: str | Path | None = None,
     plot_path: str | Path | None = None,
+    revision: str | None = None,
 ) -> EvalReport:
     """``posextend eval``: load a checkpoint through its objective (``objective``, default: the one
     ``finetune`` would use), cut ``data`` into samples at ``length`` (default: the model's), and report
@@ -69,7 +70,7 @@ def evaluate(
     worth it on this data: its far range against the original reading the text its own way.
 
     Args:
-        model_path: the checkpoint folder (a hub id in the local Hugging Face cache also works).
+        model_path: the checkpoint folder, or a Hugging Face Hub id (downloaded into its cache).
         data: text files, folders of them, or JSON Lines with a ``"text"`` field: held-out text.
         length: tokens per sample (default: the model's usable positions; no more than those).
         objective: how to score: ``"causal"``, ``"masked"``, ``"contrastive"``, ``"seq2seq"`` or a
@@ -81,16 +82,19 @@ def evaluate(
         seed: seeds what the objective draws (a masked LM's masks), so runs compare.
         json_path: also write the report as JSON here.
         plot_path: also save perplexity against position as a PNG here (needs matplotlib).
+        revision: for a hub id, the branch, tag or commit downloaded (default: main).
 
     Returns:
         Loss and perplexity (or accuracy, for embeddings) overall and per position bucket;
-        ``print(report)`` shows them as a table.
+        ``print(report)`` shows them as a table. ``report.verdict``: whether the extension is worth it on
+        this data, for a checkpoint whose provenance records the original it was extended from.
 
     Examples:
         >>> report = posextend.evaluate("gpt2-4k", ["held_out.txt"], buckets=4)
+        >>> print(report.verdict.text)
         >>> [round(b.perplexity, 1) for b in report.buckets]
     """
-    checkpoint = Checkpoint.resolve(model_path)  # resolved once, passed down
+    checkpoint = Checkpoint.resolve(model_path, revision=revision)  # resolved once, passed down
     chosen = get_objective(objective or default_objective(checkpoint))
     docs = chosen.documents(data)
     if chosen.anchor:

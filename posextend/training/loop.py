@@ -32,6 +32,7 @@ import torch
 from posextend.errors import TrainingError
 from posextend.files.checkpoint import Checkpoint
 from posextend.files.sources import check_destination
+from posextend.resize.size import check_extension_size
 from posextend.training.objectives.base import default_objective, get_objective
 from posextend.training.options import FinetuneConfig
 from posextend.scoring.verdict import Reading
@@ -216,6 +217,7 @@ def finetune(
     data: Sequence[str | Path],
     *,
     progress: Callable[[int, int, float, float], None] | None = None,
+    revision: str | None = None,
     **options: Any,
 ) -> FinetuneReport:
     """Extend (optionally) and fine-tune ``src`` until the extension is worth it, evaluate before and after,
@@ -242,18 +244,19 @@ def finetune(
     length); else the checkpoint as loaded, with one logged line (``report.anchor_note``).
     ``train``: ``new-rows`` trains only the rows beyond the old length (everything else,
     the old rows included, stays bit-identical), ``positions`` the whole table, ``all``
-    every parameter. ``progress(step, steps, loss, tokens_per_second)`` is called per step
+    every parameter. ``revision``: for a ``src`` that is a Hugging Face Hub id, the branch, tag or commit
+    downloaded (default: main). ``progress(step, steps, loss, tokens_per_second)`` is called per step
     (on the main process). Resumable state lives in ``DST.state/`` (``save_every``, Ctrl-C,
     non-finite loss). ``batch_size`` is per process: under ``torchrun`` / ``accelerate launch``
     with N processes the global batch is N × ``batch_size``, and the result equals a
     one-process run with that batch (tested).
 
     Examples:
-        >>> report = posextend.finetune("gpt2", "gpt2-2k", ["corpus/"],
-        ...                             length=2048, steps=500)
+        >>> report = posextend.finetune("openai-community/gpt2", "gpt2-2k",
+        ...                             ["corpus/"], length=2048)
         >>> report.before.perplexity, report.after.perplexity
     """
-    checkpoint = Checkpoint.resolve(src)  # the one resolution of src: passed down, its facts read once
+    checkpoint = Checkpoint.resolve(src, revision=revision)  # the one resolution of src: passed down, its facts read once
     given = FinetuneConfig.of(options)
     chosen = get_objective(given.objective or default_objective(checkpoint))
     if given.anchor is not None:
@@ -261,6 +264,8 @@ def finetune(
     config = given.resolved(chosen)
     dst = Path(dst).expanduser()
     check_destination(checkpoint.directory, dst, overwrite=config.overwrite)
+    with checkpoint:  # the weights' headers, released before training
+        check_extension_size(checkpoint, dst, config.length, decoder_length=config.decoder_length)
     run, loaded = setup(checkpoint, dst, data, config, chosen)
     config = run.config  # with its lr
     before = None if config.resume else run.evaluate()
