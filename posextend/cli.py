@@ -336,7 +336,7 @@ def finetune_cmd(
     options: dict[str, Any],
     plot: Annotated[Path | None, typer.Option("--plot", help="Save perplexity vs position (before and after) as PNG.",
                                               rich_help_panel=EVALUATION)] = None,
-    revision: Annotated[str | None, typer.Option("--revision", help=REVISION_HELP, rich_help_panel=MOST)] = None,
+    revision: Annotated[str | None, typer.Option("--revision", help=REVISION_HELP)] = None,
 ) -> None:
     """Extend (optionally) and fine-tune so the new positions learn; evaluate before and after."""
     from rich.progress import BarColumn, TextColumn, TimeRemainingColumn

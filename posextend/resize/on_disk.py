@@ -91,9 +91,6 @@ def resize_checkpoint(
             family observed on a twin (no written spec) and for every image grid; ``True`` for any family.
         st_max_seq_length: what a sentence-transformers model's ``max_seq_length`` becomes
             (default: the new length).
-        progress: called as ``progress(done_bytes, total_bytes)`` while writing (one call at a
-            time, possibly from the threads that copy whole files).
-        **params: the strategy's parameters (``std="matched"`` for ``random``, ``keep=20`` for ``kps``).
         revision: for a ``src`` that is a Hugging Face Hub id (downloaded into the Hugging Face
             cache, only the files a resize needs): the branch, tag or commit (default: main).
         allow_same: write a copy even when every table keeps its size (the length or image size
@@ -101,6 +98,9 @@ def resize_checkpoint(
         allow_large: write new tables over 4 times the size of every other weight together (and
             over 1 GiB), far past what the model can use; otherwise that is refused
             (:class:`~posextend.errors.LargeOutputError`, stating the size) and nothing is written.
+        progress: called as ``progress(done_bytes, total_bytes)`` while writing (one call at a
+            time, possibly from the threads that copy whole files).
+        **params: the strategy's parameters (``std="matched"`` for ``random``, ``keep=20`` for ``kps``).
 
     Returns:
         What was done: lengths, tables, files written and copied, whether the output was

@@ -231,25 +231,29 @@ def finetune(
     ``steps`` trains exactly that many. ``report.verdict`` says whether it is worth it
     (:class:`~posextend.scoring.verdict.Verdict`).
 
-    ``options`` are :class:`~posextend.training.options.FinetuneConfig`'s fields (``length``, ``budget``,
-    ``steps``, ``train``, ``lr``, ``objective``, ``anchor``, ``seed`` …); those left out take the objective's
-    defaults (:mod:`posextend.training.objectives`; lr and schedule by ``train``: with ``all``, causal LMs 1e-3 × min(1, 192 / width) from
-    ``interpolate``, contrastive 5e-5, both with a cosine decay; ``tile`` and a constant lr
-    otherwise). ``anchor``: the weight of the objective's term that keeps the source model's
-    outputs on inputs within the old length (causal 1, contrastive 2, seq2seq 0; 0 turns it off and saves
-    the frozen copy of the source it needs).
-    ``source``: the original model the anchor holds to, for a checkpoint extended earlier (its
-    outputs on inputs within the old length are the ones to keep). Default: the original its
-    provenance records, when that is still there and fits (same model type, the recorded old
-    length); else the checkpoint as loaded, with one logged line (``report.anchor_note``).
-    ``train``: ``new-rows`` trains only the rows beyond the old length (everything else,
-    the old rows included, stays bit-identical), ``positions`` the whole table, ``all``
-    every parameter. ``revision``: for a ``src`` that is a Hugging Face Hub id, the branch, tag or commit
-    downloaded (default: main). ``progress(step, steps, loss, tokens_per_second)`` is called per step
-    (on the main process). Resumable state lives in ``DST.state/`` (``save_every``, Ctrl-C,
-    non-finite loss). ``batch_size`` is per process: under ``torchrun`` / ``accelerate launch``
-    with N processes the global batch is N × ``batch_size``, and the result equals a
-    one-process run with that batch (tested).
+    Args:
+        src: the checkpoint: a folder (transformers or sentence-transformers), or a Hugging Face Hub id
+            (downloaded into its cache); the original with ``length``, or one extended already.
+        dst: where the fine-tuned model is written, in the source's files and layout (atomically).
+        data: text files, folders of them, or JSON Lines with a ``"text"`` field (seq2seq: also
+            ``source``/``target`` pairs).
+        progress: called as ``progress(step, steps, loss, tokens_per_second)`` after each step (on the main
+            process; ``steps`` is the budget's plan, which a time budget sets once the first steps are timed).
+        revision: for a hub id, the branch, tag or commit downloaded (default: main).
+        **options: :class:`~posextend.training.options.FinetuneConfig`'s fields: ``length``, ``budget``,
+            ``steps``, ``train`` (``all``, ``positions``, ``new-rows``: only the rows beyond the old length
+            train, everything else stays bit-identical), ``lr``, ``objective``, ``anchor`` (the weight of the
+            term keeping the source's outputs on inputs within the old length: causal 1, contrastive 2,
+            seq2seq 0), ``source`` (the original the anchor holds to, for a checkpoint extended earlier:
+            default, the one its provenance records), ``eval_data``, ``seed`` …; those left out take the
+            objective's defaults. ``batch_size`` is per process: under ``torchrun`` / ``accelerate launch``
+            with N processes the global batch is N × ``batch_size``, and the result equals a one-process run
+            with that batch (tested). Resumable state lives in ``DST.state/`` (``save_every``, Ctrl-C, a
+            non-finite loss; ``resume``).
+
+    Returns:
+        A :class:`~posextend.training.report.FinetuneReport`: the options as resolved, the steps and tokens
+        trained, the held-out evaluations before and after, and ``verdict``.
 
     Examples:
         >>> report = posextend.finetune("openai-community/gpt2", "gpt2-2k",
