@@ -34,7 +34,7 @@ from posextend.files.sources import check_destination
 from posextend.training.objectives.base import default_objective, get_objective
 from posextend.training.options import FinetuneConfig
 from posextend.training.report import FinetuneReport, finetune_report, save
-from posextend.training.setup import Run, setup
+from posextend.training.setup import Run, fit_in_memory, setup
 
 log = logging.getLogger(__name__)
 
@@ -210,8 +210,8 @@ def finetune(
     config = run.config  # with its lr
     before = None if config.resume else run.evaluate()
     start_step = _resume_step(run) if config.resume else 0
-    losses, eval_losses, tokens, seconds = _loop(run, start_step, config.steps, eval_every=config.eval_every,
-                                                 save_every=config.save_every, progress=progress)
+    losses, eval_losses, tokens, seconds = fit_in_memory(run, loaded.hf_model, functools.partial(
+        _loop, run, start_step, config.steps, eval_every=config.eval_every, save_every=config.save_every, progress=progress))
     after = run.evaluate()
     run.accelerator.wait_for_everyone()
     report = finetune_report(run, dst, (before, after), (losses, eval_losses), tokens, seconds)

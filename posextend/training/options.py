@@ -21,7 +21,7 @@ from posextend.options import option
 TrainMode = Literal["new-rows", "positions", "all"]
 TRAIN_MODES = get_args(TrainMode)
 SCHEDULES = ("constant", "cosine")
-PRECISIONS = ("no", "fp16", "bf16")
+PRECISIONS = ("no", "fp16", "bf16", "auto")
 # an option's help and flag are in its field (:func:`posextend.options.option`): the CLI's ``finetune`` shows each
 # field, ``eval`` the ones whose help names it
 _option = functools.partial(option, commands=("finetune",))
@@ -56,8 +56,9 @@ class FinetuneConfig:
       ``positions`` (the whole table) or ``all`` (every parameter).
     - ``lr``: learning rate (by train mode and the table's width: see the objectives).
     - ``schedule``: after a 10% linear warm-up, ``constant`` or ``cosine`` down to 10% of ``lr``.
-    - ``batch_size`` (per process), ``grad_accum``, ``mixed_precision`` (``no``, ``fp16``, ``bf16``),
-      ``gradient_checkpointing``.
+    - ``batch_size`` (per process), ``grad_accum``, ``mixed_precision`` (``auto``: bf16 on a CUDA device that
+      supports it, else ``no``; or ``no``, ``fp16``, ``bf16``), ``gradient_checkpointing`` (also turned on by
+      itself when the first step runs out of GPU memory).
     - ``eval_every``: held-out evaluation every N steps (0: before and after only); ``save_every``:
       resumable state to ``DST.state/`` every N steps; ``resume``: continue from it.
     - ``seed``: data order, masking and strategies.
@@ -95,8 +96,10 @@ class FinetuneConfig:
     batch_size: int = _option(4, {"finetune": "Sequences per micro-batch (per process).",
                                   "eval": "Sequences per batch."})
     grad_accum: int = _option(1, "Micro-batches per optimizer step.")
-    mixed_precision: Literal["no", "fp16", "bf16"] = _option("no", "no, fp16 or bf16 (through accelerate).")
-    gradient_checkpointing: bool = _option(False, "Trade compute for memory.")
+    mixed_precision: Literal["auto", "no", "fp16", "bf16"] = _option(
+        "auto", "auto (bf16 on a GPU that supports it, else no), no, fp16 or bf16 (through accelerate).")
+    gradient_checkpointing: bool = _option(
+        False, "Trade compute for memory (on a GPU, turned on by itself when the first step does not fit).")
     eval_every: int = _option(0, "Evaluate on held-out data every N steps (0: only before and after).")
     save_every: int = _option(0, "Save resumable state to DST.state/ every N steps.")
     resume: bool = _option(False, "Continue from DST.state/.")
