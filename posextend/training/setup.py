@@ -78,14 +78,14 @@ def make_accelerator(mixed_precision: str, grad_accum: int, *, unused_parameters
 
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     cpu_group = launched > 1 and not torch.cuda.is_available()
-    precision = precision_for(mixed_precision, PartialState(cpu=cpu_group).device)
-    if precision != mixed_precision:
-        log.info("Mixed precision: %s (%s)", precision, mixed_precision)
+    if mixed_precision == "auto":  # for the device accelerate picks (the state it sets up is the Accelerator's)
+        mixed_precision = precision_for(mixed_precision, PartialState(cpu=cpu_group).device)
+        log.info("Mixed precision: %s (auto)", mixed_precision)
     ddp = DistributedDataParallelKwargs(find_unused_parameters=unused_parameters)
     # split_batches: posextend addresses each process's samples itself (no accelerate dataloader), and a
     # prepared schedule must advance once per optimizer step; without it accelerate steps it once per
     # process, so under N processes the warm-up and the cosine decay would run N times too fast
-    accelerator = Accelerator(mixed_precision=precision, gradient_accumulation_steps=grad_accum, cpu=cpu_group,
+    accelerator = Accelerator(mixed_precision=mixed_precision, gradient_accumulation_steps=grad_accum, cpu=cpu_group,
                               kwargs_handlers=[ddp], dataloader_config=DataLoaderConfiguration(split_batches=True))
     if accelerator.num_processes != launched:
         raise TrainingError(
@@ -257,19 +257,21 @@ def fit_in_memory(run: Run, hf_model: torch.nn.Module, train: Callable[[], T]) -
     acc, steps = run.accelerator, []
     accumulated = acc.step  # the accumulation counter a retry starts from again
     optimizer = getattr(run.optimizer, "optimizer", run.optimizer)  # accelerate's wrapper holds torch's
-    hook = optimizer.register_step_post_hook(lambda *_: steps.append(1))
+    count = getattr(optimizer, "register_step_post_hook", None)  # torch's optimizers (DeepSpeed's has none: no retry)
+    hook = count(lambda *_: steps.append(1)) if count else None
     try:
         return train()
     except torch.cuda.OutOfMemoryError as exc:
         checkpointing = hf_model.is_gradient_checkpointing
-        if steps or acc.num_processes > 1 or checkpointing or not hf_model.supports_gradient_checkpointing:
+        if hook is None or steps or acc.num_processes > 1 or checkpointing or not hf_model.supports_gradient_checkpointing:
             advice = [*([] if checkpointing else ["turn gradient checkpointing on"]),
                       *(["use bf16"] if acc.mixed_precision == "no" else []),
                       "lower the batch size (a larger grad_accum keeps the global batch)"]
-            raise TrainingError(f"Out of GPU memory after {len(steps)} optimizer step(s) ({str(exc).splitlines()[0]}): "
-                                f"{', or '.join(advice)}.") from exc
+            after = f" after {len(steps)} optimizer step(s)" if hook else ""
+            raise TrainingError(f"Out of GPU memory{after} ({str(exc).splitlines()[0]}): {', or '.join(advice)}.") from exc
     finally:
-        hook.remove()
+        if hook:
+            hook.remove()
     # out of the except block: the error, and the frames holding the step's activations, are gone
     run.optimizer.zero_grad()
     acc.step = accumulated
