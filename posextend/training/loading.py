@@ -107,7 +107,8 @@ def load_headed_model(src: str | Path | Checkpoint, model_class: Any, head: str,
     checkpoint = Checkpoint.resolve(src)
     directory, model_dir = checkpoint.directory, checkpoint.model_dir  # an older ST folder: its 0_Transformer/
     tokenizer = load_tokenizer(model_dir)
-    model, info = model_class.from_pretrained(model_dir, output_loading_info=True)
+    model, info = model_class.from_pretrained(model_dir, output_loading_info=True,
+                                              **attention_kwargs(model_class, checkpoint.config))
     missing = sorted(info["missing_keys"])
     if missing:
         if not init_head:
@@ -117,6 +118,22 @@ def load_headed_model(src: str | Path | Checkpoint, model_class: Any, head: str,
             )
         log.warning("Initialising a fresh %s head (%d weights, e.g. %s)", head, len(missing), missing[0])
     return loaded(model, model, tokenizer, objective, checkpoint)
+
+
+def attention_kwargs(model_class: Any, config: dict[str, Any]) -> dict[str, str]:
+    """``from_pretrained``'s keyword for PyTorch's fused attention (``torch.nn.functional.scaled_dot_product_attention``)
+    where the class ``model_class`` loads for ``config`` (a checkpoint's ``config.json``) has it (transformers'
+    ``_supports_sdpa``); else none, so transformers' default (its own attention) is used. ``model_class`` is a
+    transformers model class or an auto class (the class it maps ``config``'s model type to)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    cls = model_class
+    if not hasattr(cls, "_supports_sdpa"):  # an auto class
+        try:
+            cls = model_class._model_mapping[CONFIG_MAPPING[config["model_type"]]]
+        except (AttributeError, KeyError):  # no mapping for it: from_pretrained says why, or loads it its own way
+            return {}
+    return {"attn_implementation": "sdpa"} if getattr(cls, "_supports_sdpa", False) else {}
 
 
 # ------------------------------------------------------------------------------ the anchor's reference

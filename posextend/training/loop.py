@@ -38,7 +38,7 @@ from posextend.training.options import FinetuneConfig
 from posextend.scoring.verdict import Reading
 from posextend.training.budget import PROBE_STEPS
 from posextend.training.report import FinetuneReport, finetune_report, save
-from posextend.training.setup import Run, setup
+from posextend.training.setup import Run, fit_in_memory, setup
 
 log = logging.getLogger(__name__)
 
@@ -276,7 +276,8 @@ def finetune(
     start_step = _resume_step(run) if config.resume else 0
     if not config.resume:
         run.judge.record(0, run.objective.reading(run))
-    losses, eval_losses, tokens, seconds = _loop(run, start_step, save_every=config.save_every, progress=progress)
+    losses, eval_losses, tokens, seconds = fit_in_memory(run, loaded.hf_model, functools.partial(
+        _loop, run, start_step, save_every=config.save_every, progress=progress))
     after = run.evaluate()
     steps = start_step + len(losses)
     verdict = run.judge.verdict(_final_reading(run, steps))

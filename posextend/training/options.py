@@ -22,7 +22,7 @@ from posextend.scoring.verdict import MARGIN, TOLERANCE
 TrainMode = Literal["new-rows", "positions", "all"]
 TRAIN_MODES = get_args(TrainMode)
 SCHEDULES = ("constant", "cosine")
-PRECISIONS = ("no", "fp16", "bf16")
+PRECISIONS = ("no", "fp16", "bf16", "auto")
 DEFAULT_BUDGET = "15min"  # what a run that extends may spend to become worth it, when neither steps nor budget is given
 # an option's help and flag are in its field (:func:`posextend.options.option`): the CLI's ``finetune`` shows each
 # field, ``eval`` the ones whose help names it; ``finetune --help`` groups them in these panels (a field that names
@@ -66,8 +66,9 @@ class FinetuneConfig:
       ``positions`` (the whole table) or ``all`` (every parameter).
     - ``lr``: learning rate (by train mode and the table's width: see the objectives).
     - ``schedule``: after a 10% linear warm-up, ``constant`` or ``cosine`` down to 10% of ``lr``.
-    - ``batch_size`` (per process), ``grad_accum``, ``mixed_precision`` (``no``, ``fp16``, ``bf16``),
-      ``gradient_checkpointing``.
+    - ``batch_size`` (per process), ``grad_accum``, ``mixed_precision`` (``auto``: bf16 on a CUDA device that
+      supports it, else ``no``; or ``no``, ``fp16``, ``bf16``), ``gradient_checkpointing`` (also turned on by
+      itself when the first step runs out of GPU memory).
     - ``eval_every``: held-out evaluation every N steps (0: before and after only); ``save_every``:
       resumable state to ``DST.state/`` every N steps; ``resume``: continue from it.
     - ``seed``: data order, masking and strategies.
@@ -116,11 +117,12 @@ class FinetuneConfig:
                                   "eval": "Sequences per batch."}, panel={"finetune": TRAINING})
     grad_accum: int = _option(1, "Micro-batches per optimizer step (a larger batch in the same memory).",
                               panel=TRAINING)
-    mixed_precision: Literal["no", "fp16", "bf16"] = _option(
-        "no", "Compute in half precision on a GPU: no, fp16 or bf16 (through accelerate).", metavar="NAME",
-        panel=TRAINING)
-    gradient_checkpointing: bool = _option(False, "Use less memory for more compute (recompute activations).",
-                                           panel=TRAINING)
+    mixed_precision: Literal["auto", "no", "fp16", "bf16"] = _option(
+        "auto", "Compute in half precision: auto (bf16 on a GPU that supports it, else no), no, fp16 or bf16 "
+        "(through accelerate).", metavar="NAME", panel=TRAINING)
+    gradient_checkpointing: bool = _option(
+        False, "Use less memory for more compute (recompute activations; on a GPU, turned on by itself when the "
+        "first step does not fit).", panel=TRAINING)
     eval_every: int = _option(0, "Evaluate on held-out data every N steps (0: as the budget needs, about 20 times "
                                  "a run).", panel=EVALUATION)
     eval_data: list[str] | None = _option(

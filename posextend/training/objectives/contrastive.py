@@ -20,7 +20,7 @@ from posextend.files.checkpoint import Checkpoint
 from posextend.scoring.by_position import Bucket, EvalReport, bucket_edges
 from posextend.scoring.text import framed
 from posextend.training.context import RunContext
-from posextend.training.loading import Loaded, loaded
+from posextend.training.loading import Loaded, attention_kwargs, loaded
 from posextend.training.objectives.base import CheckpointFacts, Objective, register_objective, without_dropout
 
 PASSAGE_TOKENS = 32
@@ -74,15 +74,19 @@ class Contrastive(Objective):
         return checkpoint.sentence_transformer
 
     def load_model(self, directory: Path, *, init_head: bool) -> Loaded:
-        """The sentence-transformers model (its pooling and normalisation modules included), attention dropout off."""
-        if not Checkpoint.of(directory).sentence_transformers:
+        """The sentence-transformers model (its pooling and normalisation modules included), attention dropout off,
+        with PyTorch's fused attention where its transformer has it (:func:`~posextend.training.loading.attention_kwargs`)."""
+        checkpoint = Checkpoint.of(directory)
+        if not checkpoint.sentence_transformers:
             raise TrainingError(
                 f"{directory} is not a sentence-transformers model (no modules.json); the contrastive objective "
                 "trains embedding models. Save it with SentenceTransformer.save(), or use the masked objective."
             )
+        import transformers
         from sentence_transformers import SentenceTransformer
 
-        model = SentenceTransformer(str(directory), device="cpu")
+        model = SentenceTransformer(str(directory), device="cpu",
+                                    model_kwargs=attention_kwargs(transformers.AutoModel, checkpoint.config))
         without_dropout(model[0].auto_model, attention_only=True)
         return loaded(model, model[0].auto_model, model.tokenizer, self.name, directory)
 
