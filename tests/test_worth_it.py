@@ -162,3 +162,21 @@ def test_eval_of_a_resized_checkpoint_gives_the_verdict_of_the_resize_alone(gpt,
     # tile keeps the old rows: the original range reads as the source reads it, to float precision
     assert report.verdict.reading.original == pytest.approx(report.verdict.baseline.original, rel=1e-4)
     assert json.loads(json.dumps(report.to_dict()))["verdict"]["baseline"]["far"] == report.verdict.baseline.far
+
+
+def test_a_time_budget_plans_its_steps_from_the_first_ones_and_checks_by_the_clock():
+    import time
+
+    judge = Judge(parse_budget("100s"), early=True, baseline=Reading(100.0, 50.0))
+    judge.start = time.perf_counter() - 10  # 10 s spent: 90 left, a tenth of them kept for the checks
+    assert judge.planned(5, 5.0) in (85, 86)  # 5 + 0.9 x 90 s at 1 s a step
+    assert not judge.spent(86) and judge.steps is None
+    judge.record(0, Reading(101.0, 50.0))
+    assert not judge.check_due(1, 86)  # the next check comes 100 s / CHECKS = 5 s later
+    judge._last_check -= 5
+    assert judge.check_due(1, 86)
+    judge.start -= 90
+    assert judge.spent(1)
+    # two wins in a row stop the run; a loss in between starts the count again
+    assert not judge.record(1, Reading(98.0, 50.5)) and not judge.record(2, Reading(99.5, 50.0))
+    assert not judge.record(3, Reading(98.0, 50.0)) and judge.record(4, Reading(97.0, 50.0))
