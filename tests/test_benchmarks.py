@@ -75,6 +75,24 @@ def test_quality_grid_quick(tmp_path):
     assert "| *the source itself on the far range's tokens" in out
 
 
+@pytest.mark.skipif(not AUSTEN.is_dir(), reason="needs ../shared/data/austen")
+def test_worth_it_quick(tmp_path):
+    """The one-command defaults, judged: the run's own verdict, and the far range against the source's window on
+    the tuned text and on the text kept aside, recomputed here from the JSON."""
+    out = _run(ROOT / "benchmarks" / "worth_it.py", "--data", AUSTEN, "--quick", "--factors", "2", "--out",
+               tmp_path / "w", "--cache", tmp_path / "cache", cwd=tmp_path)
+    data = json.loads((tmp_path / "w" / "worth_it.json").read_text())
+    (row,) = data["rows"]
+    assert not {"emma.txt", "northangerabbey.txt"} & set(data["meta"]["train"])
+    assert row["verdict"]["budget"] == "20s" and row["steps"] >= 1
+    for text in ("tuned emma", "aside northangerabbey"):
+        cell = row[text]
+        assert all(math.isfinite(cell[k]) and cell[k] > 1 for k in ("far", "window", "original", "source_original"))
+        assert cell["far_ratio"] == pytest.approx(cell["far"] / cell["window"])
+        assert f"**{cell['far_ratio']:.3f}**" in out
+    assert "| model | time | steps | the run's verdict" in out
+
+
 def test_quality_grid_byparts_strategy():
     """``byparts`` (a plug-in of the grid, so checked in its own process): at the old length it
     gives the table back; with no component stretched it continues the table mirrored; with all
