@@ -18,7 +18,7 @@ from typing import Any, Literal, Protocol, get_args
 from posextend.errors import TrainingError
 from posextend.options import option
 
-TrainMode = Literal["new-rows", "positions", "all"]
+TrainMode = Literal["new-rows", "positions", "all", "lora"]
 TRAIN_MODES = get_args(TrainMode)
 SCHEDULES = ("constant", "cosine")
 PRECISIONS = ("no", "fp16", "bf16")
@@ -27,7 +27,7 @@ PRECISIONS = ("no", "fp16", "bf16")
 _option = functools.partial(option, commands=("finetune",))
 # options that change how a run is carried out or reported, not what it computes: a resume may change them
 _NOT_FINGERPRINTED = {"resume", "overwrite", "eval_every", "save_every", "eval_sequences", "buckets",
-                      "gradient_checkpointing", "batch_size"}
+                      "gradient_checkpointing", "batch_size", "save_adapter"}
 
 
 class Defaults(Protocol):
@@ -53,7 +53,9 @@ class FinetuneConfig:
       with ``train="all"``, else ``tile``).
     - ``steps``: optimizer steps (200 for language models, 60 for ``contrastive``).
     - ``train``: ``new-rows`` (only rows beyond the old length; everything else stays bit-identical),
-      ``positions`` (the whole table) or ``all`` (every parameter).
+      ``positions`` (the whole table), ``all`` (every parameter) or ``lora`` (LoRA on the attention
+      projections, with the table(s) and norms: :mod:`posextend.training.adapters`; the output is merged).
+    - ``save_adapter``: with ``lora``, also write the adapter as peft saves it, to ``DST/adapter``.
     - ``lr``: learning rate (by train mode and the table's width: see the objectives).
     - ``schedule``: after a 10% linear warm-up, ``constant`` or ``cosine`` down to 10% of ``lr``.
     - ``batch_size`` (per process), ``grad_accum``, ``mixed_precision`` (``no``, ``fp16``, ``bf16``),
@@ -84,10 +86,11 @@ class FinetuneConfig:
         None, "How --length fills the new rows: see `posextend strategies` (default: interpolate for causal LMs "
         "with --train all, else tile; from the quality grid).", short="-s")
     steps: int | None = _option(None, "Optimizer steps (default: 200 for language models, 60 for contrastive).")
-    train: TrainMode = _option("all", "all (every parameter; best in our benchmark), positions (the table), or "
-                                      "new-rows (only rows beyond the old length).")
+    train: TrainMode = _option("all", "all (every parameter; best in our benchmark), positions (the table), "
+                                      "new-rows (only rows beyond the old length), or lora (LoRA on the attention "
+                                      "projections with the table and norms, merged into the output).")
     lr: float | None = _option(
-        None, "Learning rate (default: new-rows 3e-3, positions 1e-3; all: causal 1e-3 x min(1, 192/width), "
+        None, "Learning rate (default: new-rows 3e-3, positions 1e-3, lora LORA_LR; all: causal 1e-3 x min(1, 192/width), "
         "masked 1e-4, contrastive 5e-5).")
     schedule: Literal["constant", "cosine"] | None = _option(
         None, "Learning rate after a 10% warm-up: constant, or cosine down to 10% (default: cosine for causal LMs "
@@ -117,6 +120,7 @@ class FinetuneConfig:
     buckets: int = _option(8, {"finetune": "Position buckets in the before/after table.",
                                "eval": "Number of position buckets."})
     overwrite: bool = _option(False, "Replace DST if it exists.")
+    save_adapter: bool = _option(False, "With --train lora: also write the LoRA adapter (peft's files) to DST/adapter.")
 
     @classmethod
     def of(cls, options: dict[str, Any]) -> FinetuneConfig:
@@ -137,7 +141,7 @@ class FinetuneConfig:
             self, objective=objective.name, anchor=anchor,
             steps=objective.steps if self.steps is None else self.steps,
             schedule=self.schedule or objective.schedule.get(self.train, "constant"),
-            strategy=self.strategy or objective.strategy[self.train],
+            strategy=self.strategy or objective.strategy.get(self.train, "tile"),
         )
         config.check()
         return config
@@ -155,6 +159,8 @@ class FinetuneConfig:
         self._check_train()
         if self.schedule is not None and self.schedule not in SCHEDULES:
             raise TrainingError(f"The schedule must be constant or cosine, got {self.schedule!r}.")
+        if self.save_adapter and self.train != "lora":
+            raise TrainingError("Only a LoRA run has an adapter to save; train with lora, or leave save_adapter off.")
         if self.mixed_precision not in PRECISIONS:
             raise TrainingError(f"Mixed precision must be one of {', '.join(PRECISIONS)}, got {self.mixed_precision!r}.")
         for name in ("steps", "batch_size", "grad_accum", "length", "decoder_length"):

@@ -48,6 +48,7 @@ class Run(RunContext):
     fingerprint: str
     extended: bool = False  # the table was extended by this run (not by an earlier resize)
     anchor_original: AnchorOriginal = field(default_factory=AnchorOriginal)  # what the anchor term holds to
+    adapter: Any = None  # train="lora": the peft model holding the adapter (:mod:`posextend.training.adapters`)
 
     def evaluate(self) -> EvalReport:  # through the prepared model: sharded weights need every process
         return self.objective.evaluate(self)
@@ -130,6 +131,7 @@ def setup(checkpoint: Checkpoint, dst: Path, data: Sequence[str | Path], config:
     if config.gradient_checkpointing:
         loaded.hf_model.gradient_checkpointing_enable()
     set_seed(config.seed)
+    adapter = _lora(loaded, tables, accelerator) if config.train == "lora" else None  # seeded: LoRA's init
     optimizer = _adamw([p for p in model.parameters() if p.requires_grad], config.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, functools.partial(lr_factor, steps=config.steps, schedule=config.schedule))
@@ -141,8 +143,18 @@ def setup(checkpoint: Checkpoint, dst: Path, data: Sequence[str | Path], config:
               reference=loaded.reference, state=chosen.State(),
               optimizer=optimizer, scheduler=scheduler, tables=tables, saved_rows=saved_rows, decoder_length=decoder_length,
               state_dir=dst.with_name(dst.name + ".state"), fingerprint=fingerprint, extended=extended,
-              anchor_original=anchor)
+              anchor_original=anchor, adapter=adapter)
     return run, loaded
+
+
+def _lora(loaded: Loaded, tables: list[torch.nn.Parameter], accelerator) -> Any:
+    """LoRA on the model that holds the tables, in place, with the tables and norms trainable."""
+    from posextend.training.adapters import add_lora
+
+    if accelerator.distributed_type.value in ("FSDP", "DEEPSPEED"):
+        raise TrainingError("A LoRA run is merged into the model on one process, which sharded training (FSDP, "
+                            "DeepSpeed) does not hold whole; use data parallel training, or train every parameter.")
+    return add_lora(loaded.hf_model, tables)
 
 
 def _load(chosen: Objective, checkpoint: Checkpoint, config: FinetuneConfig) -> tuple[Loaded, int, int, bool, AnchorOriginal]:
