@@ -50,7 +50,7 @@ class FinetuneConfig:
     - ``decoder_length``: an encoder-decoder with a length per stack (LED): extend the decoder's table to
       this many positions too (None: as it is; ``length`` sizes the encoder's).
     - ``strategy``: how ``length`` fills the new rows (objective's default: ``interpolate`` for causal LMs
-      with ``train="all"``, else ``tile``).
+      with ``train="all"`` or ``"lora"``, else ``tile``).
     - ``steps``: optimizer steps (200 for language models, 60 for ``contrastive``).
     - ``train``: ``new-rows`` (only rows beyond the old length; everything else stays bit-identical),
       ``positions`` (the whole table), ``all`` (every parameter) or ``lora`` (LoRA on the attention
@@ -84,7 +84,7 @@ class FinetuneConfig:
         "too (--length sizes the encoder's).")
     strategy: str | None = _option(
         None, "How --length fills the new rows: see `posextend strategies` (default: interpolate for causal LMs "
-        "with --train all, else tile; from the quality grid).", short="-s")
+        "with --train all or lora, else tile; from the quality grid).", short="-s")
     steps: int | None = _option(None, "Optimizer steps (default: 200 for language models, 60 for contrastive).")
     train: TrainMode = _option("all", "all (every parameter; best in our benchmark), positions (the table), "
                                       "new-rows (only rows beyond the old length), or lora (LoRA on the attention "
@@ -94,7 +94,7 @@ class FinetuneConfig:
         "masked 1e-4, contrastive 5e-5).")
     schedule: Literal["constant", "cosine"] | None = _option(
         None, "Learning rate after a 10% warm-up: constant, or cosine down to 10% (default: cosine for causal LMs "
-        "and contrastive with --train all, else constant).")
+        "and contrastive with --train all or lora, else constant).")
     batch_size: int = _option(4, {"finetune": "Sequences per micro-batch (per process).",
                                   "eval": "Sequences per batch."})
     grad_accum: int = _option(1, "Micro-batches per optimizer step.")
