@@ -47,8 +47,8 @@ PROBE = 12  # steps of each mode timed first, to share the budget out
 def lora_share(model: torch.nn.Module, table: str) -> tuple[int, float]:
     """(parameters, trainable share under lora) of ``model`` with LoRA on it and ``table`` trainable."""
     total = sum(p.numel() for p in model.parameters())
-    adapter = add_lora(model, [model.get_submodule(table).weight])
-    return total, trainable_share(model, adapter)
+    add_lora(model, [model.get_submodule(table).weight])
+    return total, trainable_share(model)
 
 
 def shares(reference: Path) -> list[tuple[str, int, float]]:

@@ -52,7 +52,7 @@ def test_lora_trains_the_attention_projections_the_table_and_the_norms_under_5_p
     assert norms == {n for n, m in model.named_modules() if isinstance(m, torch.nn.LayerNorm)} and norms
     width = model.config.hidden_size
     weights = sum(p.numel() for p in model.parameters())
-    adapter = add_lora(model, [model.get_submodule(table).weight])
+    add_lora(model, [model.get_submodule(table).weight])
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     lora = {n.partition(".lora_")[0].rpartition(".")[2] for n in trainable if ".lora_" in n}
     saved = {n.partition(".modules_to_save.")[0] for n in trainable if ".modules_to_save." in n}
@@ -63,7 +63,7 @@ def test_lora_trains_the_attention_projections_the_table_and_the_norms_under_5_p
     expected = sum(RANK * (m.in_features + m.out_features) for m in projections)
     expected += model.get_submodule(table).modules_to_save["default"].weight.numel() + 2 * width * len(norms)
     assert sum(p.numel() for p in model.parameters() if p.requires_grad) == expected
-    share = trainable_share(model, adapter)
+    share = trainable_share(model)
     assert share == pytest.approx(expected / weights) and share <= 0.05
 
 
@@ -147,8 +147,24 @@ def test_the_loss_falls_and_the_merged_output_is_the_trained_model(taught, corpu
 
 def test_the_default_lr_and_strategy_of_lora(gpt, corpus, tmp_path, monkeypatch):
     seen = _capture(monkeypatch)
-    report = finetune(gpt, tmp_path / "out", [corpus], length=64, train="lora", steps=1, **QUICK)
+    report = finetune(gpt, tmp_path / "out", [corpus], length=64, train="lora", steps=1, gradient_checkpointing=True,
+                      **QUICK)
     assert report.lr == seen["lr"] == 1e-3 and report.strategy == "interpolate" and report.schedule == "cosine"
+    load_clean(tmp_path / "out", transformers.AutoModelForCausalLM)
+
+
+def test_a_plug_in_objective_from_before_lora_gets_the_base_defaults():
+    """An objective whose lr and strategy tables name only the older modes: lora takes the base's lr and tile."""
+    from posextend.training.objectives.base import Objective
+    from posextend.training.objectives.causal import CausalLM
+    from posextend.training.options import FinetuneConfig
+
+    class Older(CausalLM):
+        lr = {"new-rows": 3e-3, "positions": 3e-3, "all": 3e-3}
+        strategy = {"new-rows": "tile", "positions": "tile", "all": "interpolate"}
+
+    assert Older().default_lr("lora", 768) == Objective.lr["lora"] and Older().default_lr("all", 64) == 3e-3
+    assert FinetuneConfig(train="lora").resolved(Older()).strategy == "tile"
 
 
 def test_the_adapter_alone_applies_to_the_source_extended_with_any_strategy(gpt, corpus, tmp_path):

@@ -94,6 +94,7 @@ def add_lora(model: torch.nn.Module, tables: Sequence[torch.nn.Parameter]) -> An
         >>> gpt2(input_ids).logits  # LoRA's layers in the forward pass
     """
     from peft import LoraConfig, get_peft_model
+    from peft.utils.other import ModulesToSaveWrapper
     from transformers.pytorch_utils import Conv1D
 
     targets = attention_targets(model.config.model_type)
@@ -104,6 +105,11 @@ def add_lora(model: torch.nn.Module, tables: Sequence[torch.nn.Parameter]) -> An
     config = LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=DROPOUT, target_modules=targets,
                         modules_to_save=saved, fan_in_fan_out=fan_in_fan_out)
     adapter = get_peft_model(model, config)
+    wrapped = [n for n, m in model.named_modules() if isinstance(m, ModulesToSaveWrapper)]
+    if sorted(wrapped) != sorted(saved):  # peft matches modules_to_save by the end of their names
+        other = sorted(set(wrapped) ^ set(saved))[0]
+        raise TrainingError(f"peft made other modules trainable than the table(s) and norms ({other}); train the "
+                            "positions or every parameter instead.")
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     log.info("LoRA (rank %d) on %s, with %d table(s) and %d norms: %s trainable parameters, %.2f%% of %s",
              RANK, targets, len(tables), len(saved) - len(tables), f"{trainable:,}", 100 * trainable / total,
@@ -111,8 +117,8 @@ def add_lora(model: torch.nn.Module, tables: Sequence[torch.nn.Parameter]) -> An
     return adapter
 
 
-def trainable_share(model: torch.nn.Module, adapter: Any) -> float:
-    """The trainable parameters of ``model`` (adapted by ``adapter``) over the parameters of the model they
+def trainable_share(model: torch.nn.Module) -> float:
+    """The trainable parameters of ``model`` (adapted by :func:`add_lora`) over the parameters of the model they
     train (without LoRA's matrices, and without the frozen originals peft keeps of the tables and norms)."""
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     lora = sum(p.numel() for n, p in model.named_parameters() if ".lora_" in n)
