@@ -149,7 +149,7 @@ def test_the_default_lr_and_strategy_of_lora(gpt, corpus, tmp_path, monkeypatch)
     seen = _capture(monkeypatch)
     report = finetune(gpt, tmp_path / "out", [corpus], length=64, train="lora", steps=1, gradient_checkpointing=True,
                       **QUICK)
-    assert report.lr == seen["lr"] == 1e-3 and report.strategy == "interpolate" and report.schedule == "cosine"
+    assert report.lr == seen["lr"] == 2e-3 and report.strategy == "interpolate" and report.schedule == "cosine"
     load_clean(tmp_path / "out", transformers.AutoModelForCausalLM)
 
 

@@ -90,8 +90,8 @@ class FinetuneConfig:
                                       "new-rows (only rows beyond the old length), or lora (LoRA on the attention "
                                       "projections with the table and norms, merged into the output).")
     lr: float | None = _option(
-        None, "Learning rate (default: new-rows 3e-3, positions 1e-3, lora LORA_LR; all: causal 1e-3 x min(1, 192/width), "
-        "masked 1e-4, contrastive 5e-5).")
+        None, "Learning rate (default: new-rows 3e-3, positions 1e-3; lora: causal 2e-3, contrastive 5e-4, else 1e-3; "
+        "all: causal 1e-3 x min(1, 192/width), masked 1e-4, contrastive 5e-5).")
     schedule: Literal["constant", "cosine"] | None = _option(
         None, "Learning rate after a 10% warm-up: constant, or cosine down to 10% (default: cosine for causal LMs "
         "and contrastive with --train all or lora, else constant).")

@@ -105,7 +105,8 @@ class Objective:
     unused_parameters: ClassVar[bool] = False  # some trainable parameters get no gradient from the loss
     steps: ClassVar[int] = 200  # default number of optimizer steps
     # by train mode: the default lr, schedule, and strategy when the fine-tune extends (README, quality grid)
-    # lora: LoRA's matrices beside the tables and norms (:mod:`posextend.training.adapters`)
+    # lora: LoRA's matrices beside the tables and norms (:mod:`posextend.training.adapters`); measured for causal
+    # LMs only (2e-3: benchmarks/lora.py), the others' are not
     lr: ClassVar[dict[str, float]] = {"new-rows": 3e-3, "positions": 1e-3, "all": 1e-4, "lora": 1e-3}
     lr_width: ClassVar[int | None] = None  # the table width ``lr["all"]`` was measured at (None: any width)
     schedule: ClassVar[dict[str, str]] = {"new-rows": "constant", "positions": "constant", "all": "constant",
