@@ -206,21 +206,34 @@ def test_a_bare_file_stays_bare_and_a_masked_lm_merges(gpt, bert, corpus, tmp_pa
         assert torch.equal(tuned(IDS).logits, seen["merged"])
 
 
-def test_a_sentence_transformer_gets_the_adapter_on_its_transformer(bert, corpus, tmp_path, monkeypatch):
+@pytest.mark.parametrize("layout", ["root", "subfolder"])
+def test_a_sentence_transformer_gets_the_adapter_on_its_transformer(bert, corpus, tmp_path, monkeypatch, layout):
+    """The contrastive objective on a sentence-transformers folder, its transformer at the root (as saved today)
+    or in ``0_Transformer/`` (older folders): the output keeps the layout and loads clean."""
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.models import Pooling, Transformer
 
     src = tmp_path / "src"
     SentenceTransformer(modules=[Transformer(str(bert)), Pooling(16)], device="cpu").save(str(src))
+    model_dir = src
+    if layout == "subfolder":
+        model_dir = src / "0_Transformer"
+        model_dir.mkdir()
+        for path in [p for p in src.iterdir() if p.is_file() and p.name not in ("modules.json", "README.md",
+                                                                                  "config_sentence_transformers.json")]:
+            path.rename(model_dir / path.name)
+        modules = json.loads((src / "modules.json").read_text())
+        modules[0]["path"] = "0_Transformer"
+        (src / "modules.json").write_text(json.dumps(modules))
     seen = _capture(monkeypatch)
     report = finetune(src, tmp_path / "out", [corpus], length=64, train="lora", steps=2, anchor=0, save_adapter=True,
                       **QUICK)
     assert report.objective == "contrastive"
-    load_clean(tmp_path / "out", transformers.AutoModel)  # the root layout: the transformer's files at the root
+    load_clean(tmp_path / "out" / model_dir.relative_to(src), transformers.AutoModel)  # where the source had it
     tuned = SentenceTransformer(str(tmp_path / "out"), device="cpu")
     assert tuned.max_seq_length == 64 and (tmp_path / "out" / "adapter" / "adapter_config.json").is_file()
     with torch.no_grad():
-        assert torch.equal(tuned[0].auto_model(input_ids=IDS)[0], seen["merged"])
+        assert torch.equal(tuned[0].auto_model.eval()(input_ids=IDS)[0], seen["merged"])
 
 
 def test_a_seq2seq_model_merges_both_stacks(corpus, tmp_path, monkeypatch):
