@@ -45,7 +45,7 @@ def test_default_lr_and_schedule_by_train_mode_and_width():
     # a table's lr does not depend on the width; objectives without a measured width keep theirs
     assert causal.default_lr("new-rows", 1600) == 3e-3 and causal.default_lr("positions", 1600) == 1e-3
     assert masked.default_lr("all", 1024) == masked.lr["all"]
-    assert causal.schedule == {"new-rows": "constant", "positions": "constant", "all": "cosine"}
+    assert causal.schedule == {"new-rows": "constant", "positions": "constant", "all": "cosine", "lora": "cosine"}
     assert set(masked.schedule.values()) == {"constant"}
     assert get_objective("contrastive").schedule["all"] == "cosine"
 

@@ -19,7 +19,7 @@ from posextend.errors import TrainingError
 from posextend.options import option
 from posextend.scoring.verdict import MARGIN, TOLERANCE
 
-TrainMode = Literal["new-rows", "positions", "all"]
+TrainMode = Literal["new-rows", "positions", "all", "lora"]
 TRAIN_MODES = get_args(TrainMode)
 SCHEDULES = ("constant", "cosine")
 PRECISIONS = ("no", "fp16", "bf16", "auto")
@@ -31,7 +31,7 @@ _option = functools.partial(option, commands=("finetune",))
 MOST, TRAINING, EVALUATION = "What most users set", "Training", "Evaluation"
 # options that change how a run is carried out or reported, not what it computes: a resume may change them
 _NOT_FINGERPRINTED = {"resume", "overwrite", "eval_every", "save_every", "eval_sequences", "buckets",
-                      "gradient_checkpointing", "batch_size", "budget", "margin", "tolerance"}
+                      "gradient_checkpointing", "batch_size", "budget", "margin", "tolerance", "save_adapter"}
 
 
 class Defaults(Protocol):
@@ -54,7 +54,7 @@ class FinetuneConfig:
     - ``decoder_length``: an encoder-decoder with a length per stack (LED): extend the decoder's table to
       this many positions too (None: as it is; ``length`` sizes the encoder's).
     - ``strategy``: how ``length`` fills the new rows (objective's default: ``interpolate`` for causal LMs
-      with ``train="all"``, else ``tile``).
+      with ``train="all"`` or ``"lora"``, else ``tile``).
     - ``steps``: exactly this many optimizer steps; ``budget``: what a run may spend (``15min``, ``20M tokens``,
       ``2000 steps``) until the extension is worth it (:mod:`posextend.training.budget`); neither: a run that
       extends spends :data:`DEFAULT_BUDGET`, one that does not trains the objective's steps (200 for language
@@ -63,7 +63,9 @@ class FinetuneConfig:
       ``margin`` / ``tolerance``: how much the far range must beat the baseline by, and how much the original
       range may lose (:mod:`posextend.scoring.verdict`).
     - ``train``: ``new-rows`` (only rows beyond the old length; everything else stays bit-identical),
-      ``positions`` (the whole table) or ``all`` (every parameter).
+      ``positions`` (the whole table), ``all`` (every parameter) or ``lora`` (LoRA on the attention
+      projections, with the table(s) and norms: :mod:`posextend.training.adapters`; the output is merged).
+    - ``save_adapter``: with ``lora``, also write the adapter as peft saves it, to ``DST/adapter``.
     - ``lr``: learning rate (by train mode and the table's width: see the objectives).
     - ``schedule``: after a 10% linear warm-up, ``constant`` or ``cosine`` down to 10% of ``lr``.
     - ``batch_size`` (per process), ``grad_accum``, ``mixed_precision`` (``auto``: bf16 on a CUDA device that
@@ -94,7 +96,7 @@ class FinetuneConfig:
         "too (--length sizes the encoder's).")
     strategy: str | None = _option(
         None, "How --length fills the new positions, listed by `posextend strategies` (default: the best in our "
-        "benchmarks, interpolate for causal LMs with --train all, else tile; see docs/concepts/strategies.md).",
+        "benchmarks, interpolate for causal LMs with --train all or lora, else tile; see docs/concepts/strategies.md).",
         short="-s", metavar="NAME", panel=MOST)
     steps: int | None = _option(
         None, "Train exactly this many steps (default: train until the extension is worth it, within --budget).",
@@ -104,15 +106,17 @@ class FinetuneConfig:
         "steps (2000 steps). It stops earlier once the far positions read held-out text better than the source "
         f"reading it in its own windows, twice in a row (default: {DEFAULT_BUDGET}).", metavar="SIZE", panel=MOST)
     train: TrainMode = _option(
-        "all", "What learns: all (every weight; the best in our benchmarks), positions (the position table only) or "
-        "new-rows (only the positions past the old length; the rest stays exactly as it was).", metavar="WHAT",
-        panel=MOST)
+        "all", "What learns: all (every weight; the best in our benchmarks), positions (the position table only), "
+        "new-rows (only the positions past the old length; the rest stays exactly as it was) or lora (small adapters "
+        "on the attention with the position table and norms, merged into the output: for models too big to train "
+        "whole).", metavar="WHAT", panel=MOST)
     lr: float | None = _option(
-        None, "Learning rate (default by --train: new-rows 3e-3, positions 1e-3; all: 1e-3 for causal LMs up to "
-        "192 wide, scaled down by 192/width for wider ones, 1e-4 masked, 5e-5 contrastive).", panel=TRAINING)
+        None, "Learning rate (default by --train: new-rows 3e-3, positions 1e-3; lora: causal 2e-3, contrastive 5e-4, "
+        "else 1e-3; all: 1e-3 for causal LMs up to 192 wide, scaled down by 192/width for wider ones, 1e-4 masked, "
+        "5e-5 contrastive).", panel=TRAINING)
     schedule: Literal["constant", "cosine"] | None = _option(
         None, "Learning rate after a 10% warm-up: constant, or cosine down to 10% (default: cosine for causal LMs "
-        "and contrastive with --train all, else constant).", metavar="NAME", panel=TRAINING)
+        "and contrastive with --train all or lora, else constant).", metavar="NAME", panel=TRAINING)
     batch_size: int = _option(4, {"finetune": "Sequences per micro-batch (per process).",
                                   "eval": "Sequences per batch."}, panel={"finetune": TRAINING})
     grad_accum: int = _option(1, "Micro-batches per optimizer step (a larger batch in the same memory).",
@@ -158,6 +162,7 @@ class FinetuneConfig:
                                "eval": "Rows of the table: the positions cut into this many ranges."},
                            panel={"finetune": EVALUATION})
     overwrite: bool = _option(False, "Replace DST if it exists.")
+    save_adapter: bool = _option(False, "With --train lora: also write the LoRA adapter (peft's files) to DST/adapter.")
 
     @classmethod
     def of(cls, options: dict[str, Any]) -> FinetuneConfig:
@@ -177,7 +182,7 @@ class FinetuneConfig:
         config = replace(
             self, objective=objective.name, anchor=anchor,
             schedule=self.schedule or objective.schedule.get(self.train, "constant"),
-            strategy=self.strategy or objective.strategy[self.train],
+            strategy=self.strategy or objective.strategy.get(self.train, "tile"),
         )
         config.check()
         return config
@@ -195,6 +200,8 @@ class FinetuneConfig:
         self._check_train()
         if self.schedule is not None and self.schedule not in SCHEDULES:
             raise TrainingError(f"The schedule must be constant or cosine, got {self.schedule!r}.")
+        if self.save_adapter and self.train != "lora":
+            raise TrainingError("Only a LoRA run has an adapter to save; train with lora, or leave save_adapter off.")
         if self.mixed_precision not in PRECISIONS:
             raise TrainingError(f"Mixed precision must be one of {', '.join(PRECISIONS)}, got {self.mixed_precision!r}.")
         for name in ("steps", "batch_size", "grad_accum", "length", "decoder_length"):

@@ -107,7 +107,11 @@ def save(run: Run, dst: Path, report: FinetuneReport, checkpoint: Checkpoint, lo
     """
     from posextend.training.saving import changes, write_trained
 
-    seed = run.config.seed
+    seed, adapter = run.config.seed, None
+    if run.adapter is not None:  # LoRA: merged into the model (its adapter kept first, when asked for)
+        from posextend.training.adapters import merge
+
+        state_dict, adapter = merge(run.adapter, run.unwrapped, keep_adapter=run.config.save_adapter)
     with Checkpoint.open(checkpoint) as source:
         config, reader, directory = source.config, source.reader, source.directory
         plans = [plan for request in loaded.requests for plan in plan_resize(config, source.shapes, request)]
@@ -120,6 +124,8 @@ def save(run: Run, dst: Path, report: FinetuneReport, checkpoint: Checkpoint, lo
         with atomic_output(dst, overwrite=run.config.overwrite) as tmp:
             written = write_trained(source, tmp, change, type(loaded.hf_model))
             _save_modules(loaded, source, tmp, run.config.train)
+            if adapter is not None:
+                adapter.write(tmp / "adapter")
             if resize is not None:
                 resize.record(written)
             (tmp / "README.md").write_text(_card(report, resize, directory))

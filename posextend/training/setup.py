@@ -51,6 +51,7 @@ class Run(RunContext):
     anchor_original: AnchorOriginal = field(default_factory=AnchorOriginal)  # what the anchor term holds to
     judge: Judge = field(default_factory=lambda: Judge(Budget("0 steps", steps=0), early=False))  # steps, checks, verdict
     schedule: Schedule = field(default_factory=lambda: Schedule(1, "constant"))  # the lr factor by step
+    adapter: Any = None  # train="lora": the peft model holding the adapter (:mod:`posextend.training.adapters`)
 
     def evaluate(self) -> EvalReport:  # through the prepared model: sharded weights need every process
         return self.objective.evaluate(self)
@@ -154,6 +155,7 @@ def setup(checkpoint: Checkpoint, dst: Path, data: Sequence[str | Path], config:
     if config.gradient_checkpointing:
         loaded.hf_model.gradient_checkpointing_enable()
     set_seed(config.seed)
+    adapter = _lora(loaded, tables, accelerator) if config.train == "lora" else None  # seeded: LoRA's init
     schedule = Schedule(config.steps or chosen.steps, config.schedule)  # its steps are the budget's, once known
     optimizer = _adamw([p for p in model.parameters() if p.requires_grad], config.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
@@ -165,7 +167,7 @@ def setup(checkpoint: Checkpoint, dst: Path, data: Sequence[str | Path], config:
               reference=loaded.reference, state=chosen.State(),
               optimizer=optimizer, scheduler=scheduler, tables=tables, saved_rows=saved_rows, decoder_length=decoder_length,
               state_dir=dst.with_name(dst.name + ".state"), fingerprint=fingerprint, extended=extended,
-              anchor_original=anchor, schedule=schedule)
+              anchor_original=anchor, schedule=schedule, adapter=adapter)
     baseline = _baseline(run, source)
     del source
     run.judge = _judge(chosen, config, baseline, tokens_per_step=train_seqs.shape[1] * config.batch_size
@@ -225,6 +227,16 @@ def _baseline(run: Run, source: torch.nn.Module | None) -> tuple[Reading, str] |
     if run.accelerator.is_main_process:
         log.info("Baseline (%s): far range %.4g, original range %.4g", name, reading.far, reading.original)
     return reading, name
+
+
+def _lora(loaded: Loaded, tables: list[torch.nn.Parameter], accelerator) -> Any:
+    """LoRA on the model that holds the tables, in place, with the tables and norms trainable."""
+    from posextend.training.adapters import add_lora
+
+    if accelerator.distributed_type.value in ("FSDP", "DEEPSPEED"):
+        raise TrainingError("A LoRA run is merged into the model on one process, which sharded training (FSDP, "
+                            "DeepSpeed) does not hold whole; use data parallel training, or train every parameter.")
+    return add_lora(loaded.hf_model, tables)
 
 
 def _load(chosen: Objective, checkpoint: Checkpoint, config: FinetuneConfig

@@ -63,8 +63,8 @@ class Contrastive(Objective):
     # anchor 2 kept short inputs at cosine 0.963 and read 1024 tokens as well as 40 constant steps at anchor 1
     # (0.927); 40 steps at anchor 2 lost 1024 (needle 0.14)
     steps = 60
-    lr = {"new-rows": 1e-3, "positions": 1e-3, "all": 5e-5}
-    schedule = {"new-rows": "constant", "positions": "constant", "all": "cosine"}
+    lr = {"new-rows": 1e-3, "positions": 1e-3, "all": 5e-5, "lora": 5e-4}
+    schedule = {"new-rows": "constant", "positions": "constant", "all": "cosine", "lora": "cosine"}
     anchor = 2.0  # weight of the term that keeps short inputs where the source model put them
     passages = 8  # passages drawn from each document per step
     inserted = True  # plus one passage of another window, inserted into the document

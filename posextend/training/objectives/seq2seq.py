@@ -144,9 +144,9 @@ class GapSentences(Objective):
     metric = METRICS[False]  # with pairs for data: METRICS[True]
     priority = 30  # above masked: BART's family has a masked-LM class too
     State = Gaps
-    strategy = {"new-rows": "tile", "positions": "tile", "all": "tile"}  # LED's copies
-    lr = {"new-rows": 3e-3, "positions": 1e-3, "all": 1e-4}
-    schedule = {"new-rows": "constant", "positions": "constant", "all": "cosine"}
+    strategy = {"new-rows": "tile", "positions": "tile", "all": "tile", "lora": "tile"}  # LED's copies
+    lr = {"new-rows": 3e-3, "positions": 1e-3, "all": 1e-4, "lora": 1e-3}
+    schedule = {"new-rows": "constant", "positions": "constant", "all": "cosine", "lora": "cosine"}
     anchor = ANCHOR
 
     def accepts(self, checkpoint: CheckpointFacts) -> bool:

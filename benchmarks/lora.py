@@ -1,0 +1,156 @@
+"""``--train lora`` against ``--train all`` at the same wall-clock budget, on the quality grid's small model.
+
+    python benchmarks/lora.py --data ../shared/data/austen              # ~5 min on 2 shared CPU cores (reference cached)
+    python benchmarks/lora.py --data ../shared/data/austen --quick      # a few minutes: the quick grid's model, few steps
+
+The model is the quality grid's small reference (``quality_grid.py``'s ``2x128``: a GPT-2 2 layers x 128
+pretrained here at 128 positions on the Austen novels the grid does not hold out; cached as the grid caches
+it), extended 4x (128 -> 512) with posextend's defaults otherwise (interpolate, the anchor on, cosine).
+
+Both modes get the same budget: the time ``--steps`` steps of ``all`` take (the grid's 150). A schedule needs
+its length in advance, so each mode is timed first on a few steps and gets budget / its step time steps.
+The machine these tables are made on is shared, so time is counted in CPU seconds of one thread (the run
+uses one): what a step takes on an idle core, which is its wall-clock time there; the loop's wall-clock
+seconds on the shared machine are printed beside them. Scored on a held-out novel
+(``emma.txt``, never trained on): the far range (the last half of the new length), the original range
+against the source, and the source's own sliding-window reading of the far tokens. LoRA runs at each
+``--lora-lr`` (the default lr of ``lora`` was chosen from this table). Target: lora's far range within 3%
+of all's.
+
+Also printed: the share of trainable parameters under lora for GPT-2-small-shaped and BERT-base-shaped
+models (built from their configs on the meta device: no weights), extended 4x, and for the grid's model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import time
+from pathlib import Path
+
+import torch
+import transformers
+from quality import SETTINGS, build_reference
+from quality_grid import HELDOUT, SIZES, perplexities, source_scores
+
+import posextend
+from posextend.scoring.text import pack, read_documents
+from posextend.training.adapters import add_lora, trainable_share
+from posextend.training.loop import finetune
+
+FACTOR = 4
+PROBE = 12  # steps of each mode timed first, to share the budget out
+
+
+def lora_share(model: torch.nn.Module, table: str) -> tuple[int, float]:
+    """(parameters, trainable share under lora) of ``model`` with LoRA on it and ``table`` trainable."""
+    total = sum(p.numel() for p in model.parameters())
+    add_lora(model, [model.get_submodule(table).weight])
+    return total, trainable_share(model)
+
+
+def shares(reference: Path) -> list[tuple[str, int, float]]:
+    """The trainable share of lora on GPT-2 small, BERT base (4x their lengths, from config) and the grid's model."""
+    rows = []
+    with torch.device("meta"):
+        gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_positions=4 * 1024))
+        rows.append(("GPT-2 small shape, 4096 positions", *lora_share(gpt2, "transformer.wpe")))
+        bert = transformers.BertForMaskedLM(transformers.BertConfig(max_position_embeddings=4 * 512))
+        rows.append(("BERT base shape, 2048 positions", *lora_share(bert, "bert.embeddings.position_embeddings")))
+    grid = transformers.AutoModelForCausalLM.from_pretrained(reference)
+    posextend.extend_model(grid, FACTOR * grid.config.n_positions, "interpolate")
+    rows.append((f"the grid's model, {grid.config.n_positions} positions", *lora_share(grid, "transformer.wpe")))
+    return rows
+
+
+def step_durations(src: Path, out: Path, train_files: list[Path], steps: int, **kwargs) -> tuple[list[float], float]:
+    """The CPU seconds of a run's optimizer steps (the first, a warm-up, aside) and its loop's wall-clock seconds.
+    One thread: its CPU seconds are what the step takes on an idle core, whatever else the machine runs."""
+    ticks = [time.process_time()]
+    report = finetune(src, out, train_files, steps=steps, eval_sequences=1, overwrite=True,
+                      progress=lambda *_: ticks.append(time.process_time()), **kwargs)
+    return [b - a for a, b in zip(ticks[1:], ticks[2:])], report.seconds
+
+
+def median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", type=Path, required=True, help="directory of .txt files (the grid's two are held out)")
+    ap.add_argument("--quick", action="store_true", help="the quick grid's model and few steps (a smoke run)")
+    ap.add_argument("--steps", type=int, help="steps of --train all; their time is the budget (default: 150; --quick 12)")
+    ap.add_argument("--lora-lr", type=float, nargs="+", default=[2e-3], help="lrs of --train lora (default: 2e-3, lora's)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--cache", type=Path, default=Path(".cache/quality"), help="reference model cache (the grid's)")
+    ap.add_argument("--out", type=Path, default=Path("lora-results"), help="table and JSON go here")
+    args = ap.parse_args()
+    torch.set_num_threads(1)  # CPU seconds = an idle core's wall-clock seconds (see step_durations)
+    t_start = time.perf_counter()
+    mode = "quick" if args.quick else "full"
+    name, changes = ("2x48", SIZES["quick"]["2x48"]) if args.quick else ("2x128", SIZES["full"]["2x128"])
+    s = {**SETTINGS[mode], **changes}
+    steps = args.steps or (12 if args.quick else 150)
+    train_files = sorted(p for p in args.data.glob("*.txt") if p.name not in HELDOUT)
+    ref, info = build_reference(args.cache, train_files, s, args.seed)
+    how = "cached" if info["reused"] else f"pretrained in {info['seconds'] / 60:.1f} min"
+    print(f"reference {name}: validation loss {info['validation_curve'][-1][1]:.3f}, {how}", flush=True)
+    old, new = s["length"], s["length"] * FACTOR
+    tok = transformers.AutoTokenizer.from_pretrained(ref)
+    seqs = pack(tok, read_documents([args.data / HELDOUT[0]]), new)[: s["eval_sequences"]]
+    source = source_scores(ref, seqs, old)
+    work = args.out / "models"
+    common = dict(length=new, batch_size=4, seed=args.seed)
+    runs = [("all", {"train": "all"})] + [(f"lora, lr {lr:g}", {"train": "lora", "lr": lr}) for lr in args.lora_lr]
+    probes = {mode: median(step_durations(ref, work / "probe", train_files, PROBE, train=mode, **common)[0])
+              for mode in ("all", "lora")}
+    budget = steps * probes["all"]
+    rows = []
+    for label, kwargs in runs:
+        n = max(1, round(budget / probes[kwargs["train"]]))
+        durations, seconds = step_durations(ref, work / "run", train_files, n, **common, **kwargs)
+        original, far = perplexities(work / "run", seqs, old)
+        rows.append({"run": label, "steps": n, "step_seconds": median(durations), "cpu_seconds": sum(durations),
+                     "seconds": seconds, "lr": kwargs.get("lr"),
+                     "far": far, "original": original, "original_change": original / source["original"] - 1,
+                     "far_window": far / source["far_window"]})
+        print(f"  {label}: {n} steps ({median(durations):.3f} CPU s each, {seconds:.0f} s wall-clock), far {far:.2f}, "
+              f"original {original:.2f}", flush=True)
+    shutil.rmtree(work, ignore_errors=True)
+    share_rows = shares(ref)
+    text = table(rows, source, budget, share_rows)
+    hardware = (torch.cuda.get_device_name() if torch.cuda.is_available()
+                else f"{platform.machine()} CPU, {os.cpu_count()} cores")
+    meta = {"mode": mode, "model": name, "settings": s, "factor": FACTOR, "heldout": HELDOUT[0], "budget_seconds": budget,
+            "train": [p.name for p in train_files], "source": source, "wall_seconds": time.perf_counter() - t_start,
+            "hardware": hardware, "torch": torch.__version__, "posextend": posextend.__version__}
+    print(f"\n{text}\n\n{meta['wall_seconds'] / 60:.1f} min on {hardware}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "lora.md").write_text(text + "\n")
+    (args.out / "lora.json").write_text(json.dumps({"meta": meta, "rows": rows, "shares": share_rows}, indent=2))
+
+
+def table(rows: list[dict], source: dict[str, float], budget: float, share_rows: list[tuple[str, int, float]]) -> str:
+    all_far = rows[0]["far"]
+    lines = [f"Same budget: {budget:.0f} s of one CPU thread each (`all`'s steps x its median step; each mode's steps "
+             "= budget / its median step, timed first; one thread's CPU seconds are an idle core's wall-clock seconds). "
+             "Far range = the last half of the new length, on a held-out text.", "",
+             "| run | steps | CPU s / step (median) | CPU s (steps) | wall-clock s (loop, shared machine) | far range "
+             "| far / all | far / source's window | original Δ |", "|---|---|---|---|---|---|---|---|---|",
+             f"| *the source through a sliding window of its length* | – | – | – | – | {source['far_window']:.2f} | – "
+             "| 1.000 | – |"]
+    for r in rows:
+        lines.append(f"| {r['run']} | {r['steps']} | {r['step_seconds']:.3f} | {r['cpu_seconds']:.0f} | {r['seconds']:.0f} "
+                     f"| {r['far']:.2f} | {r['far'] / all_far:.3f} | {r['far_window']:.3f} | {100 * r['original_change']:+.1f}% |")
+    lines += ["", "| model (lora: rank 8 on peft's attention projections, the table and the norms) | parameters | "
+              "trainable |", "|---|---|---|"]
+    lines += [f"| {label} | {total / 1e6:.1f}M | {100 * share:.2f}% |" for label, total, share in share_rows]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

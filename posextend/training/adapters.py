@@ -1,0 +1,176 @@
+"""LoRA adapters through peft for ``train="lora"``: LongLoRA's recipe (arXiv 2309.12307) for models too big
+to train whole.
+
+LoRA alone, on the attention projections, falls behind full fine-tuning at long lengths; with the
+position embeddings and the norms trainable it does not. So a ``lora`` run trains:
+
+- LoRA (rank :data:`RANK`, alpha :data:`ALPHA`, no dropout) on the attention projections peft names for
+  the model type (:func:`attention_targets`, peft's own per-model-type table); a type peft lacks is refused;
+- the position table(s) the family's spec names (the run's tables, whole), as peft ``modules_to_save``;
+- every normalisation layer (:func:`is_norm`: found by module type, not by name), as ``modules_to_save``.
+
+The adapter goes on the transformers model that holds the table (a sentence-transformers model's first
+module), in place: the objective still calls the model it loaded. The output is merged
+(:func:`unload`: LoRA folded into the weights it adapts, the trained tables and norms in place of the
+originals) and written as a plain checkpoint by the fine-tune's writer; the adapter itself, on request,
+as peft saves it (:class:`AdapterFiles`).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from posextend.errors import TrainingError
+
+log = logging.getLogger(__name__)
+
+RANK = 8  # LongLoRA's and peft's default
+ALPHA = 16  # LoRA's update is scaled by ALPHA / RANK
+DROPOUT = 0.0  # posextend's language models train without dropout
+# torch's normalisation layers; a model's own classes (LlamaRMSNorm, T5LayerNorm) are found by their type's name
+_TORCH_NORMS = (torch.nn.LayerNorm, torch.nn.GroupNorm, torch.nn.RMSNorm, torch.nn.modules.batchnorm._NormBase)
+
+
+def attention_targets(model_type: str) -> list[str] | str:
+    """The attention projections peft puts LoRA on for ``model_type`` (peft's table
+    ``TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING``: names of modules, or one pattern)."""
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as targets
+
+    if model_type not in targets:
+        raise TrainingError(
+            f"peft does not know the attention projections of {model_type} models, so LoRA has nowhere to go; "
+            "train the positions or every parameter instead.")
+    return targets[model_type]
+
+
+def is_norm(module: torch.nn.Module) -> bool:
+    """A normalisation layer: one of torch's (LayerNorm, RMSNorm, GroupNorm, the batch and instance norms), or a
+    class of the model's own whose name ends in ``Norm`` (``LlamaRMSNorm``, ``T5LayerNorm``) with parameters of
+    its own and no submodules (so never a block that contains one)."""
+    if isinstance(module, _TORCH_NORMS):
+        return any(True for _ in module.parameters(recurse=False))
+    own = any(True for _ in module.parameters(recurse=False))
+    return own and not any(True for _ in module.children()) and type(module).__name__.lower().endswith("norm")
+
+
+def norm_modules(model: torch.nn.Module) -> list[str]:
+    """The names of ``model``'s normalisation layers (:func:`is_norm`)."""
+    return [name for name, module in model.named_modules() if name and is_norm(module)]
+
+
+def table_modules(model: torch.nn.Module, tables: Sequence[torch.nn.Parameter]) -> list[str]:
+    """The names of the modules of ``model`` holding ``tables`` (an embedding each). A table that shares its
+    module with other parameters (ViT's, a parameter of its embeddings block) is refused: peft could only
+    train the whole block."""
+    owners = {id(p): name.rpartition(".")[0] for name, p in model.named_parameters()}
+    names = []
+    for table in tables:
+        owner = owners.get(id(table))
+        if owner is None:
+            raise TrainingError("The position table is not a parameter of the model LoRA adapts; "
+                                "train the positions or every parameter instead.")
+        if len(list(model.get_submodule(owner).parameters())) != 1:
+            raise TrainingError(f"The position table {owner} is one parameter of a larger module, which peft "
+                                "cannot train alone beside LoRA; train the positions or every parameter instead.")
+        names.append(owner)
+    return names
+
+
+def add_lora(model: torch.nn.Module, tables: Sequence[torch.nn.Parameter]) -> Any:
+    """Put LoRA on ``model``'s attention projections, in place, with ``tables`` (parameters of ``model``) and
+    every norm trainable (peft ``modules_to_save``); everything else frozen. Returns the ``PeftModel`` that
+    holds the adapter (:func:`unload` merges it); ``model`` itself is the one to call.
+
+    Example::
+
+        >>> adapter = add_lora(gpt2, [gpt2.transformer.wpe.weight])
+        >>> gpt2(input_ids).logits  # LoRA's layers in the forward pass
+    """
+    from peft import LoraConfig, get_peft_model
+    from peft.utils.other import ModulesToSaveWrapper
+    from transformers.pytorch_utils import Conv1D
+
+    targets = attention_targets(model.config.model_type)
+    saved = list(dict.fromkeys(table_modules(model, tables) + norm_modules(model)))
+    modules = dict(model.named_modules())
+    fan_in_fan_out = any(isinstance(m, Conv1D) for n, m in modules.items() if n.rpartition(".")[2] in targets)
+    total = sum(p.numel() for p in model.parameters())
+    config = LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=DROPOUT, target_modules=targets,
+                        modules_to_save=saved, fan_in_fan_out=fan_in_fan_out)
+    adapter = get_peft_model(model, config)
+    wrapped = [n for n, m in model.named_modules() if isinstance(m, ModulesToSaveWrapper)]
+    if sorted(wrapped) != sorted(saved):  # peft matches modules_to_save by the end of their names
+        other = sorted(set(wrapped) ^ set(saved))[0]
+        raise TrainingError(f"peft made other modules trainable than the table(s) and norms ({other}); train the "
+                            "positions or every parameter instead.")
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    log.info("LoRA (rank %d) on %s, with %d table(s) and %d norms: %s trainable parameters, %.2f%% of %s",
+             RANK, targets, len(tables), len(saved) - len(tables), f"{trainable:,}", 100 * trainable / total,
+             f"{total:,}")
+    return adapter
+
+
+def trainable_share(model: torch.nn.Module) -> float:
+    """The trainable parameters of ``model`` (adapted by :func:`add_lora`) over the parameters of the model they
+    train (without LoRA's matrices, and without the frozen originals peft keeps of the tables and norms)."""
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    lora = sum(p.numel() for n, p in model.named_parameters() if ".lora_" in n)
+    originals = sum(p.numel() for n, p in model.named_parameters() if ".original_module." in n)
+    return trainable / (sum(p.numel() for p in model.parameters()) - lora - originals)
+
+
+@dataclass(frozen=True)
+class AdapterFiles:
+    """An adapter as peft saves it (``adapter_config.json``, ``adapter_model.safetensors``), taken before
+    merging. Its base is the source model extended to the run's length (any strategy: the tables are in
+    the adapter whole)."""
+
+    state: dict[str, torch.Tensor]
+    config: Any
+
+    def write(self, folder: Path) -> None:
+        from peft.utils.constants import SAFETENSORS_WEIGHTS_NAME
+        from safetensors.torch import save_file
+
+        folder.mkdir()
+        save_file(self.state, str(folder / SAFETENSORS_WEIGHTS_NAME), metadata={"format": "pt"})
+        self.config.save_pretrained(str(folder))
+
+
+def adapter_files(adapter: Any) -> AdapterFiles:
+    """The adapter's weights and config as ``PeftModel.save_pretrained`` writes them."""
+    from peft.utils import get_peft_model_state_dict
+
+    state = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in get_peft_model_state_dict(adapter).items()}
+    config = copy.deepcopy(adapter.peft_config["default"])
+    config.inference_mode = True
+    return AdapterFiles(state, config)
+
+
+def unload(adapter: Any) -> torch.nn.Module:
+    """Merge the LoRA weights into the projections they adapt and put the trained tables and norms in place
+    of peft's wrappers: the model, plain again, in place (a sentence-transformers model holding it holds
+    it merged). The parameters that changed are marked trainable, which tells the writer to compare them
+    with the files."""
+    changed = list(adapter.base_model.targeted_module_names) + list(adapter.peft_config["default"].modules_to_save)
+    model = adapter.merge_and_unload()
+    for name in changed:
+        model.get_submodule(name).requires_grad_(True)
+    return model
+
+
+def merge(adapter: Any, root: torch.nn.Module, *, keep_adapter: bool
+          ) -> tuple[dict[str, torch.Tensor], AdapterFiles | None]:
+    """The trained model's weights with the adapter merged (:func:`unload`): the state dict of ``root``, the
+    model that trained (which holds the adapted one); and, with ``keep_adapter``, the adapter's files, taken
+    before merging."""
+    files = adapter_files(adapter) if keep_adapter else None
+    unload(adapter)
+    return root.state_dict(), files
