@@ -42,7 +42,11 @@ def _verdict(chosen: Objective, checkpoint: Checkpoint, run: RunContext) -> Verd
     original = anchor_original(checkpoint, None, old_length=run.old_length, length=run.length, extended=False)
     if original.path is None:
         return None
-    baseline = chosen.baseline(run, chosen.read_reference(original.path, init_head=False))
+    try:
+        source = chosen.read_reference(original.path, init_head=False)
+    except PosExtendError:  # the original lacks this objective's head (it was added by the fine-tune): nothing to compare
+        return None
+    baseline = chosen.baseline(run, source)
     reading = chosen.reading(run)
     if baseline is None or reading is None:
         return None
