@@ -195,15 +195,20 @@ def _shared_task(tokenizer, corpus_ids: Sequence[int], task: str, length: int, n
     return Task(task, length, documents, queries, depths, "shared", keys)
 
 
-def _embed_ids(model, documents: list[list[int]], max_tokens: int, mode: Mode, batch_size: int = 4):
-    """Unit embeddings of token-id documents read as ``mode`` says, through the model's own modules."""
+def _embed_ids(model, documents: Sequence[Sequence[int]], max_tokens: int, mode: Mode, batch_size: int = 4, *,
+               tokenizer=None, device=None):
+    """Unit embeddings of token-id documents read as ``mode`` says, through the model's own modules.
+    ``model``: a SentenceTransformer, or what wraps one (a training run's prepared model: then give its
+    ``tokenizer`` and ``device``)."""
     import torch
 
     from posextend.scoring.text import framed
 
+    tokenizer = tokenizer or model.tokenizer
+    device = device or model.device
     window = max_tokens - 2  # [CLS] and [SEP]
 
-    def pieces(doc: list[int]) -> list[list[int]]:
+    def pieces(doc: Sequence[int]) -> list[Sequence[int]]:
         if mode == "full" or len(doc) <= window:
             return [doc[:window]]
         return [doc[i : i + window] for i in range(0, len(doc), window)]
@@ -212,22 +217,25 @@ def _embed_ids(model, documents: list[list[int]], max_tokens: int, mode: Mode, b
     with torch.no_grad():
         for doc in documents:
             chunks = pieces(doc)
-            vectors = [model(framed(chunks[b : b + batch_size], model.tokenizer))["sentence_embedding"]
-                       for b in range(0, len(chunks), batch_size)]
-            mean = torch.cat(vectors).mean(0)  # chunk-and-average: the mean of the chunks' embeddings
+            batches = [framed(chunks[b : b + batch_size], tokenizer) for b in range(0, len(chunks), batch_size)]
+            vectors = [model({k: v.to(device) for k, v in batch.items()})["sentence_embedding"] for batch in batches]
+            mean = torch.cat(vectors).float().mean(0)  # chunk-and-average: the mean of the chunks' embeddings
             out.append(torch.nn.functional.normalize(mean, dim=0))
     return torch.stack(out)
 
 
-def hits(model, task: Task, *, mode: Mode = "full", max_tokens: int | None = None) -> list[bool]:
-    """For each query, whether its most similar document (cosine) is its own."""
-    import torch
-
+def hits(model, task: Task, *, mode: Mode = "full", max_tokens: int | None = None, tokenizer=None,
+         device=None) -> list[bool]:
+    """For each query, whether its most similar document (cosine) is its own. ``model``: a
+    SentenceTransformer (or what wraps one: then give ``max_tokens``, ``tokenizer`` and ``device``);
+    queries and documents go through the same batches (:func:`posextend.scoring.text.framed`)."""
+    tokenizer = tokenizer or model.tokenizer
     max_tokens = max_tokens or model.max_seq_length
-    docs = _embed_ids(model, task.documents, max_tokens, mode)
-    queries = torch.nn.functional.normalize(model.encode(task.queries, convert_to_tensor=True), dim=1)
-    best = (queries @ docs.T).argmax(dim=1)
-    return (best == torch.arange(len(task.queries))).tolist()
+    docs = _embed_ids(model, task.documents, max_tokens, mode, tokenizer=tokenizer, device=device)
+    rows = [tokenizer(q, add_special_tokens=False)["input_ids"][: max_tokens - 2] for q in task.queries]
+    queries = _embed_ids(model, rows, max_tokens, "full", tokenizer=tokenizer, device=device)
+    best = (queries @ docs.T).argmax(dim=1).cpu()
+    return [int(b) == i for i, b in enumerate(best)]
 
 
 def by_depth(task: Task, found: Sequence[bool], parts: int = 4) -> list[float | None]:
@@ -270,16 +278,50 @@ def load_embedding_model(path: str | Path):
 
     from posextend.files.sources import resolve_source
 
-    return SentenceTransformer(str(resolve_source(path)), device="cpu")
+    return SentenceTransformer(str(resolve_source(path)), device="cpu").eval()
 
 
 def corpus_tokens(tokenizer, data: Sequence[str | Path]) -> list[int]:
+    """The token ids of the text files (or folders, JSON Lines) ``data``, one after another."""
     from posextend.scoring.text import read_documents
 
+    return text_tokens(tokenizer, read_documents(data))
+
+
+def text_tokens(tokenizer, texts: Sequence[str], *, limit: int | None = None) -> list[int]:
+    """The token ids of ``texts``, one after another (no special tokens); with ``limit``, about that many
+    (the texts are read until it is reached, a long one only in part)."""
     ids: list[int] = []
-    for doc in read_documents(data):
-        ids += tokenizer(doc, add_special_tokens=False, verbose=False)["input_ids"]
+    for text in texts:
+        if limit is not None:
+            if len(ids) >= limit:
+                break
+            text = text[: 8 * (limit - len(ids))]  # English tokens are rarely longer than 8 characters
+        ids += tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
     return ids
+
+
+def task_pairs(tokenizer, corpus_ids: Sequence[int], lengths: Sequence[int], *, n: int, seed: int = 0,
+               haystacks: Sequence[str] = tuple(HAYSTACKS), tasks: Sequence[str] = TASKS) -> list[list[Task]]:
+    """Every task of every protocol (``haystacks`` x ``tasks``), built at each of ``lengths`` (``n`` documents
+    each), that ``corpus_ids`` and every length can hold: one list of tasks per length, in the same order.
+    A task the corpus is too short for (the needle, every varied task) or whose key does not fit the
+    shortest length is left out at every length; the shared passkey needs no corpus."""
+    built = []
+    for haystack in haystacks:
+        for task in tasks:
+            try:
+                built.append([make_task(tokenizer, corpus_ids, task, length, n=n, seed=seed, haystack=haystack)
+                              for length in lengths])
+            except DataError:
+                continue
+    return [list(at_length) for at_length in zip(*built)] if built else [[] for _ in lengths]
+
+
+def accuracy(model, tasks: Sequence[Task], **reading: Any) -> float:
+    """Accuracy@1 over every query of ``tasks`` (:func:`hits`; ``reading``: its keywords)."""
+    found = [hit for task in tasks for hit in hits(model, task, **reading)]
+    return sum(found) / len(found) if found else float("nan")
 
 
 def evaluate_retrieval(

@@ -2,7 +2,9 @@
 
 A short passage drawn anywhere in a long document must retrieve that document among the batch's
 (sentence-transformers' ``MultipleNegativesRankingLoss``); an anchor keeps short inputs where the source
-model put them (``EmbedDistillLoss``).
+model put them (``EmbedDistillLoss``). Whether the extension is worth it is read on LongEmbed-style passkey
+and needle tasks built from the held-out documents: the model reading each document whole against the
+source reading it in chunks of its own length, embeddings averaged (what users do without the extension).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from posextend.errors import DataError, TrainingError
 from posextend.files.checkpoint import Checkpoint
 from posextend.scoring.by_position import Bucket, EvalReport, bucket_edges
 from posextend.scoring.text import framed
+from posextend.scoring.verdict import Reading
 from posextend.training.context import RunContext
 from posextend.training.loading import Loaded, attention_kwargs, loaded
 from posextend.training.objectives.base import CheckpointFacts, Objective, register_objective, without_dropout
@@ -33,10 +36,12 @@ def _features(rows, tokenizer, device) -> dict[str, torch.Tensor]:
 
 @dataclass
 class Losses:
-    """The run's sentence-transformers loss modules, made on first use (they hold the trained model)."""
+    """The run's sentence-transformers loss modules, made on first use (they hold the trained model), and
+    the verdict's retrieval tasks, built once."""
 
     ranking: Any = None  # MultipleNegativesRankingLoss
     distill: Any = None  # EmbedDistillLoss, for the anchor
+    tasks: Any = None  # (tasks at the run's length, the same at the old length): Contrastive._tasks
 
 
 @register_objective(
@@ -68,6 +73,10 @@ class Contrastive(Objective):
     anchor = 2.0  # weight of the term that keeps short inputs where the source model put them
     passages = 8  # passages drawn from each document per step
     inserted = True  # plus one passage of another window, inserted into the document
+    # the verdict's reading: this many documents per task (passkey and needle, shared and varied haystacks), at the
+    # run's length and at the old one; MiniLM 512 -> 2048 on 2 CPU cores: one reading of the trained model took
+    # READING_SECONDS, the source's chunk-and-average baseline BASELINE_SECONDS
+    reading_documents = 16
 
     def accepts(self, checkpoint: CheckpointFacts) -> bool:
         """A sentence-transformers folder."""
@@ -198,3 +207,56 @@ class Contrastive(Objective):
         return EvalReport("contrastive", docs.shape[1] + 2, len(docs), loss, math.exp(min(loss, 50)),
                           len(docs) * len(buckets), buckets, run.old_length if run.old_length < run.length else None,
                           accuracy=sum(hits) / len(hits), metric=self.metric)
+
+    def baseline(self, run: RunContext, source: torch.nn.Module) -> Reading | None:
+        """Chunk-and-average: ``source`` (the model at its own length) reading each held-out task document in
+        chunks of ``run.old_length`` tokens, their embeddings averaged; the original range, the same tasks at
+        the old length, read whole (:meth:`_read`)."""
+        return self._read(run, source.to(run.accelerator.device), chunk=True)
+
+    def baseline_name(self, run: RunContext) -> str:
+        return f"the source reading {run.old_length}-token chunks, averaged"
+
+    def reading(self, run: RunContext) -> Reading | None:
+        """The model being trained reading the same documents whole (:meth:`_read`)."""
+        return self._read(run, run.model, chunk=False)
+
+    @torch.no_grad()
+    def _read(self, run: RunContext, model: torch.nn.Module, *, chunk: bool) -> Reading | None:
+        """Accuracy@1 of passkey and needle retrieval (:mod:`posextend.scoring.retrieval`, both protocols) over
+        the tasks of :meth:`_tasks`: ``far`` on documents of the run's length (read in chunks of the old
+        length with ``chunk``, else whole), ``original`` on the same tasks at the old length (read whole).
+        None when the run does not extend or the held-out text holds no task."""
+        from posextend.scoring.retrieval import accuracy
+
+        if run.old_length >= run.length:
+            return None
+        far_tasks, original_tasks = self._tasks(run)
+        if not far_tasks:
+            return None
+        was_training = model.training
+        model.eval()
+        read = dict(tokenizer=run.tokenizer, device=run.accelerator.device)
+        try:
+            far = accuracy(model, far_tasks, mode="chunk" if chunk else "full",
+                           max_tokens=run.old_length if chunk else run.length, **read)
+            original = accuracy(model, original_tasks, mode="full", max_tokens=run.old_length, **read)
+        finally:
+            model.train(was_training)
+        names = "/".join(dict.fromkeys(t.name for t in far_tasks))
+        return Reading(far=far, original=original, metric=f"{names} accuracy@1", higher=True)
+
+    def _tasks(self, run: RunContext) -> tuple[list, list]:
+        """The verdict's passkey and needle tasks (shared and varied haystacks), ``reading_documents`` each,
+        at the run's length and at the old one, built once per run (``run.state.tasks``) from the held-out
+        documents (or, when the run names none, the held-out samples' tokens), seeded by the run's seed."""
+        from posextend.scoring.retrieval import task_pairs, text_tokens
+
+        state: Losses = run.state
+        if state.tasks is None:
+            enough = 4 * self.reading_documents * run.length  # spans for every varied document, and to spare
+            ids = (text_tokens(run.tokenizer, run.eval_documents, limit=enough) if run.eval_documents
+                   else run.eval_seqs.flatten().tolist())
+            state.tasks = tuple(task_pairs(run.tokenizer, ids, (run.length, run.old_length),
+                                           n=self.reading_documents, seed=run.config.seed))
+        return state.tasks
