@@ -130,6 +130,7 @@ def test_far_range_gap_and_the_advice_line(monkeypatch):
     """128 -> 512: the far range is the last half (positions 256-511), weighted by tokens."""
     from posextend import cli
     from posextend.scoring.by_position import far_range_gap
+    from posextend.terminal import far_range_advice
 
     before = _report(128, 512, [3.0, 6.0, 6.0, 6.0, 6.0])
     after = _report(128, 512, [3.1, 3.2, 3.2, 3.3, 3.5])  # buckets 0-127, 128-223, 224-319, 320-415, 416-511
@@ -138,10 +139,10 @@ def test_far_range_gap_and_the_advice_line(monkeypatch):
     assert far == pytest.approx(math.exp((3.3 * 960 + 3.5 * 960) / 1920))
     assert far_range_gap(before, _report(128, 192, [3.0, 3.0, 3.0])) is None  # extended less than 2x
     with cli.console.capture() as out:
-        cli._far_range_advice(SimpleNamespace(before=before, after=after, train="new-rows", steps=150, strategy="tile"))
-        cli._far_range_advice(SimpleNamespace(before=before, after=after, train="all", steps=150, strategy="tile"))
-        cli._far_range_advice(SimpleNamespace(before=before, after=after, train="all", steps=150, strategy="kps"))
-        cli._far_range_advice(SimpleNamespace(before=before, after=before, train="all", steps=150, strategy=None))
+        far_range_advice(cli.console, SimpleNamespace(before=before, after=after, train="new-rows", steps=150, strategy="tile"))
+        far_range_advice(cli.console, SimpleNamespace(before=before, after=after, train="all", steps=150, strategy="tile"))
+        far_range_advice(cli.console, SimpleNamespace(before=before, after=after, train="all", steps=150, strategy="kps"))
+        far_range_advice(cli.console, SimpleNamespace(before=before, after=before, train="all", steps=150, strategy=None))
     lines = out.get().splitlines()
     assert lines[0].startswith("The far range (positions 320–511) is at perplexity 30.0, 49% above the original "
                                "range's 20.1") and lines[0].endswith("train every weight (--train all).")

@@ -123,7 +123,7 @@ def test_an_objective_with_an_unknown_head_is_one_file_outside_the_package(plugi
     r = runner.invoke(app, ["eval", str(out), "--data", str(corpus), "--objective", "token-parity",
                             "--max-sequences", "8", "--json", str(tmp_path / "eval.json")])
     assert r.exit_code == 0, r.output
-    assert "model token-parity" in _flat(r.output)
+    assert "8 sequences of 48 tokens (token-parity)" in _flat(r.output)
     report = json.loads((tmp_path / "eval.json").read_text())
     assert report["objective"] == "token-parity" and report["metric"] == "token-parity perplexity"
     assert report["length"] == 48 and math.isfinite(report["loss"])

@@ -78,7 +78,7 @@ def test_the_finetune_and_eval_options_are_the_configs_fields():
     defaults = {f.name: f.default for f in fields(FinetuneConfig)}
     api_only = {"eval_sequences"}
     finetune = _cli_options("finetune")
-    assert set(finetune) - set(defaults) == {"data", "plot"}  # the command's own: positional in finetune(), a PNG
+    assert set(finetune) - set(defaults) == {"data", "plot", "revision"}  # the command's own: positional, a PNG, the hub's
     assert {k: v for k, v in finetune.items() if k in defaults} == {k: v for k, v in defaults.items() if k not in api_only}
     shared = {"length", "buckets", "batch_size", "objective"}
     evaluate = _cli_options("eval")
@@ -109,10 +109,11 @@ def test_the_commands_hand_the_generated_options_to_the_library(monkeypatch, tmp
     monkeypatch.setattr("posextend.training.loop.finetune", recording("finetune"))
     monkeypatch.setattr("posextend.training.evaluate.evaluate", recording("eval"))
     monkeypatch.setattr("posextend.resize.on_disk.resize_checkpoint", recording("resize"))
+    monkeypatch.setattr("posextend.files.checkpoint.Checkpoint.resolve", classmethod(lambda cls, src, revision=None: src))
     runner = CliRunner()
     runner.invoke(app, ["finetune", "src", str(tmp_path / "dst"), "-d", "x", "-n", "96", "--anchor", "0",
                         "--train", "positions", "--gradient-checkpointing", "--source", "orig"])
-    options = {k: v for k, v in seen["finetune"].items() if k != "progress"}
+    options = {k: v for k, v in seen["finetune"].items() if k not in ("progress", "revision")}
     expected = {f.name: f.default for f in fields(FinetuneConfig) if f.name != "eval_sequences"}
     assert options == expected | {"length": 96, "anchor": 0.0, "train": "positions", "gradient_checkpointing": True,
                                   "source": "orig"}
@@ -121,7 +122,7 @@ def test_the_commands_hand_the_generated_options_to_the_library(monkeypatch, tmp
                             "max_sequences": 64, "json_path": None, "plot_path": None}
     runner.invoke(app, ["resize-model", "src", str(tmp_path / "dst"), "--image-size", "448x336", "-p", "std=0.5",
                         "--shrink", "--no-verify"])
-    assert {k: v for k, v in seen["resize"].items() if k != "progress"} == {
+    assert {k: v for k, v in seen["resize"].items() if k not in ("progress", "revision", "allow_same", "allow_large")} == {
         "new_length": None, "image_size": (448, 336), "strategy": None, "seed": None, "overwrite": False,
         "allow_shrink": True, "link": False, "table": None, "verify": False, "st_max_seq_length": None, "std": 0.5}
 
@@ -129,7 +130,7 @@ def test_the_commands_hand_the_generated_options_to_the_library(monkeypatch, tmp
 def test_finetune_takes_no_test_hooks():
     import inspect
 
-    assert list(inspect.signature(posextend.finetune).parameters) == ["src", "dst", "data", "progress", "options"]
+    assert list(inspect.signature(posextend.finetune).parameters) == ["src", "dst", "data", "progress", "revision", "options"]
 
 
 def test_the_reports_hold_their_options_and_read_them_as_before():

@@ -196,12 +196,16 @@ def test_unknown_and_bad_params(table):
      ("flag=true", ("flag", True)), ("x=None", ("x", None))],
 )
 def test_parse_param(text, expected):
-    assert S.parse_param(text) == expected
+    from posextend.resize.options import parse_param
+
+    assert parse_param(text) == expected
 
 
 def test_parse_param_rejects_non_pairs():
+    from posextend.resize.options import parse_param
+
     with pytest.raises(StrategyError, match="is not key=value"):
-        S.parse_param("std")
+        parse_param("std")
 
 
 def test_registration_refuses_duplicates_and_bad_names(monkeypatch):

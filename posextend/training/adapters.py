@@ -88,8 +88,7 @@ def add_lora(model: torch.nn.Module, tables: Sequence[torch.nn.Parameter]) -> An
     every norm trainable (peft ``modules_to_save``); everything else frozen. Returns the ``PeftModel`` that
     holds the adapter (:func:`unload` merges it); ``model`` itself is the one to call.
 
-    Example::
-
+    Examples:
         >>> adapter = add_lora(gpt2, [gpt2.transformer.wpe.weight])
         >>> gpt2(input_ids).logits  # LoRA's layers in the forward pass
     """
