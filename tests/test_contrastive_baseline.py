@@ -60,7 +60,7 @@ class Widths:
 
 def test_baseline_reads_in_chunks_and_the_model_reads_whole(models, corpus):
     """Readings are accuracies in [0, 1] on the same tasks (passkey and needle, shared and varied haystacks,
-    16 documents each): the source, whose table has 64 rows, reads 160-token documents in chunks of 64
+    eval_sequences documents each): the source, whose table has 64 rows, reads 160-token documents in chunks of 64
     positions; the extended model reads them whole. Both read the tasks at the old length whole, where tile
     gives the extended model the source's embeddings, so the original ranges are equal."""
     source, extended = models
@@ -68,7 +68,7 @@ def test_baseline_reads_in_chunks_and_the_model_reads_whole(models, corpus):
     run = _run(extended, corpus.read_text())
     with Widths(source) as widths:
         baseline = objective.baseline(run, source)
-    n = objective.reading_documents
+    n = run.config.eval_sequences
     assert isinstance(baseline, Reading) and baseline.higher and baseline.metric == "passkey/needle accuracy@1"
     documents = [w for w in widths if w[1] > 30]  # every query is shorter than 30 tokens, every document longer
     assert max(width for _, width in widths) == OLD  # never beyond the source's table

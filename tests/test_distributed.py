@@ -108,7 +108,7 @@ def test_contrastive_two_processes_equal_one(tmp_path, corpus, minilm):
     config = json.loads((src / "config.json").read_text())
     (src / "config.json").write_text(json.dumps({**config, "hidden_dropout_prob": 0.0,
                                                  "attention_probs_dropout_prob": 0.0}))
-    args = ["--length", "600", "--steps", "3", "--lr", "1e-4", "--seed", "0", "--eval-every", "0"]
+    args = ["--length", "600", "--steps", "3", "--lr", "1e-4", "--seed", "0", "--eval-every", "0", "--eval-sequences", "2"]
     one = _launch("python", 1, ["finetune", str(src), str(tmp_path / "one"), "--data", str(corpus), "--batch-size", "2",
                                 *args])
     two = _launch("torchrun", 2, ["finetune", str(src), str(tmp_path / "two"), "--data", str(corpus),

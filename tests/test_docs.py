@@ -146,7 +146,7 @@ PAGE_SUBSTITUTIONS: dict[str, list[tuple[str, str]]] = {
     # the real MiniLM: contrastive fine-tunes of 1 step of 2 documents of 576 tokens; 4 documents a length
     "guides/sentence-transformers.md": [
         (r"(posextend finetune .*?)--length 2048", r"\1--length 576 --steps 1 --batch-size 2"),
-        (r"length=2048, objective", "length=576, steps=1, batch_size=2, objective"),
+        (r"length=2048, objective", "length=576, steps=1, batch_size=2, eval_sequences=2, objective"),
         (r"--lengths 256,512,1024,2048", "--lengths 256,512 --documents 4"),
         (r"--task passkey,needle --max-tokens", "--task passkey,needle --lengths 256,512 --documents 4 --max-tokens"),
     ],

@@ -15,7 +15,7 @@ from posextend.errors import DataError, TrainingError
 from posextend.scoring.by_position import position_losses
 from posextend.scoring.text import pack, read_documents
 from posextend.scoring.verdict import Reading, Verdict, beats, far_start, holds
-from posextend.training.budget import Judge, Schedule, parse_budget
+from posextend.training.budget import Budget, Judge, Schedule, parse_budget
 from posextend.training.heldout import split_documents
 from posextend.training.loop import finetune
 
@@ -164,6 +164,18 @@ def test_eval_of_a_resized_checkpoint_gives_the_verdict_of_the_resize_alone(gpt,
     assert json.loads(json.dumps(report.to_dict()))["verdict"]["baseline"]["far"] == report.verdict.baseline.far
 
 
+def test_checks_keep_to_their_share_of_the_run():
+    import time
+
+    judge = Judge(Budget("40 steps", steps=40), early=False, baseline=Reading(100.0, 50.0))
+    assert [s for s in range(1, 41) if judge.check_due(s, 40)] == list(range(2, 41, 2))  # CHECKS over the steps
+    judge.check(0, lambda: time.sleep(0.05) or Reading(120.0, 50.0))  # a reading as slow as the run so far
+    assert judge.checking >= 0.05 and judge.curve[-1].far == 120.0
+    assert not judge.check_due(2, 40)
+    judge.start -= 10 * judge.checking  # ten times its time trained since: the next check is due
+    assert judge.check_due(2, 40)
+
+
 def test_a_time_budget_plans_its_steps_from_the_first_ones_and_checks_by_the_clock():
     import time
 
@@ -175,6 +187,9 @@ def test_a_time_budget_plans_its_steps_from_the_first_ones_and_checks_by_the_clo
     assert not judge.check_due(1, 86)  # the next check comes 100 s / CHECKS = 5 s later
     judge._last_check -= 5
     assert judge.check_due(1, 86)
+    judge.checking = 0.11 * judge.elapsed()  # the checks took over a tenth of the run: the next one waits
+    assert not judge.check_due(1, 86)
+    judge.checking = 0.0
     judge.start -= 90
     assert judge.spent(1)
     # two wins in a row stop the run; a loss in between starts the count again

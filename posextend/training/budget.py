@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from posextend.errors import TrainingError
@@ -22,6 +23,7 @@ _UNITS = {"s": 1, "sec": 1, "second": 1, "seconds": 1, "m": 60, "min": 60, "minu
 _SCALE = {"": 1, "k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9, "B": 10**9}
 _PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKMGB]?)\s*([a-z]*)\s*$")
 CHECKS = 20  # held-out checks over a budget (about one per 5% of it), when the run sets no eval_every
+CHECK_SHARE = 0.1  # the most of a run's time its checks may take (a time budget plans its steps in the rest)
 PROBE_STEPS = 3  # steps timed before a time budget is turned into a number of steps
 
 
@@ -82,6 +84,7 @@ class Judge:
     start: float = field(default_factory=time.perf_counter)
     curve: list[Point] = field(default_factory=list)
     wins: int = 0
+    checking: float = 0.0  # seconds the checks took so far
     _last_check: float = 0.0
 
     @property
@@ -109,14 +112,26 @@ class Judge:
         return step >= (self.steps or 0)
 
     def check_due(self, step: int, planned: int) -> bool:
-        """A held-out check is due after ``step`` of ``planned`` steps."""
+        """A held-out check is due after ``step`` of ``planned`` steps: every ``eval_every`` steps when set;
+        else about :data:`CHECKS` times over the budget, as long as the checks so far took at most
+        :data:`CHECK_SHARE` of the run's time (a reading can cost more than many steps: an embedding model's
+        retrieval tasks)."""
         if self.baseline is None and not self.eval_every:
             return False
         if self.eval_every:
             return step % self.eval_every == 0
         if self.budget.seconds is not None:
-            return self.elapsed() - self._last_check >= self.budget.seconds / CHECKS
-        return step % max(1, planned // CHECKS) == 0
+            due = self.elapsed() - self._last_check >= self.budget.seconds / CHECKS
+        else:
+            due = step % max(1, planned // CHECKS) == 0
+        return due and self.checking <= CHECK_SHARE * self.elapsed()
+
+    def check(self, step: int, read: Callable[[], Reading | None]) -> bool:
+        """:meth:`record` the reading ``read()`` gives after ``step``, timed (the checks' share of the run)."""
+        t0 = time.perf_counter()
+        reading = read()
+        self.checking += time.perf_counter() - t0
+        return self.record(step, reading)
 
     def record(self, step: int, reading: Reading | None) -> bool:
         """Add a check's ``reading`` to the curve; True when the run should stop (it is worth it, at two

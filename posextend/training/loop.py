@@ -129,7 +129,8 @@ def _step(run: Run, step: int) -> tuple[float, int]:
 
 
 def _all_agree(run: Run, flag: bool) -> bool:
-    """True on every process when it is on any (a time budget is read by each process's own clock)."""
+    """True on every process when it is on any (the budget and the checks' share are read by each process's
+    own clock)."""
     if run.accelerator.num_processes == 1:
         return flag
     return bool(run.accelerator.reduce(torch.tensor([float(flag)], device=run.accelerator.device), "sum").item())
@@ -142,7 +143,7 @@ def _check(run: Run, step: int, eval_losses: list[tuple[int, float]]) -> bool:
         mid = run.evaluate()
         eval_losses.append((step, mid.loss))
         log.info("step %d: held-out loss %.4f (perplexity %.2f)", step, mid.loss, mid.perplexity)
-    stop = run.judge.record(step, run.objective.reading(run))
+    stop = run.judge.check(step, lambda: run.objective.reading(run))
     if run.judge.curve and run.accelerator.is_main_process:
         point = run.judge.curve[-1]
         log.info("step %d: far range %.4g, original range %.4g", step, point.far, point.original)
@@ -171,7 +172,7 @@ def _loop(run: Run, start_step: int, *, save_every: int, progress: Callable[[int
             if progress and run.accelerator.is_main_process:
                 progress(step, schedule.steps, loss, tokens / max(trained, 1e-9))
             done = _all_agree(run, judge.spent(step)) if judge.budget.seconds is not None else step >= schedule.steps
-            if not done and judge.check_due(step, schedule.steps) and _check(run, step, eval_losses):
+            if not done and _all_agree(run, judge.check_due(step, schedule.steps)) and _check(run, step, eval_losses):
                 break
             if save_every and step % save_every == 0:
                 run.save_state(step)
@@ -275,7 +276,7 @@ def finetune(
     before = None if config.resume else run.evaluate()
     start_step = _resume_step(run) if config.resume else 0
     if not config.resume:
-        run.judge.record(0, run.objective.reading(run))
+        run.judge.check(0, lambda: run.objective.reading(run))
     losses, eval_losses, tokens, seconds = fit_in_memory(run, loaded.hf_model, functools.partial(
         _loop, run, start_step, save_every=config.save_every, progress=progress))
     after = run.evaluate()

@@ -81,7 +81,8 @@ class FinetuneConfig:
     - ``anchor``: weight of the objective's term that keeps the source's outputs on inputs within the
       old length (causal 1, contrastive 2, seq2seq 0; 0 turns it off).
     - ``source``: the original model the anchor holds to, for a checkpoint extended earlier.
-    - ``eval_sequences``, ``buckets``: the held-out evaluation's size and position buckets.
+    - ``eval_sequences``, ``buckets``: the held-out evaluation's size (contrastive: the documents of each
+      retrieval task its verdict reads) and position buckets.
     - ``overwrite``: replace DST if it exists.
 
     Each field carries its command-line help and flag (:func:`posextend.options.option`): the ``finetune`` and
@@ -156,7 +157,9 @@ class FinetuneConfig:
     source: str | Path | None = _option(
         None, "The original model the anchor compares with, when SRC was resized earlier (default: the model "
         "SRC was resized from, as posextend recorded in SRC's files, when it is still there).", metavar="PATH")
-    eval_sequences: int = _option(16, "Held-out sequences evaluated before and after.", commands=())  # API only
+    eval_sequences: int = _option(
+        16, "Held-out sequences each check reads (fewer: cheaper checks, coarser readings; contrastive: documents "
+        "per retrieval task).", metavar="N", panel=EVALUATION)
     buckets: int = _option(8, {"finetune": "Rows of the before/after table: the positions cut into this many "
                                            "ranges.",
                                "eval": "Rows of the table: the positions cut into this many ranges."},

@@ -73,10 +73,6 @@ class Contrastive(Objective):
     anchor = 2.0  # weight of the term that keeps short inputs where the source model put them
     passages = 8  # passages drawn from each document per step
     inserted = True  # plus one passage of another window, inserted into the document
-    # the verdict's reading: this many documents per task (passkey and needle, shared and varied haystacks), at the
-    # run's length and at the old one; MiniLM 512 -> 2048 on 2 CPU cores: one reading of the trained model took
-    # READING_SECONDS, the source's chunk-and-average baseline BASELINE_SECONDS
-    reading_documents = 16
 
     def accepts(self, checkpoint: CheckpointFacts) -> bool:
         """A sentence-transformers folder."""
@@ -247,16 +243,17 @@ class Contrastive(Objective):
         return Reading(far=far, original=original, metric=f"{names} accuracy@1", higher=True)
 
     def _tasks(self, run: RunContext) -> tuple[list, list]:
-        """The verdict's passkey and needle tasks (shared and varied haystacks), ``reading_documents`` each,
+        """The verdict's passkey and needle tasks (shared and varied haystacks), ``eval_sequences`` documents each,
         at the run's length and at the old one, built once per run (``run.state.tasks``) from the held-out
         documents (or, when the run names none, the held-out samples' tokens), seeded by the run's seed."""
         from posextend.scoring.retrieval import task_pairs, text_tokens
 
         state: Losses = run.state
         if state.tasks is None:
-            enough = 4 * self.reading_documents * run.length  # spans for every varied document, and to spare
+            n = run.config.eval_sequences
+            enough = 4 * n * run.length  # spans for every varied document, and to spare
             ids = (text_tokens(run.tokenizer, run.eval_documents, limit=enough) if run.eval_documents
                    else run.eval_seqs.flatten().tolist())
             state.tasks = tuple(task_pairs(run.tokenizer, ids, (run.length, run.old_length),
-                                           n=self.reading_documents, seed=run.config.seed))
+                                           n=n, seed=run.config.seed))
         return state.tasks
