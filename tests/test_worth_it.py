@@ -195,3 +195,23 @@ def test_a_time_budget_plans_its_steps_from_the_first_ones_and_checks_by_the_clo
     # two wins in a row stop the run; a loss in between starts the count again
     assert not judge.record(1, Reading(98.0, 50.5)) and not judge.record(2, Reading(99.5, 50.0))
     assert not judge.record(3, Reading(98.0, 50.0)) and judge.record(4, Reading(97.0, 50.0))
+
+
+def test_later_passes_cut_the_stream_at_another_offset():
+    """The first pass over the data reads the packed rows as they are; each later one cuts the same stream of
+    tokens at a seeded offset, so no text sits at the same positions pass after pass. The rows of a global
+    batch are the same however many processes share it."""
+    from posextend.training.loop import batch_indices, batch_rows, epoch_offset
+
+    n, length, batch = 5, 8, 2
+    seqs = torch.arange(n * length).view(n, length)  # token i of the stream is i
+    first = [batch_rows(k, batch, seqs, 3) for k in range(3)]  # samples 0-5: one pass and a sample of the next
+    assert all(torch.equal(first[k], seqs[batch_indices(k, batch, n, 3)]) for k in range(2))
+    offset = epoch_offset(length, 3, 1)
+    assert 0 < offset < length and epoch_offset(length, 3, 0) == 0
+    later = torch.cat([batch_rows(k, batch, seqs, 3) for k in range(2, 5)])[1:]  # samples 5-9: the second pass
+    assert sorted(int(row[0]) for row in later) == [i * length + offset for i in range(n)]
+    assert all(torch.equal(row, (row[0] + torch.arange(length)) % (n * length)) for row in later)  # contiguous, wrapping
+    two = torch.cat([batch_rows(k, 1, seqs, 3, processes=2, process=r) for k in range(5) for r in range(2)])
+    assert torch.equal(two, torch.cat([batch_rows(k, batch, seqs, 3) for k in range(5)]))
+    assert torch.equal(batch_rows(7, batch, seqs, 3, stream=False), seqs[batch_indices(7, batch, n, 3)])

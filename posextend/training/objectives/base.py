@@ -105,6 +105,10 @@ class Objective:
     State: ClassVar[type] = NoState  # its per-run state (``run.state``), a dataclass made empty for each run
     unused_parameters: ClassVar[bool] = False  # some trainable parameters get no gradient from the loss
     steps: ClassVar[int] = 200  # default number of optimizer steps
+    # its samples are consecutive windows of one stream of tokens (what :meth:`samples` cuts by default), so each
+    # pass over the data after the first may cut them at another offset (:func:`posextend.training.loop.batch_rows`);
+    # False for samples of another kind
+    stream: ClassVar[bool] = True
     # by train mode: the default lr, schedule, and strategy when the fine-tune extends (README, quality grid)
     # lora: LoRA's matrices beside the tables and norms (:mod:`posextend.training.adapters`); measured for causal
     # LMs only (2e-3: benchmarks/lora.py), the others' are not
