@@ -35,7 +35,7 @@ from quality_grid import SIZES
 import posextend
 from posextend.scoring.by_position import position_losses
 from posextend.scoring.text import pack, read_documents
-from posextend.scoring.verdict import far_start
+from posextend.scoring.verdict import MARGIN, TOLERANCE, far_start
 
 TUNED, ASIDE = "emma.txt", "northangerabbey.txt"
 
@@ -86,6 +86,35 @@ def table(rows: list[dict], labels: list[str]) -> str:
     return "\n".join(lines)
 
 
+def plot(runs: dict[str, list[dict]], path: Path) -> None:
+    """Each cell's held-out checks along its run (``runs``: a label, e.g. a version of posextend, and its rows):
+    the far and the original range over the baseline's (the source through its own window, on the run's split)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
+    for i, (label, rows) in enumerate(runs.items()):
+        for j, row in enumerate(r for r in rows if r["verdict"]):
+            v, style = row["verdict"], ("-", "--", ":", "-.")[i % 4]
+            minutes = [p["seconds"] / 60 for p in v["curve"]]
+            for ax, key in zip(axes, ("far", "original")):
+                ax.plot(minutes, [p[key] / v["baseline"][key] for p in v["curve"]], style, color=f"C{j}",
+                        label=f"{row['size']} {row['factor']}x{', ' + label if label else ''}")
+    for ax, title, line in ((axes[0], "far range / the source through its own window (dotted: the margin)", 1 - MARGIN),
+                            (axes[1], "original range / the source's (dotted: the tolerance)", 1 + TOLERANCE)):
+        ax.axhline(1.0, color="k", linewidth=1)
+        ax.axhline(line, color="k", linestyle=":", linewidth=1)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("minutes of training")
+    axes[0].set_ylabel("perplexity on the run's held-out split, over the baseline's")
+    axes[1].legend(fontsize=8, frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", type=Path, required=True, help="directory of .txt files")
@@ -126,7 +155,8 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "worth_it.md").write_text(text + "\n")
     (args.out / "worth_it.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    print(f"written: {args.out}/worth_it.md, worth_it.json")
+    plot({"": rows}, args.out / "worth_it.png")
+    print(f"written: {args.out}/worth_it.md, worth_it.json, worth_it.png")
 
 
 if __name__ == "__main__":

@@ -91,6 +91,7 @@ def test_worth_it_quick(tmp_path):
         assert cell["far_ratio"] == pytest.approx(cell["far"] / cell["window"])
         assert f"**{cell['far_ratio']:.3f}**" in out
     assert "| model | time | steps | the run's verdict" in out
+    assert (tmp_path / "w" / "worth_it.png").stat().st_size > 10_000
 
 
 def test_quality_grid_byparts_strategy():

@@ -135,7 +135,7 @@ class FinetuneConfig:
                            "documents, never trained on)."}, cli_type=list[Path], metavar="PATH",
         panel={"finetune": EVALUATION})
     margin: float = _option(MARGIN, "How much better than the source's own reading the far positions must read "
-                                    "held-out text to stop early (0.01: 1% lower perplexity).", panel=EVALUATION)
+                                    "held-out text to stop early (0.03: 3% lower perplexity).", panel=EVALUATION)
     tolerance: float = _option(TOLERANCE, "How much worse the first positions (the old length) may read it than the "
                                           "source does (0.02: 2%).", panel=EVALUATION)
     save_every: int = _option(0, "Save resumable state to DST.state/ every N steps.", panel=TRAINING)
