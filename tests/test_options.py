@@ -76,10 +76,9 @@ def _cli_options(command: str) -> dict[str, object]:
 def test_the_finetune_and_eval_options_are_the_configs_fields():
     """Adding a fine-tune option is one field of FinetuneConfig: the commands' options are generated from them."""
     defaults = {f.name: f.default for f in fields(FinetuneConfig)}
-    api_only = {"eval_sequences"}
     finetune = _cli_options("finetune")
     assert set(finetune) - set(defaults) == {"data", "plot", "revision"}  # the command's own: positional, a PNG, the hub's
-    assert {k: v for k, v in finetune.items() if k in defaults} == {k: v for k, v in defaults.items() if k not in api_only}
+    assert {k: v for k, v in finetune.items() if k in defaults} == defaults  # every field has its flag
     shared = {"length", "buckets", "batch_size", "objective"}
     evaluate = _cli_options("eval")
     assert {k: v for k, v in evaluate.items() if k in defaults} == {k: defaults[k] for k in shared}
@@ -114,7 +113,7 @@ def test_the_commands_hand_the_generated_options_to_the_library(monkeypatch, tmp
     runner.invoke(app, ["finetune", "src", str(tmp_path / "dst"), "-d", "x", "-n", "96", "--anchor", "0",
                         "--train", "positions", "--gradient-checkpointing", "--source", "orig"])
     options = {k: v for k, v in seen["finetune"].items() if k not in ("progress", "revision")}
-    expected = {f.name: f.default for f in fields(FinetuneConfig) if f.name != "eval_sequences"}
+    expected = {f.name: f.default for f in fields(FinetuneConfig)}
     assert options == expected | {"length": 96, "anchor": 0.0, "train": "positions", "gradient_checkpointing": True,
                                   "source": "orig"}
     runner.invoke(app, ["eval", "m", "-d", "x", "--batch-size", "2", "--objective", "masked"])
