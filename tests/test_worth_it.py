@@ -195,6 +195,10 @@ def test_a_time_budget_plans_its_steps_from_the_first_ones_and_checks_by_the_clo
     # two wins in a row stop the run; a loss in between starts the count again
     assert not judge.record(1, Reading(98.0, 50.5)) and not judge.record(2, Reading(99.5, 50.0))
     assert not judge.record(3, Reading(98.0, 50.0)) and judge.record(4, Reading(97.0, 50.0))
+    # the reading before training does not count: a table worth it untrained still trains until two checks say so
+    judge = Judge(parse_budget("100s"), early=True, baseline=Reading(100.0, 50.0))
+    assert not judge.record(0, Reading(90.0, 50.0)) and not judge.record(1, Reading(90.0, 50.0))
+    assert judge.record(2, Reading(90.0, 50.0)) and [p.step for p in judge.curve] == [0, 1, 2]
 
 
 def test_later_passes_cut_the_stream_at_another_offset():

@@ -4,7 +4,7 @@ A :class:`Budget` is what a run may spend, as the user thinks of it (``15min``, 
 ``2000 steps``: :func:`parse_budget`). :class:`Schedule` is the lr schedule over the steps the budget
 plans (a time is turned into steps once the first steps are timed). :class:`Judge` reads the held-out
 far and original ranges as training goes and says when to stop: when the reading beats the baseline
-(:mod:`posextend.scoring.verdict`) at two checks in a row, or when the budget is spent.
+(:mod:`posextend.scoring.verdict`) at two checks in a row after training starts, or when the budget is spent.
 """
 
 from __future__ import annotations
@@ -135,7 +135,9 @@ class Judge:
 
     def record(self, step: int, reading: Reading | None) -> bool:
         """Add a check's ``reading`` to the curve; True when the run should stop (it is worth it, at two
-        checks in a row, and the budget allows stopping early)."""
+        checks in a row of the trained model, and the budget allows stopping early). The reading before
+        training (step 0) is on the curve but does not count: a table that is worth it untrained (a tiled
+        embedding model against chunk-and-average) still trains until two checks say so."""
         self._last_check = self.elapsed()
         if reading is None:
             return False
@@ -144,7 +146,7 @@ class Judge:
             return False
         won = (beats(reading.far, self.baseline.far, self.margin, higher=self.baseline.higher)
                and holds(reading.original, self.baseline.original, self.tolerance, higher=self.baseline.higher))
-        self.wins = self.wins + 1 if won else 0
+        self.wins = self.wins + 1 if won and step > 0 else 0
         return self.early and self.wins >= 2
 
     def verdict(self, reading: Reading | None) -> Verdict | None:
