@@ -146,7 +146,7 @@ def table(rows: list[dict], source: dict[str, float], budget: float, share_rows:
     for r in rows:
         lines.append(f"| {r['run']} | {r['steps']} | {r['step_seconds']:.3f} | {r['cpu_seconds']:.0f} | {r['seconds']:.0f} "
                      f"| {r['far']:.2f} | {r['far'] / all_far:.3f} | {r['far_window']:.3f} | {100 * r['original_change']:+.1f}% |")
-    lines += ["", "| model (lora: rank 8 on peft's attention projections, the table and the norms) | parameters | "
+    lines += ["", "| model (lora: rank 8 on the attention's q, k, v and o, the table and the norms) | parameters | "
               "trainable |", "|---|---|---|"]
     lines += [f"| {label} | {total / 1e6:.1f}M | {100 * share:.2f}% |" for label, total, share in share_rows]
     return "\n".join(lines)

@@ -4,8 +4,8 @@ to train whole.
 LoRA alone, on the attention projections, falls behind full fine-tuning at long lengths; with the
 position embeddings and the norms trainable it does not. So a ``lora`` run trains:
 
-- LoRA (rank :data:`RANK`, alpha :data:`ALPHA`, no dropout) on the attention projections peft names for
-  the model type (:func:`attention_targets`, peft's own per-model-type table); a type peft lacks is refused;
+- LoRA (rank :data:`RANK`, alpha :data:`ALPHA`, no dropout) on every linear layer of the attention blocks
+  (:func:`attention_projections`: q, k, v and o, as LongLoRA), found by module type; a model without one is refused;
 - the position table(s) the family's spec names (the run's tables, whole), as peft ``modules_to_save``;
 - every normalisation layer (:func:`is_norm`: found by module type, not by name), as ``modules_to_save``.
 
@@ -38,16 +38,23 @@ DROPOUT = 0.0  # posextend's language models train without dropout
 _TORCH_NORMS = (torch.nn.LayerNorm, torch.nn.GroupNorm, torch.nn.RMSNorm, torch.nn.modules.batchnorm._NormBase)
 
 
-def attention_targets(model_type: str) -> list[str] | str:
-    """The attention projections peft puts LoRA on for ``model_type`` (peft's table
-    ``TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING``: names of modules, or one pattern)."""
-    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as targets
+def attention_projections(model: torch.nn.Module) -> list[str]:
+    """The names of the linear layers (``nn.Linear``, transformers' ``Conv1D``) inside ``model``'s attention blocks:
+    the modules whose class's name ends in ``Attention``, found by type as the norms are (:func:`is_norm`). These
+    are LongLoRA's q, k, v and o: GPT-2's ``c_attn`` and ``attn.c_proj``; BERT's query, key, value and
+    ``attention.output.dense``; MPNet's, DistilBERT's, CLIP's, BART's (cross-attention too) … A model without
+    such a block is refused."""
+    from transformers.pytorch_utils import Conv1D
 
-    if model_type not in targets:
+    names = {f"{name}.{sub}" if name else sub for name, block in model.named_modules()
+             if type(block).__name__.endswith("Attention")
+             for sub, layer in block.named_modules() if sub and isinstance(layer, (torch.nn.Linear, Conv1D))}
+    if not names:
+        kind = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
         raise TrainingError(
-            f"peft does not know the attention projections of {model_type} models, so LoRA has nowhere to go; "
-            "train the positions or every parameter instead.")
-    return targets[model_type]
+            f"No attention block of this {kind} model (a module whose class's name ends in Attention) holds a linear "
+            "layer, so LoRA has nowhere to go; train the positions or every parameter instead.")
+    return sorted(names)
 
 
 def is_norm(module: torch.nn.Module) -> bool:
@@ -96,10 +103,10 @@ def add_lora(model: torch.nn.Module, tables: Sequence[torch.nn.Parameter]) -> An
     from peft.utils.other import ModulesToSaveWrapper
     from transformers.pytorch_utils import Conv1D
 
-    targets = attention_targets(model.config.model_type)
+    targets = attention_projections(model)
     saved = list(dict.fromkeys(table_modules(model, tables) + norm_modules(model)))
     modules = dict(model.named_modules())
-    fan_in_fan_out = any(isinstance(m, Conv1D) for n, m in modules.items() if n.rpartition(".")[2] in targets)
+    fan_in_fan_out = any(isinstance(modules[n], Conv1D) for n in targets)
     total = sum(p.numel() for p in model.parameters())
     config = LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=DROPOUT, target_modules=targets,
                         modules_to_save=saved, fan_in_fan_out=fan_in_fan_out)
@@ -110,9 +117,9 @@ def add_lora(model: torch.nn.Module, tables: Sequence[torch.nn.Parameter]) -> An
         raise TrainingError(f"peft made other modules trainable than the table(s) and norms ({other}); train the "
                             "positions or every parameter instead.")
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    log.info("LoRA (rank %d) on %s, with %d table(s) and %d norms: %s trainable parameters, %.2f%% of %s",
-             RANK, targets, len(tables), len(saved) - len(tables), f"{trainable:,}", 100 * trainable / total,
-             f"{total:,}")
+    log.info("LoRA (rank %d) on %d attention projections (%s), with %d table(s) and %d norms: %s trainable "
+             "parameters, %.2f%% of %s", RANK, len(targets), ", ".join(sorted({n.rpartition(".")[2] for n in targets})),
+             len(tables), len(saved) - len(tables), f"{trainable:,}", 100 * trainable / total, f"{total:,}")
     return adapter
 
 
