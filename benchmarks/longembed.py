@@ -91,8 +91,8 @@ def main() -> None:
         seconds[protocol] = time.perf_counter() - t0
 
     print(f"\n{label}: accuracy@1 over {args.documents} documents per length, held-out text "
-          f"{', '.join(Path(d).name for d in args.data)}; seed {args.seed}; {platform.machine()} CPU, "
-          f"{os.cpu_count()} cores; {time.perf_counter() - start:.0f} s in all")
+          f"{', '.join(Path(d).name for d in args.data)}; seed {args.seed}; {_hardware()}; "
+          f"{time.perf_counter() - start:.0f} s in all")
     head = " / ".join(str(n) for n in lengths)
     longest = lengths[-1]
     for protocol in protocols:
@@ -118,8 +118,19 @@ def main() -> None:
                 print(f"| {n} | {_quarters(r, 'passkey', n)} | {_quarters(r, 'needle', n)} |")
     if args.json:
         args.json.write_text(json.dumps({"settings": vars(args) | {"workdir": str(args.workdir), "json": str(args.json)},
-                                         "protocols": HAYSTACKS,
+                                         "protocols": HAYSTACKS, "hardware": _hardware(),
                                          "results": results}, indent=2, default=str))
+
+
+def _hardware() -> str:
+    """What the models were read on (:func:`posextend.scoring.by_position.reading_device`)."""
+    import torch
+
+    from posextend.scoring.by_position import reading_device
+
+    if reading_device().type == "cuda":
+        return torch.cuda.get_device_name()
+    return f"{platform.machine()} CPU, {os.cpu_count()} cores"
 
 
 def _quarters(report: dict, task: str, length: int) -> str:

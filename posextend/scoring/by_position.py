@@ -22,6 +22,11 @@ from posextend.errors import PosExtendError
 ROUNDS = 2  # masked LMs: each sequence is scored under this many masks
 
 
+def reading_device() -> torch.device:
+    """Where a model is read outside a fine-tune (``posextend eval``, retrieval): the GPU when there is one."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 @dataclass(frozen=True)
 class Bucket:
     start: int  # first position (inclusive)

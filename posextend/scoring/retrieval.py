@@ -273,12 +273,14 @@ class RetrievalReport:
 
 
 def load_embedding_model(path: str | Path):
-    """A sentence-transformers model from a local folder (a plain transformers checkpoint gets mean pooling)."""
+    """A sentence-transformers model from a local folder (a plain transformers checkpoint gets mean pooling), on
+    the GPU when there is one."""
     from sentence_transformers import SentenceTransformer
 
     from posextend.files.sources import resolve_source
+    from posextend.scoring.by_position import reading_device
 
-    return SentenceTransformer(str(resolve_source(path)), device="cpu").eval()
+    return SentenceTransformer(str(resolve_source(path)), device=str(reading_device())).eval()
 
 
 def corpus_tokens(tokenizer, data: Sequence[str | Path]) -> list[int]:

@@ -17,7 +17,7 @@ from typing import Any
 from posextend.files.checkpoint import Checkpoint
 from posextend.training.context import RunContext
 from posextend.errors import PosExtendError
-from posextend.scoring.by_position import EvalReport, plot_reports
+from posextend.scoring.by_position import EvalReport, plot_reports, reading_device
 from posextend.scoring.verdict import Verdict
 from posextend.training.objectives.base import Objective, default_objective, get_objective
 from posextend.training.options import FinetuneConfig
@@ -112,7 +112,8 @@ def evaluate(
     samples = chosen.samples(loaded.tokenizer, docs, length)
     if max_sequences:
         samples = samples[:max_sequences]
-    device = next(loaded.model.parameters()).device
+    device = reading_device()
+    loaded.model.to(device)
     run = RunContext(
         accelerator=_OneProcess(device), model=loaded.model, unwrapped=loaded.model, tokenizer=loaded.tokenizer,
         config=FinetuneConfig(batch_size=batch_size, buckets=buckets, seed=seed, objective=chosen.name),
