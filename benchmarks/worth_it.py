@@ -102,10 +102,17 @@ def plot(runs: dict[str, list[dict]], path: Path) -> None:
             for ax, key in zip(axes, ("far", "original")):
                 ax.plot(minutes, [p[key] / v["baseline"][key] for p in v["curve"]], style, color=f"C{j}",
                         label=f"{row['size']} {row['factor']}x{', ' + label if label else ''}")
-    for ax, title, line in ((axes[0], "far range / the source through its own window (dotted: the margin)", 1 - MARGIN),
-                            (axes[1], "original range / the source's (dotted: the tolerance)", 1 + TOLERANCE)):
+    verdicts = [row["verdict"] for rows in runs.values() for row in rows if row["verdict"]]
+    for ax, title, lines in (
+            (axes[0], "far range / the source through its own window (dotted: the margin)",
+             sorted({1 - v.get("margin", MARGIN) for v in verdicts})),  # each run's own (the default has changed)
+            (axes[1], "original range / the source's (dotted: the tolerance)",
+             sorted({1 + v.get("tolerance", TOLERANCE) for v in verdicts}))):
         ax.axhline(1.0, color="k", linewidth=1)
-        ax.axhline(line, color="k", linestyle=":", linewidth=1)
+        for line in lines:
+            ax.axhline(line, color="k", linestyle=":", linewidth=1)
+            ax.annotate(f"{abs(1 - line):.0%}", (1.0, line), xycoords=("axes fraction", "data"), fontsize=7,
+                        ha="right", va="bottom")
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("minutes of training")
     axes[0].set_ylabel("perplexity on the run's held-out split, over the baseline's")
