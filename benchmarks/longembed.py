@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import time
 from pathlib import Path
 
@@ -33,6 +32,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 import posextend  # noqa: E402
+from quality import machine  # noqa: E402  (what the models were read on: the GPU when there is one)
 from posextend.scoring.retrieval import HAYSTACKS, evaluate_retrieval  # noqa: E402
 
 
@@ -91,7 +91,7 @@ def main() -> None:
         seconds[protocol] = time.perf_counter() - t0
 
     print(f"\n{label}: accuracy@1 over {args.documents} documents per length, held-out text "
-          f"{', '.join(Path(d).name for d in args.data)}; seed {args.seed}; {_hardware()}; "
+          f"{', '.join(Path(d).name for d in args.data)}; seed {args.seed}; {machine()}; "
           f"{time.perf_counter() - start:.0f} s in all")
     head = " / ".join(str(n) for n in lengths)
     longest = lengths[-1]
@@ -118,19 +118,8 @@ def main() -> None:
                 print(f"| {n} | {_quarters(r, 'passkey', n)} | {_quarters(r, 'needle', n)} |")
     if args.json:
         args.json.write_text(json.dumps({"settings": vars(args) | {"workdir": str(args.workdir), "json": str(args.json)},
-                                         "protocols": HAYSTACKS, "hardware": _hardware(),
+                                         "protocols": HAYSTACKS, "hardware": machine(),
                                          "results": results}, indent=2, default=str))
-
-
-def _hardware() -> str:
-    """What the models were read on (:func:`posextend.scoring.by_position.reading_device`)."""
-    import torch
-
-    from posextend.scoring.by_position import reading_device
-
-    if reading_device().type == "cuda":
-        return torch.cuda.get_device_name()
-    return f"{platform.machine()} CPU, {os.cpu_count()} cores"
 
 
 def _quarters(report: dict, task: str, length: int) -> str:

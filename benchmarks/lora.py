@@ -25,15 +25,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import shutil
 import time
 from pathlib import Path
 
 import torch
 import transformers
-from quality import SETTINGS, build_reference
+from quality import SETTINGS, build_reference, machine
 from quality_grid import HELDOUT, SIZES, perplexities, source_scores
 
 import posextend
@@ -123,8 +121,7 @@ def main() -> None:
     shutil.rmtree(work, ignore_errors=True)
     share_rows = shares(ref)
     text = table(rows, source, budget, share_rows)
-    hardware = (torch.cuda.get_device_name() if torch.cuda.is_available()
-                else f"{platform.machine()} CPU, {os.cpu_count()} cores")
+    hardware = machine()
     meta = {"mode": mode, "model": name, "settings": s, "factor": FACTOR, "heldout": HELDOUT[0], "budget_seconds": budget,
             "train": [p.name for p in train_files], "source": source, "wall_seconds": time.perf_counter() - t_start,
             "hardware": hardware, "torch": torch.__version__, "posextend": posextend.__version__}

@@ -123,6 +123,13 @@ def evaluate(path: Path, sequences: torch.Tensor, buckets: int, old: int | None)
     return score_model(model, sequences, "causal", buckets=buckets, old_length=old, batch_size=8)
 
 
+def machine() -> str:
+    """What a benchmark ran on, for its table and JSON: the GPU's name, or the CPU and its cores."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return f"{platform.machine()} CPU, {os.cpu_count()} cores"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", type=Path, required=True, help="directory of .txt files (one is held out)")
@@ -182,8 +189,7 @@ def main() -> None:
             print(f"  {label}: overall perplexity {r.perplexity:.2f}", flush=True)
         shutil.rmtree(ext)
 
-    hardware = (torch.cuda.get_device_name() if torch.cuda.is_available()
-                else f"{platform.machine()} CPU, {os.cpu_count()} cores")
+    hardware = machine()
     meta = {"mode": "quick" if args.quick else "full", "seed": args.seed, "settings": s, "reference": ref_info,
             "old_length": old, "new_length": new, "heldout": held.name, "train": [p.name for p in train_files],
             "eval_tokens": int(seq_new.numel()), "wall_seconds": time.perf_counter() - t_start,

@@ -31,15 +31,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import platform
 import shutil
 import time
 from pathlib import Path
 
 import torch
 import transformers
-from quality import SETTINGS, build_reference
+from quality import SETTINGS, build_reference, machine
 
 import posextend
 from posextend.scoring.text import pack, read_documents
@@ -315,8 +313,7 @@ def main() -> None:
     for name, changes in SIZES[mode].items():
         rows += run_size(name, {**SETTINGS[mode], **changes}, args, train_files, held, work, recipes)
     shutil.rmtree(work, ignore_errors=True)
-    hardware = (torch.cuda.get_device_name() if torch.cuda.is_available()
-                else f"{platform.machine()} CPU, {os.cpu_count()} cores")
+    hardware = machine()
     meta = {"mode": mode, "seed": args.seed, "sizes": SIZES[mode], "factors": args.factors, "recipes": recipes, "steps": args.steps,
             "heldout": list(args.heldout), "train": [p.name for p in train_files],
             "wall_seconds": time.perf_counter() - t_start, "hardware": hardware, "torch": torch.__version__,

@@ -21,15 +21,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import platform
 import shutil
 import time
 from pathlib import Path
 
 import torch
 import transformers
-from quality import SETTINGS, build_reference
+from quality import SETTINGS, build_reference, machine
 from quality_grid import SIZES
 
 import posextend
@@ -152,8 +150,7 @@ def main() -> None:
         for factor in args.factors:
             rows.append(run_cell(name, {**SETTINGS[mode], **changes}, factor, args, train_files, texts))
             print(f"  {name} {factor}x: {json.dumps({k: v for k, v in rows[-1].items() if k != 'verdict'})}", flush=True)
-    hardware = (torch.cuda.get_device_name() if torch.cuda.is_available()
-                else f"{platform.machine()} CPU, {os.cpu_count()} cores")
+    hardware = machine()
     text = table(rows, list(texts))
     meta = {"mode": mode, "seed": args.seed, "budget": args.budget or "finetune's default", "train": [p.name for p in train_files],
             "wall_seconds": time.perf_counter() - t_start, "hardware": hardware, "torch": torch.__version__,
