@@ -3,6 +3,8 @@
 Each run is a real launch of the CLI, as the README documents it: ``torchrun`` or
 ``accelerate launch``. Dropout is off in these twins: it is the one random choice inside
 the model, drawn per process, so with it two runs are alike in distribution, not to the bit.
+Every run computes in fp32 (``--mixed-precision no``): bf16 autocast, which ``auto`` picks on a CPU
+with bf16 instructions, rounds differently when the batch is split across processes.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ def _launch(launcher: str, processes: int, args: list[str]) -> subprocess.Comple
 def _finetune(launcher, processes, src, dst, corpus, batch_size, *extra):
     return _launch(launcher, processes, ["finetune", str(src), str(dst), "--data", str(corpus), "--length", "48",
                                          "--steps", str(STEPS), "--batch-size", str(batch_size), "--lr", "3e-3",
-                                         "--seed", "0", *extra])
+                                         "--seed", "0", "--mixed-precision", "no", *extra])
 
 
 def _max_diff(a: Path, b: Path) -> float:
@@ -108,7 +110,8 @@ def test_contrastive_two_processes_equal_one(tmp_path, corpus, minilm):
     config = json.loads((src / "config.json").read_text())
     (src / "config.json").write_text(json.dumps({**config, "hidden_dropout_prob": 0.0,
                                                  "attention_probs_dropout_prob": 0.0}))
-    args = ["--length", "600", "--steps", "3", "--lr", "1e-4", "--seed", "0", "--eval-every", "0", "--eval-sequences", "2"]
+    args = ["--length", "600", "--steps", "3", "--lr", "1e-4", "--seed", "0", "--eval-every", "0", "--eval-sequences", "2",
+            "--mixed-precision", "no"]
     one = _launch("python", 1, ["finetune", str(src), str(tmp_path / "one"), "--data", str(corpus), "--batch-size", "2",
                                 *args])
     two = _launch("torchrun", 2, ["finetune", str(src), str(tmp_path / "two"), "--data", str(corpus),
@@ -135,7 +138,7 @@ def test_fsdp_config_shipped_in_examples_trains_on_two_cpu_processes(tmp_path, c
     _finetune("python", 1, src, tmp_path / "one", corpus, 2)
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--main_process_port=0",
            "-m", "posextend.cli", "finetune", str(src), str(tmp_path / "two"), "--data", str(corpus), "--length", "48",
-           "--steps", str(STEPS), "--batch-size", "1", "--lr", "3e-3", "--seed", "0"]
+           "--steps", str(STEPS), "--batch-size", "1", "--lr", "3e-3", "--seed", "0", "--mixed-precision", "no"]
     result = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "on 2 processes" in result.stdout
@@ -155,7 +158,7 @@ def test_resume_on_one_process_continues_a_two_process_run(tmp_path, corpus):
         "try:\n"
         "    with loss_nan_at(4):\n"
         f"        finetune({str(src)!r}, {str(tmp_path / 'resumed')!r}, [{str(corpus)!r}], length=48, steps={STEPS},\n"
-        "                 batch_size=1, lr=3e-3, seed=0)\n"
+        "                 batch_size=1, lr=3e-3, seed=0, mixed_precision='no')\n"
         "except posextend.TrainingError as exc:\n"
         "    print('stopped:', exc)\n"
     )

@@ -15,7 +15,7 @@ from posextend.errors import TrainingError
 from posextend.training import loop
 from posextend.training.loading import attention_kwargs, load_headed_model
 from posextend.training.objectives.causal import CausalLM
-from posextend.training.setup import _adamw, make_accelerator, precision_for
+from posextend.training.setup import _adamw, cpu_has_native_bf16, make_accelerator, precision_for
 from tiny import FAMILIES, build
 
 
@@ -58,20 +58,45 @@ def test_contrastive_loads_the_sentence_transformer_with_sdpa(minilm):
     assert embedding.shape == (1, 384) and torch.isfinite(embedding).all()
 
 
-def test_auto_precision_is_bf16_only_on_a_gpu_with_native_bf16(monkeypatch):
+def test_auto_precision_is_bf16_only_where_the_device_computes_it_natively(monkeypatch):
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    for avx512_bf16, amx, expected in ((False, False, "no"), (True, False, "bf16"), (False, True, "bf16")):
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=avx512_bf16: v)
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda v=amx: v)
+        assert precision_for("auto", cpu) == expected
+        assert [precision_for(p, cpu) for p in ("no", "fp16", "bf16")] == ["no", "fp16", "bf16"]
+    monkeypatch.delattr(torch.cpu, "_is_avx512_bf16_supported")  # a torch without the checks: fp32, as before
+    monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported")
     assert precision_for("auto", cpu) == "no"
-    assert [precision_for(p, cpu) for p in ("no", "fp16", "bf16")] == ["no", "fp16", "bf16"]
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
     assert precision_for("auto", cuda) == "no"  # emulated only (pre-Ampere)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
     assert precision_for("auto", cuda) == "bf16"
     assert precision_for("no", cuda) == "no"
+    assert precision_for("auto", torch.device("mps")) == "no"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU's choice")
-def test_the_default_precision_resolves_to_none_on_cpu():
-    assert make_accelerator("auto", 1).mixed_precision == "no"
+def test_the_default_precision_on_cpu_follows_its_bf16_instructions():
+    expected = "bf16" if cpu_has_native_bf16() else "no"
+    accelerator = make_accelerator("auto", 1)
+    assert accelerator.mixed_precision == expected
+    with accelerator.autocast():
+        product = torch.ones(4, 4) @ torch.ones(4, 4)
+    assert product.dtype == (torch.bfloat16 if expected == "bf16" else torch.float32)
+
+
+@pytest.mark.parametrize("precision", ["no", "bf16"])
+def test_the_run_says_what_precision_its_steps_computed_in(gpt, corpus, tmp_path, precision):
+    """bf16 autocast on CPU (what ``auto`` picks on a CPU with bf16 instructions) trains; the report, its JSON and the
+    model card say which precision the steps used. Both run in one process, one after the other (accelerate refuses
+    a second precision in its process-wide state unless the run starts it afresh)."""
+    report = loop.finetune(gpt, tmp_path / "out", [corpus], length=64, steps=2, batch_size=2, eval_sequences=2,
+                           seed=0, mixed_precision=precision)
+    assert report.precision == precision == report.to_dict()["precision"]
+    assert all(torch.isfinite(torch.tensor(report.losses)))
+    trained = next(line for line in (tmp_path / "out" / "README.md").read_text().splitlines() if "- Trained:" in line)
+    assert (", bf16)" in trained) == (precision == "bf16")
 
 
 def test_adamw_is_fused_and_keeps_the_parameters_accelerate_moves():
@@ -99,7 +124,8 @@ class OutOfMemory(CausalLM):
 
 def _finetune(monkeypatch, objective, gpt, corpus, out, **options):
     monkeypatch.setattr(loop, "get_objective", lambda name: objective)
-    return loop.finetune(gpt, out, [corpus], steps=3, batch_size=2, anchor=0, seed=0, **options)
+    # fp32, so that the out-of-memory message offers bf16 (it does not when the run computes in it already)
+    return loop.finetune(gpt, out, [corpus], steps=3, batch_size=2, anchor=0, seed=0, mixed_precision="no", **options)
 
 
 def test_first_step_out_of_memory_retries_once_with_gradient_checkpointing(monkeypatch, caplog, gpt, corpus, tmp_path):

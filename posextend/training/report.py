@@ -34,8 +34,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 # the report's keys as plain data (:meth:`FinetuneReport.to_dict`), its options among its own fields
-_KEYS = ("dst", "train", "objective", "steps", "old_length", "new_length", "lr", "batch_size", "grad_accum", "tokens",
-         "seconds", "tokens_per_second", "losses", "eval_losses", "before", "after", "processes", "main_process",
+_KEYS = ("dst", "train", "objective", "steps", "old_length", "new_length", "lr", "batch_size", "grad_accum", "precision",
+         "tokens", "seconds", "tokens_per_second", "losses", "eval_losses", "before", "after", "processes", "main_process",
          "strategy", "anchor", "schedule", "anchor_source", "anchor_note", "notes", "verdict")
 
 
@@ -63,6 +63,7 @@ class FinetuneReport:
     anchor_note: str | None = None  # one line: why the anchor could not hold to the original model
     notes: list[str] = field(default_factory=list)  # the objective's lines about the run (Objective.notes)
     verdict: Verdict | None = None  # the far range against the source's own reading of it (None: no baseline)
+    precision: str = "no"  # what the steps computed in, ``auto`` resolved for the device: no (fp32), bf16 or fp16
 
     train = property(lambda self: self.config.train)
     objective = property(lambda self: self.config.objective)
@@ -94,7 +95,7 @@ def finetune_report(run: Run, dst: Path, evaluations: tuple[EvalReport | None, E
         before=before, after=after, processes=run.accelerator.num_processes,
         main_process=run.accelerator.is_main_process, strategy=config.strategy if run.extended else None,
         anchor_source=str(run.anchor_original.path) if run.anchor_original.path else None, anchor_note=run.anchor_original.note,
-        notes=run.objective.notes(run), verdict=verdict,
+        notes=run.objective.notes(run), verdict=verdict, precision=run.accelerator.mixed_precision,
     )
 
 
@@ -172,7 +173,8 @@ def _card(report: FinetuneReport, resize: ResizeReport | None, directory: Path) 
     else:
         head = original.rstrip() or f"---\ntags:\n- posextend\n---\n\n# Fine-tuned with posextend {__version__}"
     lines = [head, "", "## Fine-tune", "",
-             f"- Trained: `{report.train}` for {report.steps} steps ({report.tokens} tokens, lr {report.lr}) "
+             f"- Trained: `{report.train}` for {report.steps} steps ({report.tokens} tokens, lr {report.lr}"
+             f"{'' if report.precision == 'no' else ', ' + report.precision}) "
              f"at {report.new_length} positions (old length {report.old_length})"]
     for label, ev in (("before", report.before), ("after", report.after)):
         if ev is not None and math.isfinite(getattr(ev, ev.score)):
