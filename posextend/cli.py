@@ -361,7 +361,7 @@ def finetune_cmd(
     processes = f" on {report.processes} processes" if report.processes > 1 else ""
     console.print(
         f"[green]Fine-tuned[/] ({report.objective}, {report.train}, {report.steps} steps, lr {report.lr:g} "
-        f"{report.schedule}{'' if report.precision == 'no' else ', ' + report.precision}) {report.old_length} → {report.new_length} positions: {report.tokens:,} tokens in {report.seconds:.1f} s "
+        f"{report.schedule}{report.precision_note}) {report.old_length} → {report.new_length} positions: {report.tokens:,} tokens in {report.seconds:.1f} s "
         f"({report.tokens_per_second:,.0f} tok/s{processes}), written to {report.dst}",
         highlight=False,
     )

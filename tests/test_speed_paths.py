@@ -94,6 +94,7 @@ def test_the_run_says_what_precision_its_steps_computed_in(gpt, corpus, tmp_path
     report = loop.finetune(gpt, tmp_path / "out", [corpus], length=64, steps=2, batch_size=2, eval_sequences=2,
                            seed=0, mixed_precision=precision)
     assert report.precision == precision == report.to_dict()["precision"]
+    assert report.precision_note == ("" if precision == "no" else ", bf16")
     assert all(torch.isfinite(torch.tensor(report.losses)))
     trained = next(line for line in (tmp_path / "out" / "README.md").read_text().splitlines() if "- Trained:" in line)
     assert (", bf16)" in trained) == (precision == "bf16")

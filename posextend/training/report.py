@@ -73,6 +73,8 @@ class FinetuneReport:
     grad_accum = property(lambda self: self.config.grad_accum)
     schedule = property(lambda self: self.config.schedule)
     anchor = property(lambda self: float(self.config.anchor or 0.0), doc="The anchor's weight (0: none).")
+    precision_note = property(lambda self: "" if self.precision == "no" else f", {self.precision}",
+                              doc="``, bf16`` after the run's other settings when it did not compute in fp32.")
 
     def to_dict(self) -> dict[str, Any]:
         """The report as plain data: its fields (the evaluations as dicts) and the options it reads from
@@ -174,7 +176,7 @@ def _card(report: FinetuneReport, resize: ResizeReport | None, directory: Path) 
         head = original.rstrip() or f"---\ntags:\n- posextend\n---\n\n# Fine-tuned with posextend {__version__}"
     lines = [head, "", "## Fine-tune", "",
              f"- Trained: `{report.train}` for {report.steps} steps ({report.tokens} tokens, lr {report.lr}"
-             f"{'' if report.precision == 'no' else ', ' + report.precision}) "
+             f"{report.precision_note}) "
              f"at {report.new_length} positions (old length {report.old_length})"]
     for label, ev in (("before", report.before), ("after", report.after)):
         if ev is not None and math.isfinite(getattr(ev, ev.score)):
