@@ -36,7 +36,7 @@ from quality_grid import HELDOUT, SIZES, perplexities, source_scores
 
 import posextend
 from posextend.scoring.text import pack, read_documents
-from posextend.training.adapters import add_lora, trainable_share
+from posextend.training.adapters import RANK, add_lora, trainable_share
 from posextend.training.loop import finetune
 
 FACTOR = 4
@@ -144,7 +144,7 @@ def table(rows: list[dict], source: dict[str, float], budget: float, share_rows:
     for r in rows:
         lines.append(f"| {r['run']} | {r['steps']} | {r['step_seconds']:.3f} | {r['cpu_seconds']:.0f} | {r['seconds']:.0f} "
                      f"| {r['far']:.2f} | {r['far'] / all_far:.3f} | {r['far_window']:.3f} | {100 * r['original_change']:+.1f}% |")
-    lines += ["", "| model (lora: rank 8 on the attention's q, k, v and o, the table and the norms) | parameters | "
+    lines += ["", f"| model (lora: rank {RANK} on the attention's q, k, v and o, the table and the norms) | parameters | "
               "trainable |", "|---|---|---|"]
     lines += [f"| {label} | {total / 1e6:.1f}M | {100 * share:.2f}% |" for label, total, share in share_rows]
     return "\n".join(lines)

@@ -89,6 +89,22 @@ def test_resume_gives_the_same_result_as_an_uninterrupted_run(gpt, corpus, tmp_p
     assert not (tmp_path / "resumed.state").exists()
 
 
+def test_a_resume_where_auto_is_another_precision_is_refused(gpt, corpus, tmp_path, monkeypatch):
+    """auto is bf16 on a CPU with bf16 instructions and fp32 on one without: resuming a run there would change
+    what its steps compute, so the saved state records the precision auto resolved to."""
+    import posextend.training.setup as setup
+
+    kwargs = dict(length=48, steps=3, train="positions", batch_size=2, mixed_precision="auto")
+    monkeypatch.setattr(setup, "cpu_has_native_bf16", lambda: True)
+    with pytest.raises(posextend.TrainingError, match="The loss became nan at step 2"), loss_nan_at(2):
+        finetune(gpt, tmp_path / "out", [corpus], **kwargs)
+    monkeypatch.setattr(setup, "cpu_has_native_bf16", lambda: False)
+    with pytest.raises(posextend.TrainingError, match=r"Cannot resume: .*precision"):
+        finetune(gpt, tmp_path / "out", [corpus], resume=True, **kwargs)
+    report = finetune(gpt, tmp_path / "out", [corpus], resume=True, **kwargs | {"mixed_precision": "bf16"})
+    assert report.precision == "bf16" and (tmp_path / "out").is_dir()
+
+
 def test_resume_without_saved_state_is_refused(gpt, corpus, tmp_path):
     with pytest.raises(posextend.TrainingError, match="no saved state"):
         finetune(gpt, tmp_path / "out", [corpus], length=48, steps=2, resume=True)

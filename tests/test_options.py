@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import FrozenInstanceError, fields
+from dataclasses import FrozenInstanceError, fields, replace
 from pathlib import Path
 
 import pytest
@@ -48,7 +48,7 @@ def test_bad_values_are_refused_in_one_place(options, message):
 
 def test_the_fingerprint_follows_what_is_computed_not_how_it_runs():
     base = FinetuneConfig(length=64).resolved(get_objective("causal")).with_lr(get_objective("causal"), 64)
-    key = dict(src=Path("/m"), data=["/d"], anchor_source=None)
+    key = dict(src=Path("/m"), data=["/d"], anchor_source=None, precision="no")
     same = base.fingerprint(processes=1, **key)
     # the global batch, not the per-process one; evaluation and saving settings may change on resume
     assert FinetuneConfig(**{f.name: getattr(base, f.name) for f in fields(base)} | {"batch_size": 2}).fingerprint(
@@ -60,6 +60,9 @@ def test_the_fingerprint_follows_what_is_computed_not_how_it_runs():
         assert FinetuneConfig(**{f.name: getattr(base, f.name) for f in fields(base)} | changed).fingerprint(
             processes=1, **key) != same, changed
     assert base.fingerprint(processes=1, **(key | {"data": ["/other"]})) != same
+    # the precision the steps compute in, auto resolved: auto on a machine where it is fp32 is the same run as no
+    assert replace(base, mixed_precision="no").fingerprint(processes=1, **key) == same
+    assert base.fingerprint(processes=1, **(key | {"precision": "bf16"})) != same
 
 
 def _cli_options(command: str) -> dict[str, object]:

@@ -227,7 +227,7 @@ def _resume_step(run: Run) -> int:
     if info["fingerprint"] != run.fingerprint:
         raise TrainingError(
             f"Cannot resume: the state in {run.state_dir} was saved by a run with other settings "
-            "(source, data, length, train mode, lr, global batch, seed); use the same ones or remove it."
+            "(source, data, length, train mode, lr, global batch, seed, precision); use the same ones or remove it."
         )
     run.accelerator.load_state(str(run.state_dir))
     run.schedule.steps = info.get("planned", run.schedule.steps)

@@ -226,10 +226,12 @@ class FinetuneConfig:
             if getattr(self, name) < 0:
                 raise TrainingError(f"{name} must be 0 (off) or a number of steps, got {getattr(self, name)}.")
 
-    def fingerprint(self, *, src: Path, data: list[str], processes: int, anchor_source: Path | None) -> str:
+    def fingerprint(self, *, src: Path, data: list[str], processes: int, anchor_source: Path | None,
+                    precision: str) -> str:
         """What a resume must share with the run that saved its state: the source, the data, every option
-        that changes what is computed (the global batch, not the per-process one), the anchor's original."""
+        that changes what is computed (the global batch, not the per-process one; the ``precision`` the steps
+        compute in, ``auto`` resolved on this machine), the anchor's original."""
         settings = {k: v for k, v in dataclasses.asdict(self).items() if k not in _NOT_FINGERPRINTED}
         settings.update(src=str(src), data=data, global_batch=self.batch_size * processes, source=None,
-                        anchor_source=str(anchor_source) if anchor_source else None)
+                        anchor_source=str(anchor_source) if anchor_source else None, mixed_precision=precision)
         return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]

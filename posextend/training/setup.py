@@ -165,7 +165,7 @@ def setup(checkpoint: Checkpoint, dst: Path, data: Sequence[str | Path], config:
     config = config.with_lr(chosen, tables[0].shape[-1])
     # the run is a function of the global batch, so a resume may use another number of processes
     fingerprint = config.fingerprint(src=checkpoint.directory, data=[str(d) for d in data], processes=accelerator.num_processes,
-                                     anchor_source=anchor.path)
+                                     anchor_source=anchor.path, precision=accelerator.mixed_precision)
     if anchor.note and accelerator.is_main_process:
         (log.info if anchor.exact else log.warning)("%s", anchor.note)
     for p in model.parameters():
