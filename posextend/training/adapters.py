@@ -31,8 +31,8 @@ from posextend.errors import TrainingError
 
 log = logging.getLogger(__name__)
 
-# LongLoRA and peft use rank 8; at the same budget rank 32 read the quality grid's far range closer to `all`
-# (benchmarks/lora.py: 2x128 1.034 against 1.044 of all's, 4x192 1.057 against 1.081) and keeps a
+# LongLoRA and peft use rank 8; at the same steps rank 32 read the quality grid's far range closer to `all`'s
+# (benchmarks/lora.py: 2x128 1.034 of it against 1.044, 4x192 1.059 against 1.081) and keeps a
 # GPT-2-small-shaped model at 4096 positions at 3.9% trainable (the table is 2.4% of it)
 RANK = 32
 ALPHA = 64  # LoRA's update is scaled by ALPHA / RANK (2, as peft's and LongLoRA's 16 / 8)
