@@ -46,7 +46,7 @@ PROBE = 12  # steps of each mode timed first, to share the budget out
 def lora_share(model: torch.nn.Module, table: str) -> tuple[int, float]:
     """(parameters, trainable share under lora) of ``model`` with LoRA on it and ``table`` trainable."""
     total = sum(p.numel() for p in model.parameters())
-    add_lora(model, [model.get_submodule(table).weight])
+    add_lora(model, [model.get_submodule(table).weight], init=True)  # on the meta device: no SVD (the share is the same)
     return total, trainable_share(model)
 
 

@@ -21,7 +21,7 @@ import posextend.training.adapters as adapters
 import posextend.training.loop as loop_module
 from posextend.cli import app
 from posextend.errors import TrainingError
-from posextend.training.adapters import RANK, add_lora, attention_projections, norm_modules, trainable_share
+from posextend.training.adapters import ALPHA, RANK, add_lora, attention_projections, norm_modules, trainable_share
 from posextend.training.loop import finetune
 
 # fp32: the spy (_capture) reads the run's model through its forward, which bf16 autocast (``auto`` on a CPU
@@ -63,11 +63,33 @@ def test_lora_trains_the_attention_projections_the_table_and_the_norms_under_5_p
                                                                  in saved for n in trainable)
     # LoRA's A (r x in) and B (out x r) on each projection, the table and the norms, whole
     projections = [m for n, m in model.named_modules() if n.rpartition(".")[2] in targets and hasattr(m, "base_layer")]
-    expected = sum(RANK * (m.in_features + m.out_features) for m in projections)
+    rank = min(RANK, width)  # PiSSA's matrices hold at most the layer's rank: these layers are narrower than RANK
+    expected = sum(rank * (m.in_features + m.out_features) for m in projections)
     expected += model.get_submodule(table).modules_to_save["default"].weight.numel() + 2 * width * len(norms)
     assert sum(p.numel() for p in model.parameters() if p.requires_grad) == expected
     share = trainable_share(model)
     assert share == pytest.approx(expected / weights) and share <= 0.05
+
+
+@pytest.mark.parametrize("rank", [4, RANK])  # 4: under the tiny models' width, as RANK is under a real model's
+def test_lora_starts_from_the_weights_principal_directions_as_the_same_model(rank, monkeypatch):
+    """PiSSA: B and A start as each projection's top singular directions (not B at zero), the frozen weight keeps
+    the rest, and the adapted model computes what the model did."""
+    monkeypatch.setattr(adapters, "RANK", rank)
+    model = _model("gpt2")
+    weight = model.transformer.h[0].attn.c_attn.weight.detach().clone()
+    with torch.no_grad():
+        before = model(IDS[:, :32]).logits
+    add_lora(model, [model.transformer.wpe.weight])
+    layer = model.transformer.h[0].attn.c_attn
+    b, a = layer.lora_B["default"].weight, layer.lora_A["default"].weight
+    width = min(RANK, rank, *weight.shape)
+    assert a.shape[0] == width and float(b.abs().max()) > 0
+    top = torch.linalg.svdvals(weight)[:width]
+    # to a fast SVD's accuracy (4 iterations; this random weight's spectrum is flat, a trained one's falls)
+    torch.testing.assert_close(torch.linalg.svdvals(layer.scaling["default"] * (b @ a))[:width], top, atol=0, rtol=0.1)
+    with torch.no_grad():
+        torch.testing.assert_close(model(IDS[:, :32]).logits, before, atol=1e-5, rtol=1e-5)
 
 
 def test_the_attention_projections_of_every_family_are_found_by_module_type():
@@ -199,7 +221,9 @@ def test_the_adapter_alone_applies_to_the_source_extended_with_any_strategy(gpt,
     folder = tmp_path / "out" / "adapter"
     assert sorted(p.name for p in folder.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
     config = json.loads((folder / "adapter_config.json").read_text())
-    assert (config["peft_type"], config["r"], config["inference_mode"]) == ("LORA", RANK, True)
+    # PiSSA's, converted to a LoRA of the source's weights: twice the rank (the tiny model's 16, under RANK), B A - B0 A0
+    assert (config["peft_type"], config["r"], config["inference_mode"]) == ("LORA", 2 * min(RANK, 16), True)
+    assert config["init_lora_weights"] is True and config["lora_alpha"] / config["r"] == ALPHA / RANK
     posextend.resize_checkpoint(gpt, tmp_path / "base", 64, "tile", seed=0)  # the run used interpolate
     base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base")
     applied = PeftModel.from_pretrained(base, folder).merge_and_unload().eval()

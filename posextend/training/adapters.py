@@ -4,8 +4,9 @@ to train whole.
 LoRA alone, on the attention projections, falls behind full fine-tuning at long lengths; with the
 position embeddings and the norms trainable it does not. So a ``lora`` run trains:
 
-- LoRA (rank :data:`RANK`, alpha :data:`ALPHA`, no dropout) on every linear layer of the attention blocks
-  (:func:`attention_projections`: q, k, v and o, as LongLoRA), found by module type; a model without one is refused;
+- LoRA (rank :data:`RANK`, alpha :data:`ALPHA`, no dropout, started as PiSSA: :data:`INIT`) on every linear
+  layer of the attention blocks (:func:`attention_projections`: q, k, v and o, as LongLoRA), found by module type;
+  a model without one is refused;
 - the position table(s) the family's spec names (the run's tables, whole), as peft ``modules_to_save``;
 - every normalisation layer (:func:`is_norm`: found by module type, not by name), as ``modules_to_save``.
 
@@ -13,7 +14,8 @@ The adapter goes on the transformers model that holds the table (a sentence-tran
 module), in place: the objective still calls the model it loaded. The output is merged
 (:func:`unload`: LoRA folded into the weights it adapts, the trained tables and norms in place of the
 originals) and written as a plain checkpoint by the fine-tune's writer; the adapter itself, on request,
-as peft saves it (:class:`AdapterFiles`).
+as peft saves it (:class:`AdapterFiles`), converted to a plain LoRA of the source's weights (PiSSA trains a
+residual of them: :func:`adapter_files`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from __future__ import annotations
 import copy
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +39,10 @@ log = logging.getLogger(__name__)
 RANK = 32
 ALPHA = 64  # LoRA's update is scaled by ALPHA / RANK (2, as peft's and LongLoRA's 16 / 8)
 DROPOUT = 0.0  # posextend's language models train without dropout
+# PiSSA (arXiv 2404.02948; peft's fast-SVD variant): LoRA starts as the weight's top RANK singular directions, the
+# rest frozen, rather than at zero. In the time of `all`'s 150 steps it read the grid's far range at 1.016 of `all`'s
+# on 2x128 and 1.040 on 4x192, against 1.034 and 1.059 from zero (benchmarks/lora.py)
+INIT = "pissa_niter_4"
 # torch's normalisation layers; a model's own classes (LlamaRMSNorm, T5LayerNorm) are found by their type's name
 _TORCH_NORMS = (torch.nn.LayerNorm, torch.nn.GroupNorm, torch.nn.RMSNorm, torch.nn.modules.batchnorm._NormBase)
 
@@ -93,13 +99,23 @@ def table_modules(model: torch.nn.Module, tables: Sequence[torch.nn.Parameter]) 
     return names
 
 
-def add_lora(model: torch.nn.Module, tables: Sequence[torch.nn.Parameter]) -> Any:
+@dataclass(frozen=True)
+class Lora:
+    """An adapter on a model (:func:`add_lora`): peft's ``PeftModel``, and LoRA's matrices as they started.
+    PiSSA moved their product out of the adapted weights, so the adapter's files (:func:`adapter_files`) subtract it."""
+
+    peft: Any
+    initial: dict[str, torch.Tensor] = field(default_factory=dict)  # peft's state-dict names: LoRA's A and B at the start
+
+
+def add_lora(model: torch.nn.Module, tables: Sequence[torch.nn.Parameter], *, init: str | bool = INIT) -> Lora:
     """Put LoRA on ``model``'s attention projections, in place, with ``tables`` (parameters of ``model``) and
-    every norm trainable (peft ``modules_to_save``); everything else frozen. Returns the ``PeftModel`` that
-    holds the adapter (:func:`unload` merges it); ``model`` itself is the one to call.
+    every norm trainable (peft ``modules_to_save``); everything else frozen. ``init``: peft's
+    ``init_lora_weights`` (True: LoRA's own, B at zero; the only one for a model on the meta device). Returns the
+    :class:`Lora` that holds the adapter (:func:`unload` merges it); ``model`` itself is the one to call.
 
     Examples:
-        >>> adapter = add_lora(gpt2, [gpt2.transformer.wpe.weight])
+        >>> lora = add_lora(gpt2, [gpt2.transformer.wpe.weight])
         >>> gpt2(input_ids).logits  # LoRA's layers in the forward pass
     """
     from peft import LoraConfig, get_peft_model
@@ -111,8 +127,10 @@ def add_lora(model: torch.nn.Module, tables: Sequence[torch.nn.Parameter]) -> An
     modules = dict(model.named_modules())
     fan_in_fan_out = any(isinstance(modules[n], Conv1D) for n in targets)
     total = sum(p.numel() for p in model.parameters())
-    config = LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=DROPOUT, target_modules=targets,
-                        modules_to_save=saved, fan_in_fan_out=fan_in_fan_out)
+    # PiSSA's matrices hold at most a layer's rank: a layer narrower than RANK (a tiny model) gets its own
+    rank = min(RANK, *(min(modules[n].weight.shape) for n in targets))
+    config = LoraConfig(r=rank, lora_alpha=ALPHA * rank // RANK, lora_dropout=DROPOUT, target_modules=targets,
+                        modules_to_save=saved, fan_in_fan_out=fan_in_fan_out, init_lora_weights=init)
     adapter = get_peft_model(model, config)
     wrapped = [n for n, m in model.named_modules() if isinstance(m, ModulesToSaveWrapper)]
     if sorted(wrapped) != sorted(saved):  # peft matches modules_to_save by the end of their names
@@ -121,9 +139,17 @@ def add_lora(model: torch.nn.Module, tables: Sequence[torch.nn.Parameter]) -> An
                             "positions or every parameter instead.")
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     log.info("LoRA (rank %d) on %d attention projections (%s), with %d table(s) and %d norms: %s trainable "
-             "parameters, %.2f%% of %s", RANK, len(targets), ", ".join(sorted({n.rpartition(".")[2] for n in targets})),
+             "parameters, %.2f%% of %s", rank, len(targets), ", ".join(sorted({n.rpartition(".")[2] for n in targets})),
              len(tables), len(saved) - len(tables), f"{trainable:,}", 100 * trainable / total, f"{total:,}")
-    return adapter
+    return Lora(adapter, _lora_matrices(adapter) if init is not True else {})
+
+
+def _lora_matrices(adapter: Any) -> dict[str, torch.Tensor]:
+    """A copy of LoRA's A and B matrices, by the names peft saves them under."""
+    from peft.utils import get_peft_model_state_dict
+
+    return {k: v.detach().to("cpu", copy=True) for k, v in get_peft_model_state_dict(adapter).items()
+            if ".lora_A." in k or ".lora_B." in k}
 
 
 def trainable_share(model: torch.nn.Module) -> float:
@@ -153,21 +179,29 @@ class AdapterFiles:
         self.config.save_pretrained(str(folder))
 
 
-def adapter_files(adapter: Any) -> AdapterFiles:
-    """The adapter's weights and config as ``PeftModel.save_pretrained`` writes them."""
+def adapter_files(lora: Lora) -> AdapterFiles:
+    """The adapter's weights and config as ``PeftModel.save_pretrained`` writes them; one that started from
+    PiSSA as peft converts it (``path_initial_model_for_weight_conversion``): a LoRA of twice the rank whose
+    product is the trained one less the initial one (``B A - B0 A0 = [B | -B0] [A ; A0]``), so that it applies
+    to the source's own weights, not to the residual PiSSA trained."""
     from peft.utils import get_peft_model_state_dict
 
-    state = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in get_peft_model_state_dict(adapter).items()}
-    config = copy.deepcopy(adapter.peft_config["default"])
+    state = {k: v.detach().to("cpu", copy=True) for k, v in get_peft_model_state_dict(lora.peft).items()}
+    config = copy.deepcopy(lora.peft.peft_config["default"])
     config.inference_mode = True
-    return AdapterFiles(state, config)
+    if lora.initial:
+        for name, start in lora.initial.items():
+            state[name] = torch.cat([state[name], start], 0) if ".lora_A." in name else torch.cat([state[name], -start], 1)
+        config.init_lora_weights, config.r, config.lora_alpha = True, 2 * config.r, 2 * config.lora_alpha
+    return AdapterFiles({k: v.contiguous() for k, v in state.items()}, config)
 
 
-def unload(adapter: Any) -> torch.nn.Module:
+def unload(lora: Lora) -> torch.nn.Module:
     """Merge the LoRA weights into the projections they adapt and put the trained tables and norms in place
     of peft's wrappers: the model, plain again, in place (a sentence-transformers model holding it holds
     it merged). The parameters that changed are marked trainable, which tells the writer to compare them
     with the files."""
+    adapter = lora.peft
     changed = list(adapter.base_model.targeted_module_names) + list(adapter.peft_config["default"].modules_to_save)
     model = adapter.merge_and_unload()
     for name in changed:
@@ -175,11 +209,11 @@ def unload(adapter: Any) -> torch.nn.Module:
     return model
 
 
-def merge(adapter: Any, root: torch.nn.Module, *, keep_adapter: bool
+def merge(lora: Lora, root: torch.nn.Module, *, keep_adapter: bool
           ) -> tuple[dict[str, torch.Tensor], AdapterFiles | None]:
     """The trained model's weights with the adapter merged (:func:`unload`): the state dict of ``root``, the
     model that trained (which holds the adapted one); and, with ``keep_adapter``, the adapter's files, taken
     before merging."""
-    files = adapter_files(adapter) if keep_adapter else None
-    unload(adapter)
+    files = adapter_files(lora) if keep_adapter else None
+    unload(lora)
     return root.state_dict(), files

@@ -51,7 +51,7 @@ class Run(RunContext):
     anchor_original: AnchorOriginal = field(default_factory=AnchorOriginal)  # what the anchor term holds to
     judge: Judge = field(default_factory=lambda: Judge(Budget("0 steps", steps=0), early=False))  # steps, checks, verdict
     schedule: Schedule = field(default_factory=lambda: Schedule(1, "constant"))  # the lr factor by step
-    adapter: Any = None  # train="lora": the peft model holding the adapter (:mod:`posextend.training.adapters`)
+    adapter: Any = None  # train="lora": the adapter on the model (:class:`posextend.training.adapters.Lora`)
 
     def evaluate(self) -> EvalReport:  # through the prepared model: sharded weights need every process
         return self.objective.evaluate(self)
