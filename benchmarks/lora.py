@@ -42,7 +42,7 @@ from posextend.training.adapters import RANK, add_lora, trainable_share
 from posextend.training.loop import finetune
 
 FACTOR = 4
-PROBE = 12  # steps of each mode timed first, to share the budget out
+PROBE = 12  # steps of lora timed first, to size its first run in the budget
 EQUAL = 0.03  # a lora run whose CPU seconds miss all's by more is run again, its steps scaled to fit
 RETRIES = 2
 
