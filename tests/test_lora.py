@@ -76,6 +76,7 @@ def test_lora_starts_from_the_weights_principal_directions_as_the_same_model(ran
     """PiSSA: B and A start as each projection's top singular directions (not B at zero), the frozen weight keeps
     the rest, and the adapted model computes what the model did."""
     monkeypatch.setattr(adapters, "RANK", rank)
+    torch.manual_seed(0)  # the fast SVD is randomised
     model = _model("gpt2")
     weight = model.transformer.h[0].attn.c_attn.weight.detach().clone()
     with torch.no_grad():
@@ -85,9 +86,12 @@ def test_lora_starts_from_the_weights_principal_directions_as_the_same_model(ran
     b, a = layer.lora_B["default"].weight, layer.lora_A["default"].weight
     width = min(RANK, rank, *weight.shape)
     assert a.shape[0] == width and float(b.abs().max()) > 0
-    top = torch.linalg.svdvals(weight)[:width]
-    # to a fast SVD's accuracy (4 iterations; this random weight's spectrum is flat, a trained one's falls)
-    torch.testing.assert_close(torch.linalg.svdvals(layer.scaling["default"] * (b @ a))[:width], top, atol=0, rtol=0.1)
+    # B A holds the weight's top directions: nearly all the energy of its `width` largest singular values (a fast
+    # SVD's 4 iterations on this random weight, whose spectrum is flat, capture 92% and more over 30 seeds), and
+    # never more (no rank-`width` part of it holds more)
+    best = float((torch.linalg.svdvals(weight)[:width] ** 2).sum())
+    captured = float(torch.linalg.matrix_norm(layer.scaling["default"] * (b @ a)) ** 2)
+    assert 0.85 * best <= captured <= 1.0001 * best, (captured, best)
     with torch.no_grad():
         torch.testing.assert_close(model(IDS[:, :32]).logits, before, atol=1e-5, rtol=1e-5)
 
