@@ -274,3 +274,31 @@ def test_every_door_resolves_a_hub_id_at_its_revision(gpt, corpus, monkeypatch, 
     posextend.finetune("org/tiny-gpt2", tmp_path / "tuned", [corpus], length=48, steps=1, batch_size=2,
                        eval_sequences=2, train="new-rows", revision="r4")
     assert asked == [("org/tiny-gpt2", r) for r in ("r1", "r2", "r3", "r4")]
+
+
+def test_a_hub_source_is_recorded_by_its_id_at_its_commit_and_found_again_by_them(gpt, corpus, hub, tmp_path):
+    """Provenance and the card name a hub source as another machine can have it (not this one's cache folder);
+    the anchor of a later fine-tune looks it up there, offline from the cache, and says so where it cannot."""
+    hub.repos["org/tiny-gpt2"], _ = _repo(gpt, tmp_path / "repo")
+    home, resized = tmp_path / "hf-home", tmp_path / "resized"
+    r = posextend_cli(hub, home, "resize-model", "org/tiny-gpt2", resized, "--length", "64", "--strategy", "interpolate")
+    assert r.returncode == 0, r.stderr
+    meta = Checkpoint.of(resized).provenance
+    assert (meta["posextend.source"], meta["posextend.source_revision"]) == ("org/tiny-gpt2", COMMIT)
+    card = (resized / "README.md").read_text()
+    assert card.startswith("---\nbase_model: org/tiny-gpt2\n")  # the Hub links the model to its base
+    assert f"- Source: `org/tiny-gpt2` (revision `{COMMIT}`)" in card and str(home) not in card
+
+    hub.asked.clear()
+    tune = ("finetune", resized, tmp_path / "tuned", "--data", corpus, "--steps", "1", "--batch-size", "2")
+    r = posextend_cli(hub, home, *tune, offline=True)
+    assert r.returncode == 0, r.stderr
+    assert "anchor: held to the original model org/tiny-gpt2" in " ".join(r.stdout.split()) and hub.asked == []
+    meta = Checkpoint.of(tmp_path / "tuned").provenance
+    assert (meta["posextend.source"], meta["posextend.source_revision"]) == ("org/tiny-gpt2", COMMIT)
+
+    # another machine, whose cache lacks it and which cannot reach the Hub: the anchor says why it holds to the input
+    r = posextend_cli(hub, tmp_path / "other-home", *tune[:2], tmp_path / "elsewhere", *tune[3:], offline=True)
+    assert r.returncode == 0, r.stderr
+    assert ("Anchor: the original model org/tiny-gpt2 that resized was extended from is missing"
+            in " ".join(r.stderr.split())), r.stderr

@@ -41,13 +41,25 @@ class Checkpoint:
     """
 
     directory: Path
+    hub_id: str | None = None  # the Hugging Face Hub id it was downloaded as (None: a local folder)
+    commit: str | None = None  # with a hub id, the commit its files are
 
     @classmethod
     def resolve(cls, src: str | Path | Checkpoint, *, revision: str | None = None) -> Checkpoint:
         """The checkpoint ``src`` names: a local folder, or a Hugging Face Hub id whose files are downloaded
         into the cache at ``revision`` (:func:`~posextend.files.sources.resolve_source`, the one place that
         looks a source up); a :class:`Checkpoint` is returned as it is."""
-        return src if isinstance(src, Checkpoint) else cls(sources.resolve_source(src, revision=revision))
+        if isinstance(src, Checkpoint):
+            return src
+        directory = sources.resolve_source(src, revision=revision)
+        repo = sources.hub_id(src)
+        return cls(directory, repo, sources.snapshot_commit(directory) if repo else None)
+
+    @property
+    def name(self) -> str:
+        """How another machine finds this checkpoint (its provenance records it as a source): the hub id it
+        was downloaded as (at :attr:`commit`), else its folder."""
+        return self.hub_id or str(self.directory)
 
     @classmethod
     def of(cls, directory: str | Path | Checkpoint) -> Checkpoint:

@@ -36,20 +36,30 @@ def resolve_source(src: str | Path, *, revision: str | None = None) -> Path:
     if path.exists():
         raise SourceError(f"{src} is a file; give the checkpoint's directory (the one holding config.json, or "
                           "a sentence-transformers folder's modules.json).")
-    if isinstance(src, str) and _is_hub_id(src):
+    if hub_id(src):
         return download(src, revision)
     raise SourceError(f"{src} does not exist; give the folder of a saved model, or a Hugging Face Hub id such as "
                       "openai-community/gpt2.")
 
 
-def _is_hub_id(text: str) -> bool:
+def hub_id(src: str | Path) -> str | None:
+    """The Hugging Face Hub id ``src`` names (:func:`resolve_source` downloads it), or None: a
+    :class:`~pathlib.Path`, or a text that is something here (a folder, a file) or no valid hub id."""
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
+    if not isinstance(src, str) or Path(src).expanduser().exists():
+        return None
     try:
-        validate_repo_id(text)
+        validate_repo_id(src)
     except HFValidationError:
-        return False
-    return True
+        return None
+    return src
+
+
+def snapshot_commit(directory: Path) -> str:
+    """The commit of the hub model whose files :func:`download` put in ``directory``: the name of its
+    snapshot folder in the Hugging Face cache (``models--ORG--NAME/snapshots/COMMIT``)."""
+    return directory.name
 
 
 # What a resize, an inspection or a fine-tune reads of a model on the Hub, in the model's folder and in the

@@ -23,7 +23,8 @@ class ResizeReport:
     command line prints.
 
     Attributes:
-        src: the source folder, resolved. ``dst``: the output folder.
+        src: the source: the Hugging Face Hub id it was downloaded as (``src_revision``: at that commit), else
+            its folder, resolved. ``dst``: the output folder.
         model_type: the config's ``model_type``.
         strategy: the strategy of the first group of tables (``strategies``: each group's, when several).
         params: the strategy's parameters.
@@ -70,6 +71,7 @@ class ResizeReport:
     new_grid: list[int] | None = None
     strategies: dict[str, str] = field(default_factory=dict)  # group -> strategy, when several groups
     transformer_dir: str = ""  # where the resized model sits in src and dst ("0_Transformer" in an older ST folder)
+    src_revision: str | None = None  # a hub source's commit
 
     @property
     def seed(self) -> int:
@@ -122,7 +124,7 @@ class ResizeReport:
         """String metadata recorded in the safetensors header and index."""
         return {
             "posextend.version": __version__,
-            "posextend.source": self.src,
+            **source_provenance(self.src, self.src_revision),
             "posextend.strategy": self.strategy,
             "posextend.params": json.dumps(self.params, sort_keys=True),
             "posextend.seed": str(self.seed),
@@ -135,14 +137,20 @@ class ResizeReport:
         }
 
 
+def source_provenance(src: str, revision: str | None = None) -> dict[str, str]:
+    """The provenance entries that name a checkpoint's source: ``posextend.source`` (a hub id or a folder) and,
+    for a hub id, ``posextend.source_revision`` (the commit; the anchor and ``eval`` look the source up at it)."""
+    return {"posextend.source": src, **({"posextend.source_revision": revision} if revision else {})}
+
+
 def resize_report(source: Checkpoint, dst: Path, plans: list[GroupPlan], options: ResizeOptions) -> ResizeReport:
     """The report of a resize of checkpoint ``source`` by ``plans`` (on disk, or in memory before a
     fine-tune) with ``options`` (resolved): the first group's numbers (positions before an image grid) at the top."""
     main, config = plans[0], source.config
     report = ResizeReport(
-        src=str(source.directory), dst=str(dst.resolve()), model_type=main.spec.model_type, strategy=main.strategy,
-        params=dict(main.params), options=options, old_length=main.layout.usable, new_length=main.new_usable,
-        reserved=main.layout.reserved, tables=[t for p in plans for t in p.layout.tables],
+        src=source.name, src_revision=source.commit, dst=str(dst.resolve()), model_type=main.spec.model_type,
+        strategy=main.strategy, params=dict(main.params), options=options, old_length=main.layout.usable,
+        new_length=main.new_usable, reserved=main.layout.reserved, tables=[t for p in plans for t in p.layout.tables],
         buffers=[b for p in plans for b in p.layout.buffers], dropped=sorted({d for p in plans for d in p.layout.dropped}),
         covered_by=main.spec.covered_by, strategies={p.spec.group: p.strategy for p in plans},
         transformer_dir=source.transformer_dir,
@@ -162,13 +170,14 @@ def model_card(report: ResizeReport, original: str = "", *, trained: bool = Fals
     strategy = get_strategy(report.strategy)
     lines = [
         "---",
+        *([f"base_model: {report.src}"] if report.src_revision else []),  # the Hub's model tree links to it
         "tags:",
         "- posextend",
         "---",
         "",
         f"# Position table extended with posextend {__version__}",
         "",
-        f"- Source: `{report.src}`",
+        f"- Source: `{report.src}`" + (f" (revision `{report.src_revision}`)" if report.src_revision else ""),
         f"- Usable positions: {report.old_length} → {report.new_length}"
         + (f" (plus {report.reserved} reserved rows)" if report.reserved else ""),
         *([f"- Image size: {'x'.join(map(str, report.old_image_size))} → {'x'.join(map(str, report.new_image_size))} "

@@ -224,7 +224,7 @@ def _recorded_source(checkpoint: Checkpoint, meta: dict[str, str], old_length: i
     """The original ``meta`` (the checkpoint's provenance) records, or the checkpoint with a note."""
     recorded, old, directory = meta["posextend.source"], meta.get("posextend.old_length"), checkpoint.directory
     try:
-        original = Checkpoint.resolve(recorded)
+        original = Checkpoint.resolve(recorded, revision=meta.get("posextend.source_revision"))
         problem = unfit_original(checkpoint, original, old_length, int(old) if old else None)
     except SourceError:
         problem = "is missing"

@@ -17,7 +17,7 @@ from posextend.files.atomic import atomic_output
 from posextend.files.checkpoint import Checkpoint
 from posextend.files.sources import MODULES
 from posextend.resize.on_disk import resize_change
-from posextend.resize.report import ResizeReport, model_card, resize_report
+from posextend.resize.report import ResizeReport, model_card, resize_report, source_provenance
 from posextend.resize.options import ResizeOptions
 from posextend.resize.plan import plan_resize
 from posextend.scoring.by_position import EvalReport
@@ -96,7 +96,8 @@ def finetune_report(run: Run, dst: Path, evaluations: tuple[EvalReport | None, E
         eval_losses=([(0, before.loss)] if before else []) + eval_losses + [(config.steps, after.loss)],
         before=before, after=after, processes=run.accelerator.num_processes,
         main_process=run.accelerator.is_main_process, strategy=config.strategy if run.extended else None,
-        anchor_source=str(run.anchor_original.path) if run.anchor_original.path else None, anchor_note=run.anchor_original.note,
+        anchor_source=run.anchor_original.original.name if run.anchor_original.original else None,
+        anchor_note=run.anchor_original.note,
         notes=run.objective.notes(run), verdict=verdict, precision=run.accelerator.mixed_precision,
     )
 
@@ -148,10 +149,13 @@ def _provenance(run: Run, report: FinetuneReport, checkpoint: Checkpoint, resize
         finetune["posextend.verdict"] = report.verdict.text
     if resize is not None:
         return {**resize.provenance(), **finetune}
-    recorded = checkpoint.provenance.get("posextend.source", str(checkpoint.directory))
-    return {"posextend.version": __version__,
-            "posextend.source": str(run.anchor_original.path) if run.anchor_original.path else recorded,
-            "posextend.old_length": str(report.old_length), "posextend.new_length": str(report.new_length), **finetune}
+    recorded, original = checkpoint.provenance, run.anchor_original.original
+    if original is None and "posextend.source" in recorded:
+        source = source_provenance(recorded["posextend.source"], recorded.get("posextend.source_revision"))
+    else:  # the original the anchor held to, or the checkpoint itself
+        source = source_provenance((original or checkpoint).name, (original or checkpoint).commit)
+    return {"posextend.version": __version__, **source, "posextend.old_length": str(report.old_length),
+            "posextend.new_length": str(report.new_length), **finetune}
 
 
 def _save_modules(loaded: Loaded, checkpoint: Checkpoint, out: Path, train: str) -> None:
