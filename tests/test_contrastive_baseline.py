@@ -82,6 +82,9 @@ def test_baseline_reads_in_chunks_and_the_model_reads_whole(models, corpus):
         assert 0 <= r.far <= 1 and 0 <= r.original <= 1 and (r.metric, r.higher) == (baseline.metric, True)
         assert (r.far * 4 * n).is_integer()  # hits over 64 queries
     assert reading.original == baseline.original
+    for r in (baseline, reading):  # the far range task by task, every query's hit averaged over them
+        assert list(r.parts) == ["shared passkey", "shared needle", "varied passkey", "varied needle"]
+        assert r.far == pytest.approx(sum(r.parts.values()) / 4) and all((v * n).is_integer() for v in r.parts.values())
     far, original = tasks
     assert [(t.haystack, t.name, t.length, len(t.documents)) for t in far] == [
         (h, name, NEW, n) for h in ("shared", "varied") for name in ("passkey", "needle")]

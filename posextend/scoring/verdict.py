@@ -28,12 +28,15 @@ def far_start(length: int, old_length: int) -> int:
 @dataclass(frozen=True)
 class Reading:
     """Held-out scores of one model: ``far`` (the far range) and ``original`` (the first ``old`` positions),
-    both in ``metric`` (a perplexity, lower is better; or an accuracy, ``higher`` is better)."""
+    both in ``metric`` (a perplexity, lower is better; or an accuracy, ``higher`` is better). ``parts``: the
+    far range task by task, when it is several (an embedding model's passkey and needle, each protocol),
+    ``far`` their mean: each must beat the baseline's own part too (:func:`shortfalls`)."""
 
     far: float
     original: float
     metric: str = "perplexity"
     higher: bool = False  # higher is better (an accuracy)
+    parts: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -75,7 +78,9 @@ class Verdict:
 
     @property
     def far_wins(self) -> bool:
-        return beats(self.reading.far, self.baseline.far, self.margin, higher=self.baseline.higher)
+        """The far range beats the baseline's by the margin, and so does each of its parts."""
+        return (beats(self.reading.far, self.baseline.far, self.margin, higher=self.baseline.higher)
+                and not shortfalls(self.reading, self.baseline, self.margin))
 
     @property
     def original_holds(self) -> bool:
@@ -91,7 +96,9 @@ class Verdict:
         b, r, unit = self.baseline, self.reading, self.baseline.metric
         head = "worth it" if self.worth_it else ("not yet worth it" + (" within the budget" if self.budget else ""))
         change = f"{100 * self.original_change:+.1f}%"
-        return (f"{head}: far range {unit} {_num(r.far)} against {_num(b.far)} for {self.baseline_name}; "
+        short = shortfalls(r, b, self.margin)
+        behind = f" (but {', '.join(f'{k} {_num(r.parts[k])} against {_num(b.parts[k])}' for k in short)})" if short else ""
+        return (f"{head}: far range {unit} {_num(r.far)} against {_num(b.far)} for {self.baseline_name}{behind}; "
                 f"original range {_num(r.original)} against {_num(b.original)} ({change})")
 
     def to_dict(self) -> dict[str, Any]:
@@ -107,6 +114,12 @@ def beats(value: float, baseline: float, margin: float, *, higher: bool = False)
     if higher:
         return value > baseline and (1 - value) <= (1 - margin) * (1 - baseline)
     return value <= (1 - margin) * baseline
+
+
+def shortfalls(reading: Reading, baseline: Reading, margin: float) -> list[str]:
+    """The parts of ``reading``'s far range that do not beat the baseline's same part by ``margin``."""
+    return [name for name, value in reading.parts.items()
+            if name in baseline.parts and not beats(value, baseline.parts[name], margin, higher=baseline.higher)]
 
 
 def holds(value: float, baseline: float, tolerance: float, *, higher: bool = False) -> bool:

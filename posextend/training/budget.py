@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from posextend.errors import TrainingError
-from posextend.scoring.verdict import Point, Reading, Verdict, beats, holds
+from posextend.scoring.verdict import Point, Reading, Verdict
 
 _UNITS = {"s": 1, "sec": 1, "second": 1, "seconds": 1, "m": 60, "min": 60, "minute": 60, "minutes": 60,
           "h": 3600, "hour": 3600, "hours": 3600}
@@ -144,8 +144,7 @@ class Judge:
         self.curve.append(Point(step, round(self.elapsed(), 2), reading.far, reading.original))
         if self.baseline is None:
             return False
-        won = (beats(reading.far, self.baseline.far, self.margin, higher=self.baseline.higher)
-               and holds(reading.original, self.baseline.original, self.tolerance, higher=self.baseline.higher))
+        won = Verdict(self.baseline, reading, self.baseline_name, margin=self.margin, tolerance=self.tolerance).worth_it
         self.wins = self.wins + 1 if won and step > 0 else 0
         return self.early and self.wins >= 2
 

@@ -221,8 +221,9 @@ class Contrastive(Objective):
     def _read(self, run: RunContext, model: torch.nn.Module, *, chunk: bool) -> Reading | None:
         """Accuracy@1 of passkey and needle retrieval (:mod:`posextend.scoring.retrieval`, both protocols) over
         the tasks of :meth:`_tasks`: ``far`` on documents of the run's length (read in chunks of the old
-        length with ``chunk``, else whole), ``original`` on the same tasks at the old length (read whole).
-        None when the run does not extend or the held-out text holds no task."""
+        length with ``chunk``, else whole), ``original`` on the same tasks at the old length (read whole);
+        ``parts``: the far range task by task (``"varied needle"``), each of which must beat chunk-and-average's
+        for the run to be worth it. None when the run does not extend or the held-out text holds no task."""
         from posextend.scoring.retrieval import accuracy
 
         if run.old_length >= run.length:
@@ -234,13 +235,16 @@ class Contrastive(Objective):
         model.eval()
         read = dict(tokenizer=run.tokenizer, device=run.accelerator.device)
         try:
-            far = accuracy(model, far_tasks, mode="chunk" if chunk else "full",
-                           max_tokens=run.old_length if chunk else run.length, **read)
+            parts = {f"{t.haystack} {t.name}": accuracy(model, [t], mode="chunk" if chunk else "full",
+                                                        max_tokens=run.old_length if chunk else run.length, **read)
+                     for t in far_tasks}
             original = accuracy(model, original_tasks, mode="full", max_tokens=run.old_length, **read)
         finally:
             model.train(was_training)
         names = "/".join(dict.fromkeys(t.name for t in far_tasks))
-        return Reading(far=far, original=original, metric=f"{names} accuracy@1", higher=True)
+        queries = {f"{t.haystack} {t.name}": len(t.queries) for t in far_tasks}
+        far = sum(parts[k] * n for k, n in queries.items()) / sum(queries.values())  # every query's hit, averaged
+        return Reading(far=far, original=original, metric=f"{names} accuracy@1", higher=True, parts=parts)
 
     def _tasks(self, run: RunContext) -> tuple[list, list]:
         """The verdict's passkey and needle tasks (shared and varied haystacks), ``eval_sequences`` documents each,
