@@ -30,7 +30,7 @@ class Reading:
     """Held-out scores of one model: ``far`` (the far range) and ``original`` (the first ``old`` positions),
     both in ``metric`` (a perplexity, lower is better; or an accuracy, ``higher`` is better). ``parts``: the
     far range task by task, when it is several (an embedding model's passkey and needle, each protocol),
-    ``far`` their mean: each must beat the baseline's own part too (:func:`shortfalls`)."""
+    ``far`` their mean: none may be worse than the baseline's own part (:func:`shortfalls`)."""
 
     far: float
     original: float
@@ -78,9 +78,10 @@ class Verdict:
 
     @property
     def far_wins(self) -> bool:
-        """The far range beats the baseline's by the margin, and so does each of its parts."""
+        """The far range beats the baseline's by the margin, and none of its parts is worse than the baseline's
+        (beyond the tolerance): a mean that wins must not hide a task that loses."""
         return (beats(self.reading.far, self.baseline.far, self.margin, higher=self.baseline.higher)
-                and not shortfalls(self.reading, self.baseline, self.margin))
+                and not shortfalls(self.reading, self.baseline, self.tolerance))
 
     @property
     def original_holds(self) -> bool:
@@ -96,7 +97,7 @@ class Verdict:
         b, r, unit = self.baseline, self.reading, self.baseline.metric
         head = "worth it" if self.worth_it else ("not yet worth it" + (" within the budget" if self.budget else ""))
         change = f"{100 * self.original_change:+.1f}%"
-        short = shortfalls(r, b, self.margin)
+        short = shortfalls(r, b, self.tolerance)
         behind = f" (but {', '.join(f'{k} {_num(r.parts[k])} against {_num(b.parts[k])}' for k in short)})" if short else ""
         return (f"{head}: far range {unit} {_num(r.far)} against {_num(b.far)} for {self.baseline_name}{behind}; "
                 f"original range {_num(r.original)} against {_num(b.original)} ({change})")
@@ -116,10 +117,11 @@ def beats(value: float, baseline: float, margin: float, *, higher: bool = False)
     return value <= (1 - margin) * baseline
 
 
-def shortfalls(reading: Reading, baseline: Reading, margin: float) -> list[str]:
-    """The parts of ``reading``'s far range that do not beat the baseline's same part by ``margin``."""
+def shortfalls(reading: Reading, baseline: Reading, tolerance: float) -> list[str]:
+    """The parts of ``reading``'s far range worse than the baseline's same part by more than ``tolerance``
+    (two that both fail a task, at its floor, are even)."""
     return [name for name, value in reading.parts.items()
-            if name in baseline.parts and not beats(value, baseline.parts[name], margin, higher=baseline.higher)]
+            if name in baseline.parts and not holds(value, baseline.parts[name], tolerance, higher=baseline.higher)]
 
 
 def holds(value: float, baseline: float, tolerance: float, *, higher: bool = False) -> bool:

@@ -222,8 +222,8 @@ class Contrastive(Objective):
         """Accuracy@1 of passkey and needle retrieval (:mod:`posextend.scoring.retrieval`, both protocols) over
         the tasks of :meth:`_tasks`: ``far`` on documents of the run's length (read in chunks of the old
         length with ``chunk``, else whole), ``original`` on the same tasks at the old length (read whole);
-        ``parts``: the far range task by task (``"varied needle"``), each of which must beat chunk-and-average's
-        for the run to be worth it. None when the run does not extend or the held-out text holds no task."""
+        ``parts``: the far range task by task (``"varied needle"``), none of which may be worse than
+        chunk-and-average's for the run to be worth it. None when the run does not extend or the held-out text holds no task."""
         from posextend.scoring.retrieval import accuracy
 
         if run.old_length >= run.length:
