@@ -14,7 +14,7 @@ from posextend.cli import app
 from posextend.errors import DataError, TrainingError
 from posextend.scoring.by_position import position_losses
 from posextend.scoring.text import pack, read_documents
-from posextend.scoring.verdict import Reading, Verdict, beats, far_start, holds
+from posextend.scoring.verdict import Reading, Verdict, beats, far_start, holds, plot_verdict
 from posextend.training.budget import Budget, Judge, Schedule, parse_budget
 from posextend.training.heldout import split_documents
 from posextend.training.loop import finetune
@@ -59,7 +59,7 @@ def test_beats_and_holds_for_a_perplexity_and_an_accuracy():
     assert far_start(256, 64) == 128 and far_start(96, 64) == 64
 
 
-def test_a_far_range_of_several_tasks_is_worth_it_only_when_no_task_is_worse_than_the_baselines():
+def test_a_far_range_of_several_tasks_is_worth_it_only_when_no_task_is_worse_than_the_baselines(tmp_path):
     """An embedding model's far range is passkey and needle, each protocol: a mean that wins can hide a task that
     loses to chunk-and-average, so that task holds the verdict (and the run's stop) back, and the text names it;
     a task both read equally (at its floor) does not."""
@@ -76,6 +76,8 @@ def test_a_far_range_of_several_tasks_is_worth_it_only_when_no_task_is_worse_tha
     judge = Judge(parse_budget("100s"), early=True, baseline=base)
     assert not any(judge.record(step, mixed) for step in (1, 2, 3))  # never a win: the run goes on
     assert not judge.record(4, both) and judge.record(5, both)
+    assert judge.curve[0].parts == mixed.parts and judge.curve[-1].parts == both.parts  # each task's curve, plotted
+    assert plot_verdict(judge.verdict(both), tmp_path / "parts.png").stat().st_size > 10_000
     assert json.loads(json.dumps(Verdict(base, mixed, "x").to_dict()))["reading"]["parts"]["varied needle"] == 0.2
 
 

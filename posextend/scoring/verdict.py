@@ -44,12 +44,13 @@ class Reading:
 
 @dataclass(frozen=True)
 class Point:
-    """The reading at one step of a run (the curve a verdict plots)."""
+    """The reading at one step of a run (the curve a verdict plots), the far range's parts too."""
 
     step: int
     seconds: float
     far: float
     original: float
+    parts: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -136,8 +137,8 @@ def _num(x: float) -> str:
 
 
 def plot_verdict(verdict: Verdict, path: Any, reports: dict[str, Any] | None = None) -> Any:
-    """The run's curve: the far and original ranges at each held-out check against the baseline's (dashed),
-    titled with the verdict; with ``reports`` (label: :class:`~posextend.scoring.by_position.EvalReport`), a
+    """The run's curve: the far and original ranges at each held-out check against the baseline's (dashed), and
+    the far range's parts, thin, against theirs (dotted), titled with the verdict; with ``reports`` (label: :class:`~posextend.scoring.by_position.EvalReport`), a
     first panel of the score by position (before and after)."""
     from pathlib import Path
 
@@ -162,6 +163,9 @@ def plot_verdict(verdict: Verdict, path: Any, reports: dict[str, Any] | None = N
         ax.plot(steps, [getattr(p, name) for p in verdict.curve], marker=".", color=color, label=f"{name} range")
         ax.axhline(getattr(verdict.baseline, name), color=color, linestyle="--", linewidth=1,
                    label=f"{name} range, {verdict.baseline_name}")
+    for (name, value), color in zip(verdict.baseline.parts.items(), ("C2", "C4", "C5", "C6", "C8", "C9")):  # not red, blue
+        ax.plot(steps, [p.parts.get(name, math.nan) for p in verdict.curve], color=color, linewidth=0.8, label=name)
+        ax.axhline(value, color=color, linestyle=":", linewidth=0.8)
     ax.set(xlabel="step", ylabel=verdict.baseline.metric)
     ax.set_title(("worth it" if verdict.worth_it else "not yet worth it") + f": far x{verdict.far_ratio:.3f} of the "
                  f"baseline, original {100 * verdict.original_change:+.1f}%", fontsize=10)

@@ -141,7 +141,7 @@ class Judge:
         self._last_check = self.elapsed()
         if reading is None:
             return False
-        self.curve.append(Point(step, round(self.elapsed(), 2), reading.far, reading.original))
+        self.curve.append(Point(step, round(self.elapsed(), 2), reading.far, reading.original, dict(reading.parts)))
         if self.baseline is None:
             return False
         won = Verdict(self.baseline, reading, self.baseline_name, margin=self.margin, tolerance=self.tolerance).worth_it
