@@ -167,7 +167,10 @@ def plot_verdict(verdict: Verdict, path: Any, reports: dict[str, Any] | None = N
         ax.plot(steps, [p.parts.get(name, math.nan) for p in verdict.curve], color=color, linewidth=0.8, label=name)
         ax.axhline(value, color=color, linestyle=":", linewidth=0.8)
     ax.set(xlabel="step", ylabel=verdict.baseline.metric)
-    ax.set_title(("worth it" if verdict.worth_it else "not yet worth it") + f": far x{verdict.far_ratio:.3f} of the "
-                 f"baseline, original {100 * verdict.original_change:+.1f}%", fontsize=10)
+    b, r = verdict.baseline, verdict.reading
+    far = (f"far {r.far - b.far:+.3f} over the baseline" if b.higher  # an accuracy: a ratio of them means little
+           else f"far x{verdict.far_ratio:.3f} of the baseline")
+    ax.set_title(("worth it" if verdict.worth_it else "not yet worth it") + f": {far}, original "
+                 f"{100 * verdict.original_change:+.1f}%", fontsize=10)
     ax.legend(fontsize="x-small")
     return _save(fig, Path(path), plt)
