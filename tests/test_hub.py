@@ -281,7 +281,8 @@ def test_a_hub_source_is_recorded_by_its_id_at_its_commit_and_found_again_by_the
     the anchor of a later fine-tune looks it up there, offline from the cache, and says so where it cannot."""
     hub.repos["org/tiny-gpt2"], _ = _repo(gpt, tmp_path / "repo")
     home, resized = tmp_path / "hf-home", tmp_path / "resized"
-    r = posextend_cli(hub, home, "resize-model", "org/tiny-gpt2", resized, "--length", "64", "--strategy", "interpolate")
+    r = posextend_cli(hub, home, "resize-model", "org/tiny-gpt2", resized, "--length", "64",
+                      "--strategy", "interpolate")
     assert r.returncode == 0, r.stderr
     meta = Checkpoint.of(resized).provenance
     assert (meta["posextend.source"], meta["posextend.source_revision"]) == ("org/tiny-gpt2", COMMIT)

@@ -99,7 +99,8 @@ class Verdict:
         head = "worth it" if self.worth_it else ("not yet worth it" + (" within the budget" if self.budget else ""))
         change = f"{100 * self.original_change:+.1f}%"
         short = shortfalls(r, b, self.tolerance)
-        behind = f" (but {', '.join(f'{k} {_num(r.parts[k])} against {_num(b.parts[k])}' for k in short)})" if short else ""
+        behind = ", ".join(f"{k} {_num(r.parts[k])} against {_num(b.parts[k])}" for k in short)
+        behind = f" (but {behind})" if short else ""
         return (f"{head}: far range {unit} {_num(r.far)} against {_num(b.far)} for {self.baseline_name}{behind}; "
                 f"original range {_num(r.original)} against {_num(b.original)} ({change})")
 
@@ -138,8 +139,8 @@ def _num(x: float) -> str:
 
 def plot_verdict(verdict: Verdict, path: Any, reports: dict[str, Any] | None = None) -> Any:
     """The run's curve: the far and original ranges at each held-out check against the baseline's (dashed), and
-    the far range's parts, thin, against theirs (dotted), titled with the verdict; with ``reports`` (label: :class:`~posextend.scoring.by_position.EvalReport`), a
-    first panel of the score by position (before and after)."""
+    the far range's parts, thin, against theirs (dotted), titled with the verdict; with ``reports`` (label:
+    :class:`~posextend.scoring.by_position.EvalReport`), a first panel of the score by position (before and after)."""
     from pathlib import Path
 
     from posextend.scoring.analysis import _pyplot, _save
@@ -163,7 +164,8 @@ def plot_verdict(verdict: Verdict, path: Any, reports: dict[str, Any] | None = N
         ax.plot(steps, [getattr(p, name) for p in verdict.curve], marker=".", color=color, label=f"{name} range")
         ax.axhline(getattr(verdict.baseline, name), color=color, linestyle="--", linewidth=1,
                    label=f"{name} range, {verdict.baseline_name}")
-    for (name, value), color in zip(verdict.baseline.parts.items(), ("C2", "C4", "C5", "C6", "C8", "C9")):  # not red, blue
+    colors = ("C2", "C4", "C5", "C6", "C8", "C9")  # not the ranges' red and blue
+    for (name, value), color in zip(verdict.baseline.parts.items(), colors):
         ax.plot(steps, [p.parts.get(name, math.nan) for p in verdict.curve], color=color, linewidth=0.8, label=name)
         ax.axhline(value, color=color, linestyle=":", linewidth=0.8)
     ax.set(xlabel="step", ylabel=verdict.baseline.metric)

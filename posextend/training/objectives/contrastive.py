@@ -223,7 +223,8 @@ class Contrastive(Objective):
         the tasks of :meth:`_tasks`: ``far`` on documents of the run's length (read in chunks of the old
         length with ``chunk``, else whole), ``original`` on the same tasks at the old length (read whole);
         ``parts``: the far range task by task (``"varied needle"``), none of which may be worse than
-        chunk-and-average's for the run to be worth it. None when the run does not extend or the held-out text holds no task."""
+        chunk-and-average's for the run to be worth it. None when the run does not extend or the held-out text
+        holds no task."""
         from posextend.scoring.retrieval import accuracy
 
         if run.old_length >= run.length:
@@ -235,15 +236,15 @@ class Contrastive(Objective):
         model.eval()
         read = dict(tokenizer=run.tokenizer, device=run.accelerator.device)
         try:
-            parts = {f"{t.haystack} {t.name}": accuracy(model, [t], mode="chunk" if chunk else "full",
-                                                        max_tokens=run.old_length if chunk else run.length, **read)
-                     for t in far_tasks}
+            named = {f"{t.haystack} {t.name}": t for t in far_tasks}
+            parts = {k: accuracy(model, [t], mode="chunk" if chunk else "full",
+                                 max_tokens=run.old_length if chunk else run.length, **read) for k, t in named.items()}
             original = accuracy(model, original_tasks, mode="full", max_tokens=run.old_length, **read)
         finally:
             model.train(was_training)
         names = "/".join(dict.fromkeys(t.name for t in far_tasks))
-        queries = {f"{t.haystack} {t.name}": len(t.queries) for t in far_tasks}
-        far = sum(parts[k] * n for k, n in queries.items()) / sum(queries.values())  # every query's hit, averaged
+        queries = sum(len(t.queries) for t in far_tasks)
+        far = sum(parts[k] * len(t.queries) for k, t in named.items()) / queries  # every query's hit, averaged
         return Reading(far=far, original=original, metric=f"{names} accuracy@1", higher=True, parts=parts)
 
     def _tasks(self, run: RunContext) -> tuple[list, list]:
