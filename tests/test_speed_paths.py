@@ -86,6 +86,20 @@ def test_the_default_precision_on_cpu_follows_its_bf16_instructions():
     assert product.dtype == (torch.bfloat16 if expected == "bf16" else torch.float32)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU's choice")
+def test_auto_precision_is_the_launchers_when_accelerate_launch_gives_one(monkeypatch):
+    """``accelerate launch --mixed_precision P`` (or its config file) sets ACCELERATE_MIXED_PRECISION: ``auto`` follows
+    it, here the opposite of what this CPU would pick; a precision given to the run still wins."""
+    own = precision_for("auto", torch.device("cpu"))
+    launcher = "no" if own == "bf16" else "bf16"
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", launcher)
+    assert make_accelerator("auto", 1).mixed_precision == launcher
+    assert make_accelerator(own, 1).mixed_precision == own
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp8")
+    with pytest.raises(TrainingError, match="launch with no, fp16 or bf16"):
+        make_accelerator("auto", 1)
+
+
 @pytest.mark.parametrize("precision", ["no", "bf16"])
 def test_the_run_says_what_precision_its_steps_computed_in(gpt, corpus, tmp_path, precision):
     """bf16 autocast on CPU (what ``auto`` picks on a CPU with bf16 instructions) trains; the report, its JSON and the

@@ -68,9 +68,9 @@ class FinetuneConfig:
     - ``save_adapter``: with ``lora``, also write the adapter as peft saves it, to ``DST/adapter``.
     - ``lr``: learning rate (by train mode and the table's width: see the objectives).
     - ``schedule``: after a 10% linear warm-up, ``constant`` or ``cosine`` down to 10% of ``lr``.
-    - ``batch_size`` (per process), ``grad_accum``, ``mixed_precision`` (``auto``: bf16 where the device computes
-      it natively, a GPU of Ampere or later or a CPU with AVX512-BF16 or AMX, else ``no``; or ``no``, ``fp16``,
-      ``bf16``), ``gradient_checkpointing`` (also turned on by itself when the first step runs out of GPU memory).
+    - ``batch_size`` (per process), ``grad_accum``, ``mixed_precision`` (``auto``: the launcher's when
+      ``accelerate launch`` gives one, else bf16 where the device computes it natively, a GPU of Ampere or later
+      or a CPU with AVX512-BF16 or AMX, else ``no``; or ``no``, ``fp16``, ``bf16``), ``gradient_checkpointing`` (also turned on by itself when the first step runs out of GPU memory).
     - ``eval_every``: held-out evaluation every N steps (0: before and after only); ``save_every``:
       resumable state to ``DST.state/`` every N steps; ``resume``: continue from it.
     - ``seed``: data order, masking and strategies.
@@ -123,8 +123,8 @@ class FinetuneConfig:
     grad_accum: int = _option(1, "Micro-batches per optimizer step (a larger batch in the same memory).",
                               panel=TRAINING)
     mixed_precision: Literal["auto", "no", "fp16", "bf16"] = _option(
-        "auto", "Compute in half precision: auto (bf16 on a GPU or CPU that computes it natively, else no), no, fp16 "
-        "or bf16 (through accelerate).", metavar="NAME", panel=TRAINING)
+        "auto", "Compute in half precision: auto (the launcher's under accelerate launch, else bf16 on a GPU or CPU "
+        "that computes it natively, else no), no, fp16 or bf16 (through accelerate).", metavar="NAME", panel=TRAINING)
     gradient_checkpointing: bool = _option(
         False, "Use less memory for more compute (recompute activations; on a GPU, turned on by itself when the "
         "first step does not fit).", panel=TRAINING)

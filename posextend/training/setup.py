@@ -70,8 +70,9 @@ def make_accelerator(mixed_precision: str, grad_accum: int, *, unused_parameters
 
     Without a GPU, processes started by ``torchrun`` / ``accelerate launch --multi_gpu`` form a
     CPU (gloo) group; accelerate alone would make each of them a separate one-process run.
-    ``mixed_precision``: ``auto`` is bf16 autocast on the device accelerate picks when it computes
-    bf16 natively, else none (:func:`precision_for`).
+    ``mixed_precision``: ``auto`` is the launcher's (``accelerate launch --mixed_precision``, or its config
+    file) when it gives one, else bf16 autocast on the device accelerate picks when it computes bf16
+    natively, else none (:func:`precision_for`); any other value is used as it is.
     ``unused_parameters``: some trainable parameters get no gradient (a sentence-transformers
     model's unused pooler), which DistributedDataParallel must be told.
     """
@@ -82,7 +83,14 @@ def make_accelerator(mixed_precision: str, grad_accum: int, *, unused_parameters
 
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     cpu_group = launched > 1 and not torch.cuda.is_available()
-    if mixed_precision == "auto":  # for the device accelerate picks (the state it sets up is the Accelerator's)
+    launcher = os.environ.get("ACCELERATE_MIXED_PRECISION")  # accelerate launch's --mixed_precision or config file
+    if mixed_precision == "auto" and launcher:
+        if launcher not in ("no", "fp16", "bf16"):
+            raise TrainingError(f"The launcher asks for {launcher} precision, which posextend does not train in: "
+                                "launch with no, fp16 or bf16.")
+        mixed_precision = launcher
+        log.info("Mixed precision: %s (the launcher's)", mixed_precision)
+    elif mixed_precision == "auto":  # for the device accelerate picks (the state it sets up is the Accelerator's)
         mixed_precision = precision_for(mixed_precision, PartialState(cpu=cpu_group).device)
         log.info("Mixed precision: %s (auto)", mixed_precision)
     _state_for(mixed_precision)
