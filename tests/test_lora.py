@@ -155,6 +155,8 @@ def _capture(monkeypatch) -> dict:
     def spy_save(run, *args):
         seen["reference"] = run.reference
         seen["lr"] = run.config.lr
+        group = {id(q): g["initial_lr"] for g in run.optimizer.param_groups for q in g["params"]}
+        seen["lrs"] = {n: group[id(q)] for n, q in run.unwrapped.named_parameters() if q.requires_grad}
         return save(run, *args)
 
     monkeypatch.setattr(adapters, "merge", spy_merge)
@@ -199,6 +201,10 @@ def test_the_default_lr_and_strategy_of_lora(gpt, corpus, tmp_path, monkeypatch)
     report = finetune(gpt, tmp_path / "out", [corpus], length=64, train="lora", steps=1, gradient_checkpointing=True,
                       **QUICK)
     assert report.lr == seen["lr"] == 2e-3 and report.strategy == "interpolate" and report.schedule == "cosine"
+    whole = {n: lr for n, lr in seen["lrs"].items() if ".modules_to_save." in n}  # the table and norms, whole
+    assert any(".wpe." in n for n in whole) and any(".ln_" in n for n in whole)
+    assert set(whole.values()) == {adapters.WHOLE_LR * 2e-3} and 0 < adapters.WHOLE_LR < 1
+    assert {lr for n, lr in seen["lrs"].items() if n not in whole} == {2e-3}  # LoRA's matrices
     load_clean(tmp_path / "out", transformers.AutoModelForCausalLM)
 
 

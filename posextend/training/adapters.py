@@ -8,7 +8,8 @@ position embeddings and the norms trainable it does not. So a ``lora`` run train
   layer of the attention blocks (:func:`attention_projections`: q, k, v and o, as LongLoRA), found by module type;
   a model without one is refused;
 - the position table(s) the family's spec names (the run's tables, whole), as peft ``modules_to_save``;
-- every normalisation layer (:func:`is_norm`: found by module type, not by name), as ``modules_to_save``.
+- every normalisation layer (:func:`is_norm`: found by module type, not by name), as ``modules_to_save``;
+- the tables and norms, trained whole, at :data:`WHOLE_LR` of LoRA's lr (:func:`param_groups`).
 
 The adapter goes on the transformers model that holds the table (a sentence-transformers model's first
 module), in place: the objective still calls the model it loaded. The output is merged
@@ -43,6 +44,10 @@ DROPOUT = 0.0  # posextend's language models train without dropout
 # rest frozen, rather than at zero. In the time of `all`'s 150 steps it read the grid's far range at 1.016 of `all`'s
 # on 2x128 and 1.040 on 4x192, against 1.034 and 1.059 from zero (benchmarks/lora.py)
 INIT = "pissa_niter_4"
+# the table(s) and norms are trained whole, as under `all`, so they take a whole weight's step: half LoRA's lr (a
+# causal LM's: 1e-3, `all`'s). benchmarks/lora.py, in the time of `all`'s 150 steps, far range over `all`'s: 2x128
+# 1.006 against 1.016 at LoRA's lr, 1.018 against 1.030 on the novel kept aside; a quarter read as half, 3x 1.049
+WHOLE_LR = 0.5
 # torch's normalisation layers; a model's own classes (LlamaRMSNorm, T5LayerNorm) are found by their type's name
 _TORCH_NORMS = (torch.nn.LayerNorm, torch.nn.GroupNorm, torch.nn.RMSNorm, torch.nn.modules.batchnorm._NormBase)
 
@@ -142,6 +147,15 @@ def add_lora(model: torch.nn.Module, tables: Sequence[torch.nn.Parameter], *, in
              "parameters, %.2f%% of %s", rank, len(targets), ", ".join(sorted({n.rpartition(".")[2] for n in targets})),
              len(tables), len(saved) - len(tables), f"{trainable:,}", 100 * trainable / total, f"{total:,}")
     return Lora(adapter, _lora_matrices(adapter) if init is not True else {})
+
+
+def param_groups(lora: Lora, lr: float) -> list[dict[str, Any]]:
+    """The optimizer's parameter groups of a model adapted by :func:`add_lora`: LoRA's matrices at ``lr``, the
+    modules trained whole (the tables and norms, peft's ``modules_to_save``) at :data:`WHOLE_LR` × ``lr``."""
+    trained = [(n, p) for n, p in lora.peft.named_parameters() if p.requires_grad]
+    whole = [p for n, p in trained if ".modules_to_save." in n]
+    adapted = [p for n, p in trained if ".modules_to_save." not in n]
+    return [{"params": adapted, "lr": lr}, {"params": whole, "lr": WHOLE_LR * lr}]
 
 
 def _lora_matrices(adapter: Any) -> dict[str, torch.Tensor]:

@@ -22,6 +22,7 @@ from posextend.files.checkpoint import Checkpoint
 from posextend.resize.plan import Request
 from posextend.scoring.by_position import EvalReport
 from posextend.scoring.verdict import Reading
+from posextend.training.adapters import add_lora, param_groups
 from posextend.training.budget import Budget, Judge, Schedule
 from posextend.training.context import RunContext
 from posextend.training.loading import AnchorOriginal, Loaded, anchor_original
@@ -186,7 +187,8 @@ def setup(checkpoint: Checkpoint, dst: Path, data: Sequence[str | Path], config:
     set_seed(config.seed)
     adapter = _lora(loaded, tables, accelerator) if config.train == "lora" else None  # seeded: LoRA's init
     schedule = Schedule(config.steps or chosen.steps, config.schedule)  # its steps are the budget's, once known
-    optimizer = _adamw([p for p in model.parameters() if p.requires_grad], config.lr)
+    optimizer = _adamw(param_groups(adapter, config.lr) if adapter else
+                       [p for p in model.parameters() if p.requires_grad], config.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     prepared, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     run = Run(accelerator=accelerator, model=prepared, unwrapped=accelerator.unwrap_model(prepared),
@@ -260,8 +262,6 @@ def _baseline(run: Run, source: torch.nn.Module | None) -> tuple[Reading, str] |
 
 def _lora(loaded: Loaded, tables: list[torch.nn.Parameter], accelerator) -> Any:
     """LoRA on the model that holds the tables, in place, with the tables and norms trainable."""
-    from posextend.training.adapters import add_lora
-
     if accelerator.distributed_type.value in ("FSDP", "DEEPSPEED"):
         raise TrainingError("A LoRA run is merged into the model on one process, which sharded training (FSDP, "
                             "DeepSpeed) does not hold whole; use data parallel training, or train every parameter.")
@@ -403,11 +403,12 @@ def fit_in_memory(run: Run, hf_model: torch.nn.Module, train: Callable[[], T]) -
     return train()
 
 
-def _adamw(params: list[torch.nn.Parameter], lr: float) -> torch.optim.Optimizer:
-    """AdamW without weight decay: fused where this torch has the kernel (CUDA; CPU since torch 2.4, where
-    its step took 14-20 ms against foreach's 91 ms for a 16M-parameter GPT-2 on one core; Trainer's default
-    too), else foreach. It is made before accelerate moves the model to its device: parameters move in place,
-    so the optimizer steps them there with that device's fused kernel."""
+def _adamw(params: list[torch.nn.Parameter] | list[dict[str, Any]], lr: float) -> torch.optim.Optimizer:
+    """AdamW without weight decay (``params``: parameters, or groups of them with their own lr): fused where
+    this torch has the kernel (CUDA; CPU since torch 2.4, where its step took 14-20 ms against foreach's 91 ms
+    for a 16M-parameter GPT-2 on one core; Trainer's default too), else foreach. It is made before accelerate
+    moves the model to its device: parameters move in place, so the optimizer steps them there with that device's
+    fused kernel."""
     try:
         return torch.optim.AdamW(params, lr=lr, weight_decay=0.0, fused=True)
     except (RuntimeError, TypeError):  # an older torch, or a device without the fused kernel
