@@ -70,7 +70,8 @@ class FinetuneConfig:
     - ``schedule``: after a 10% linear warm-up, ``constant`` or ``cosine`` down to 10% of ``lr``.
     - ``batch_size`` (per process), ``grad_accum``, ``mixed_precision`` (``auto``: the launcher's when
       ``accelerate launch`` gives one, else bf16 where the device computes it natively, a GPU of Ampere or later
-      or a CPU with AVX512-BF16 or AMX, else ``no``; or ``no``, ``fp16``, ``bf16``), ``gradient_checkpointing`` (also turned on by itself when the first step runs out of GPU memory).
+      or a CPU with AVX512-BF16 or AMX, else ``no``; or ``no``, ``fp16``, ``bf16``), ``gradient_checkpointing``
+      (also turned on by itself when the first step runs out of GPU memory).
     - ``eval_every``: held-out evaluation every N steps (0: before and after only); ``save_every``:
       resumable state to ``DST.state/`` every N steps; ``resume``: continue from it.
     - ``seed``: data order, masking and strategies.
