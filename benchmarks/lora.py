@@ -41,7 +41,7 @@ from quality_grid import HELDOUT, SIZES, perplexities, source_scores
 import posextend
 from posextend.scoring.text import pack, read_documents
 import posextend.training.adapters as adapters
-from posextend.training.adapters import RANK, WHOLE_LR, add_lora, trainable_share
+from posextend.training.adapters import RANK, add_lora, trainable_share
 from posextend.training.loop import finetune
 
 FACTOR = 4
@@ -90,8 +90,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="the quick grid's model and few steps (a smoke run)")
     ap.add_argument("--steps", type=int, help="steps of --train all; their time is the budget (default: 150; --quick 12)")
     ap.add_argument("--lora-lr", type=float, nargs="+", default=[2e-3], help="lrs of --train lora (default: 2e-3, lora's)")
-    ap.add_argument("--whole-lr", type=float, nargs="+", default=[WHOLE_LR],
-                    help=f"the lr of the table and norms under lora, over LoRA's (default: {WHOLE_LR:g}, lora's)")
+    default_whole = adapters.WHOLE_LR
+    ap.add_argument("--whole-lr", type=float, nargs="+", default=[default_whole],
+                    help=f"the lr of the table and norms under lora, over LoRA's (default: {default_whole:g}, lora's)")
     ap.add_argument("--size", choices=sorted(SIZES["full"]), default="2x128", help="the grid's model (default: 2x128)")
     ap.add_argument("--heldout", nargs=2, default=HELDOUT, metavar=("SCORED", "ASIDE"),
                     help="two files in --data never trained on; the first is scored (default: the grid's: emma.txt "
@@ -122,7 +123,7 @@ def main() -> None:
     probe = median(step_durations(ref, work / "probe", train_files, PROBE, train="lora", **common)[0])
     budget, rows = 0.0, []
     for label, kwargs, whole in runs:  # all first: its CPU seconds are the budget
-        adapters.WHOLE_LR = WHOLE_LR if whole is None else whole
+        adapters.WHOLE_LR = default_whole if whole is None else whole  # read by each run's optimizer
         n = steps if kwargs["train"] == "all" else max(1, round(budget / probe))
         for attempt in range(RETRIES + 1):
             durations, seconds = step_durations(ref, work / "run", train_files, n, **common, **kwargs)
@@ -142,6 +143,7 @@ def main() -> None:
                      "far_window": far / source["far_window"]})
         print(f"  {label}: {n} steps ({median(durations):.3f} CPU s each, {seconds:.0f} s wall-clock), far {far:.2f}, "
               f"original {original:.2f}", flush=True)
+    adapters.WHOLE_LR = default_whole
     shutil.rmtree(work, ignore_errors=True)
     share_rows = shares(ref)
     text = table(rows, source, budget, share_rows)
