@@ -101,6 +101,23 @@ def _quarters(depths):
     return groups
 
 
+@pytest.mark.parametrize("haystack", ["shared", "varied"])
+def test_no_query_names_another_documents_key(tok, ids, haystack):
+    """As in LongEmbed, 50 keys name 50 people and 50 places, no two sharing a word: each query's subject is
+    in its own key and in no other. (The varied protocol once named 26 places, then "Lyon 2": a query for
+    Lyon named two keys, and a model that found the place could still pick the other.)"""
+    from posextend.scoring.retrieval import make_task
+
+    for task, before in (("passkey", " for "), ("needle", " in ")):
+        built = make_task(tok, ids, task, 200, n=50, seed=0, haystack=haystack)
+        subjects = [set(q.rsplit(before, 1)[-1].removesuffix("?").lower().split()) for q in built.queries]
+        keys = [set(tok.decode(k).replace(".", " ").replace("'", " ").split()) for k in built.keys]
+        assert all(len(s) == (2 if task == "passkey" else 1) for s in subjects)
+        for i, subject in enumerate(subjects):
+            assert subject <= keys[i]
+            assert [j for j, key in enumerate(keys) if j != i and subject & key] == []
+
+
 def test_varied_is_the_old_protocol_unchanged(tok, ids):
     from posextend.scoring.retrieval import make_task
 

@@ -1,11 +1,12 @@
 """Long-document retrieval for embedding models, in LongEmbed's style (arXiv 2404.12096).
 
 :func:`make_task` builds ``n`` documents of exactly ``length`` tokens, each with one key sentence
-(``passkey``: "Ada Hugoson's pass key is 48151. Remember it. 48151 is the pass key for Ada Hugoson.",
-asked as "what is the passkey for Ada Hugoson?", LongEmbed's wording; ``needle``: "The best thing to
+(``passkey``: "Joyce Jenkins's pass key is 48151. Remember it. 48151 is the pass key for Joyce Jenkins.",
+asked as "what is the passkey for Joyce Jenkins?", LongEmbed's wording; ``needle``: "The best thing to
 do in Lyon is to watch the boats."). Query ``i`` asks for document ``i``'s key; the score is
-accuracy@1 over all ``n`` documents of that length. Documents are token ids, so their length is
-exact.
+accuracy@1 over all ``n`` documents of that length. As in LongEmbed, up to 50 keys name 50 people and
+50 places, no two sharing a word, so a query names one document's key and no other's. Documents are
+token ids, so their length is exact.
 
 Two protocols (``haystack``):
 
@@ -14,7 +15,7 @@ Two protocols (``haystack``):
   LongEmbed's filler (:data:`PASSKEY_FILLER` repeated); the needle haystack is one span of the
   given corpus. Keys sit at depths spread evenly from the start (0) to the end (1).
 * ``"varied"``: every document is its own span of the corpus, the key at a random depth (the
-  passkey worded "The pass key for Ada Hugoson is 48151. …", as this package's first protocol). Harder
+  passkey worded "The pass key for Joyce Jenkins is 48151. …", as this package's first protocol). Harder
   to read across papers (documents also differ in their text), easier for a model that only
   matches topics.
 
@@ -46,17 +47,11 @@ HAYSTACKS = {
 }
 #: LongEmbed's passkey haystack: this text, repeated to the document's length.
 PASSKEY_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
-_NAMES = ("Ada", "Basil", "Clara", "Dmitri", "Elena", "Farid", "Greta", "Hugo", "Ines", "Jonas", "Kira", "Lars",
-          "Mina", "Nils", "Olga", "Pavel", "Quinn", "Rosa", "Stefan", "Tara", "Umar", "Vera", "Wim", "Xenia", "Yusuf",
-          "Zora")
-_PLACES = ("Lyon", "Porto", "Bergen", "Krakow", "Sevilla", "Gdansk", "Ghent", "Trieste", "Tallinn", "Bologna", "Dundee",
-           "Utrecht", "Malmo", "Salzburg", "Lucerne", "Aarhus", "Cork", "Bilbao", "Turku", "Graz", "Lille", "Brno",
-           "Split", "Nantes", "Riga", "Basel")
 _ACTIVITIES = ("watch the boats on the river", "eat warm bread at the market", "climb the old tower at dawn",
                "read in the public garden", "listen to the bells at noon", "walk along the harbour wall",
                "ride the tram to the last stop", "buy figs from the corner stall", "swim in the cold lake",
                "sketch the cathedral doors")
-# LongEmbed's protocol asks for 50 keys a length, each a different person or place: no two share a word
+# 50 keys a length, as in LongEmbed, each a different person or place: no two share a word (:func:`_subject`)
 _FIRST = ("Joyce", "Nathan", "Scarlett", "Esmeralda", "Avery", "Malcolm", "Felicity", "Madelyn", "Brittany", "Archer",
           "Bryson", "Stella", "Cohen", "Maverick", "Beatrice", "Desmond", "Harriet", "Ignatius", "Josephine", "Leopold",
           "Marigold", "Octavia", "Percival", "Rosalind", "Sebastian", "Theodora", "Ulysses", "Violet", "Winston",
@@ -69,21 +64,27 @@ _LAST = ("Jenkins", "Munoz", "Kirk", "Kelly", "Hicks", "Kent", "Stephens", "Garn
          "Jorgensen", "Kowalski", "Lindqvist", "Montgomery", "Nakamura", "Okafor", "Pritchard", "Quintero",
          "Rutherford", "Sandoval", "Takahashi", "Underwood", "Vasquez", "Wainwright", "Xiong", "Yamamoto", "Zimmerman",
          "Abernathy", "Blackwood", "Carmichael", "Delacroix")
-_CITIES = _PLACES + ("Oslo", "Lisbon", "Vienna", "Prague", "Dublin", "Zagreb", "Helsinki", "Warsaw", "Budapest",
-                     "Geneva", "Antwerp", "Marseille", "Naples", "Seville", "Edinburgh", "Copenhagen", "Stockholm",
-                     "Ljubljana", "Vilnius", "Sofia", "Bucharest", "Athens", "Valencia", "Hamburg")
+_CITIES = ("Lyon", "Porto", "Bergen", "Krakow", "Sevilla", "Gdansk", "Ghent", "Trieste", "Tallinn", "Bologna",
+           "Dundee", "Utrecht", "Malmo", "Salzburg", "Lucerne", "Aarhus", "Cork", "Bilbao", "Turku", "Graz", "Lille",
+           "Brno", "Split", "Nantes", "Riga", "Basel", "Oslo", "Lisbon", "Vienna", "Prague", "Dublin", "Zagreb",
+           "Helsinki", "Warsaw", "Budapest", "Geneva", "Antwerp", "Marseille", "Naples", "Bruges", "Edinburgh",
+           "Copenhagen", "Stockholm", "Ljubljana", "Vilnius", "Sofia", "Bucharest", "Athens", "Valencia", "Hamburg")
 TASKS = ("passkey", "needle")
 
 
+def _subject(i: int) -> tuple[str, str]:
+    """Key ``i``'s person and place: 50 people and 50 places, no two of them sharing a word (LongEmbed's rule:
+    a query names its own key's subject and no other key's); from the 51st key on, a number is added
+    ("Lyon 2"), and a query that names "Lyon" names that key too."""
+    name = f"{_FIRST[i % len(_FIRST)]} {_LAST[(i + i // len(_LAST)) % len(_LAST)]}"
+    place = _CITIES[i % len(_CITIES)] + (f" {i // len(_CITIES) + 1}" if i >= len(_CITIES) else "")
+    return name, place
+
+
 def _key(task: str, i: int, rng: random.Random, haystack: Haystack = "varied") -> tuple[str, str]:
-    """(sentence hidden in document ``i``, the query that asks for it); ``shared`` follows LongEmbed:
-    its passkey wording, and keys of different people and places."""
-    if haystack == "shared":  # 50 people and places, none sharing a word with another
-        name = f"{_FIRST[i % len(_FIRST)]} {_LAST[(i + i // len(_LAST)) % len(_LAST)]}"
-        place = _CITIES[i % len(_CITIES)] + (f" {i // len(_CITIES) + 1}" if i >= len(_CITIES) else "")
-    else:
-        name = f"{_NAMES[i % len(_NAMES)]} {_NAMES[(i // len(_NAMES) + 7 * i) % len(_NAMES)]}son"
-        place = f"{_PLACES[i % len(_PLACES)]} {i // len(_PLACES) + 1}" if i >= len(_PLACES) else _PLACES[i]
+    """(sentence hidden in document ``i``, the query that asks for it) about :func:`_subject` ``i``; ``shared``
+    in LongEmbed's passkey wording."""
+    name, place = _subject(i)
     if task == "passkey":
         number = rng.randrange(10_000, 100_000)
         if haystack == "shared":
