@@ -139,7 +139,8 @@ def print_verdict(console: Console, verdict: Any) -> None:
     if verdict.worth_it:
         console.print(f"[green]{verdict.text[:1].upper()}{verdict.text[1:]}[/]", highlight=False)
         return
-    hint = ("give it a larger budget (--budget)" if verdict.budget else "train longer (--budget, or more --steps)")
+    hint = (verdict.advice or ("give it a larger budget (--budget)" if verdict.budget
+                               else "train longer (--budget, or more --steps)"))
     console.print(f"[yellow]{verdict.text[:1].upper()}{verdict.text[1:]}[/]: {hint}.", highlight=False)
 
 

@@ -4,7 +4,11 @@ An extension is worth having only when the model reads a long input better than 
 read the same text in pieces (its own window, or chunks averaged): its *baseline*. A :class:`Reading`
 holds one model's scores on the two ranges that decide it: the *far* range (what the extension adds:
 the last half of the new length, or the new rows below 2x) and the *original* range (the first ``old``
-positions, which must not get worse). A :class:`Verdict` compares a reading with the baseline's.
+positions, which must not get worse). A :class:`Verdict` compares a reading with the baseline's, and with
+its *controls*: the same training without the longer context (the fine-tuned model itself read as the source
+is, through its old window or in chunks; or the source fine-tuned at its own length on the same tokens). Part
+of any gain is the training on the user's kind of text, which the controls get too: only what the far range
+gains over them is the longer context's.
 """
 
 from __future__ import annotations
@@ -44,20 +48,24 @@ class Reading:
 
 @dataclass(frozen=True)
 class Point:
-    """The reading at one step of a run (the curve a verdict plots), the far range's parts too."""
+    """The reading at one step of a run (the curve a verdict plots), the far range's parts too, and the far range
+    of each control read at that check (``controls``: by name; a check reads them only once the baseline is beaten)."""
 
     step: int
     seconds: float
     far: float
     original: float
     parts: dict[str, float] = field(default_factory=dict)
+    controls: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class Verdict:
-    """A reading against its baseline: ``worth_it`` when the far range beats the baseline's by ``margin`` and
-    the original range is within ``tolerance`` of the baseline's. ``budget``: what the run could spend
-    (None: its steps were fixed); ``curve``: the readings along the run."""
+    """A reading against its baseline and its controls: ``worth_it`` when the far range beats the baseline's and
+    every control's by ``margin`` (none of its parts worse than theirs) and the original range is within
+    ``tolerance`` of the baseline's. ``controls``: by name (how it read: "the same model through a 64-token
+    window"), the same training read without the longer context; ``old_length``: the positions without it.
+    ``budget``: what the run could spend (None: its steps were fixed); ``curve``: the readings along the run."""
 
     baseline: Reading
     reading: Reading
@@ -66,6 +74,8 @@ class Verdict:
     tolerance: float = TOLERANCE
     budget: str | None = None
     curve: list[Point] = field(default_factory=list)
+    controls: dict[str, Reading] = field(default_factory=dict)
+    old_length: int | None = None
 
     @property
     def far_ratio(self) -> float:
@@ -81,8 +91,14 @@ class Verdict:
     def far_wins(self) -> bool:
         """The far range beats the baseline's by the margin, and none of its parts is worse than the baseline's
         (beyond the tolerance): a mean that wins must not hide a task that loses."""
-        return (beats(self.reading.far, self.baseline.far, self.margin, higher=self.baseline.higher)
-                and not shortfalls(self.reading, self.baseline, self.tolerance))
+        return wins(self.reading, self.baseline, self.margin, self.tolerance)
+
+    @property
+    def context_loses_to(self) -> str | None:
+        """The first control the far range does not beat as it beats the baseline (None: it beats them all): the
+        gain is then the training's, not the longer context's."""
+        return next((name for name, control in self.controls.items()
+                     if not wins(self.reading, control, self.margin, self.tolerance)), None)
 
     @property
     def original_holds(self) -> bool:
@@ -90,23 +106,43 @@ class Verdict:
 
     @property
     def worth_it(self) -> bool:
-        return self.far_wins and self.original_holds
+        return self.far_wins and self.context_loses_to is None and self.original_holds
 
     @property
     def text(self) -> str:
-        """One line: worth it or not yet, with the numbers that say so."""
+        """One line: worth it or not yet, with the numbers that say so (the controls' beside the baseline's)."""
         b, r, unit = self.baseline, self.reading, self.baseline.metric
-        head = "worth it" if self.worth_it else ("not yet worth it" + (" within the budget" if self.budget else ""))
         change = f"{100 * self.original_change:+.1f}%"
+        original = f"original range {_num(r.original)} against {_num(b.original)} ({change})"
+        lost = self.context_loses_to
+        if self.far_wins and lost is not None:
+            return (f"the fine-tune helped, the longer context did not: far range {unit} {_num(r.far)} with the whole "
+                    f"context against {_num(self.controls[lost].far)} for {lost} ({_num(b.far)} for "
+                    f"{self.baseline_name}); {original}")
+        head = "worth it" if self.worth_it else ("not yet worth it" + (" within the budget" if self.budget else ""))
         short = shortfalls(r, b, self.tolerance)
         behind = ", ".join(f"{k} {_num(r.parts[k])} against {_num(b.parts[k])}" for k in short)
         behind = f" (but {behind})" if short else ""
-        return (f"{head}: far range {unit} {_num(r.far)} against {_num(b.far)} for {self.baseline_name}{behind}; "
-                f"original range {_num(r.original)} against {_num(b.original)} ({change})")
+        controls = "".join(f" and {_num(c.far)} for {name}" for name, c in self.controls.items())
+        return f"{head}: far range {unit} {_num(r.far)} against {_num(b.far)} for {self.baseline_name}{controls}{behind}; {original}"
+
+    @property
+    def advice(self) -> str | None:
+        """What to do when the longer context is what fails (None otherwise): the words follow the verdict's line."""
+        if not (self.far_wins and self.context_loses_to):
+            return None
+        longer = f"longer than {self.old_length} tokens" if self.old_length else "longer than the old length"
+        return f"fine-tune at the old length instead, or train longer on documents {longer}"
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "worth_it": self.worth_it, "text": self.text, "far_ratio": self.far_ratio,
-                "original_change": self.original_change}
+                "original_change": self.original_change, "context_loses_to": self.context_loses_to}
+
+
+def wins(reading: Reading, other: Reading, margin: float, tolerance: float) -> bool:
+    """``reading``'s far range beats ``other``'s by ``margin``, and none of its parts is worse than ``other``'s
+    same part by more than ``tolerance``."""
+    return beats(reading.far, other.far, margin, higher=other.higher) and not shortfalls(reading, other, tolerance)
 
 
 def beats(value: float, baseline: float, margin: float, *, higher: bool = False) -> bool:
@@ -164,6 +200,11 @@ def plot_verdict(verdict: Verdict, path: Any, reports: dict[str, Any] | None = N
         ax.plot(steps, [getattr(p, name) for p in verdict.curve], marker=".", color=color, label=f"{name} range")
         ax.axhline(getattr(verdict.baseline, name), color=color, linestyle="--", linewidth=1,
                    label=f"{name} range, {verdict.baseline_name}")
+    for (name, control), marker in zip(verdict.controls.items(), "xv^"):  # read at the checks that beat the baseline
+        read = [(p.step, p.controls[name]) for p in verdict.curve if name in p.controls]
+        if not read or read[-1][0] != (steps[-1] if steps else None):
+            read.append((steps[-1] if steps else 0, control.far))  # the verdict's own reading of it
+        ax.plot(*zip(*read), marker=marker, linestyle=":", color="tab:red", label=f"far range, {name}")
     colors = ("C2", "C4", "C5", "C6", "C8", "C9")  # not the ranges' red and blue
     for (name, value), color in zip(verdict.baseline.parts.items(), colors):
         ax.plot(steps, [p.parts.get(name, math.nan) for p in verdict.curve], color=color, linewidth=0.8, label=name)
@@ -172,7 +213,9 @@ def plot_verdict(verdict: Verdict, path: Any, reports: dict[str, Any] | None = N
     b, r = verdict.baseline, verdict.reading
     far = (f"far {r.far - b.far:+.3f} over the baseline" if b.higher  # an accuracy: a ratio of them means little
            else f"far x{verdict.far_ratio:.3f} of the baseline")
-    ax.set_title(("worth it" if verdict.worth_it else "not yet worth it") + f": {far}, original "
+    head = ("worth it" if verdict.worth_it else "the longer context did not help" if verdict.context_loses_to
+            and verdict.far_wins else "not yet worth it")
+    ax.set_title(head + f": {far}, original "
                  f"{100 * verdict.original_change:+.1f}%", fontsize=10)
     ax.legend(fontsize="x-small")
     return _save(fig, Path(path), plt)

@@ -81,6 +81,10 @@ class Judge:
     tolerance: float = 0.02
     eval_every: int = 0  # steps between checks (0: by time or steps, CHECKS over the budget)
     tokens_per_step: int = 1
+    control_name: str = ""  # how the model's own control reads the text ("the same model through a 64-token window")
+    old_length: int | None = None  # the positions without the extension (the verdict's advice names them)
+    controls: dict[str, Reading] = field(default_factory=dict)  # the controls read last, by name (the verdict's)
+    controls_step: int | None = None  # the step they were read at
     start: float = field(default_factory=time.perf_counter)
     curve: list[Point] = field(default_factory=list)
     wins: int = 0
@@ -126,31 +130,51 @@ class Judge:
             due = step % max(1, planned // CHECKS) == 0
         return due and self.checking <= CHECK_SHARE * self.elapsed()
 
-    def check(self, step: int, read: Callable[[], Reading | None]) -> bool:
-        """:meth:`record` the reading ``read()`` gives after ``step``, timed (the checks' share of the run)."""
+    def check(self, step: int, read: Callable[[], Reading | None],
+              control: Callable[[], Reading | None] | None = None) -> bool:
+        """:meth:`record` the reading ``read()`` gives after ``step`` (and ``control()``'s, when it is needed),
+        timed (the checks' share of the run)."""
         t0 = time.perf_counter()
         reading = read()
-        self.checking += time.perf_counter() - t0
-        return self.record(step, reading)
+        try:
+            return self.record(step, reading, control)
+        finally:
+            self.checking += time.perf_counter() - t0
 
-    def record(self, step: int, reading: Reading | None) -> bool:
+    def record(self, step: int, reading: Reading | None, control: Callable[[], Reading | None] | None = None) -> bool:
         """Add a check's ``reading`` to the curve; True when the run should stop (it is worth it, at two
-        checks in a row of the trained model, and the budget allows stopping early). The reading before
-        training (step 0) is on the curve but does not count: a table that is worth it untrained (a tiled
-        embedding model against chunk-and-average) still trains until two checks say so."""
+        checks in a row of the trained model, and the budget allows stopping early). ``control()``: the model's
+        own reading without its longer context (:meth:`Objective.control`), read only when the reading beats the
+        baseline (until then the run is not worth it whatever the control reads), and at step 0 it is never read.
+        The reading before training (step 0) is on the curve but does not count: a table that is worth it
+        untrained (a tiled embedding model against chunk-and-average) still trains until two checks say so."""
         self._last_check = self.elapsed()
         if reading is None:
             return False
-        self.curve.append(Point(step, round(self.elapsed(), 2), reading.far, reading.original, dict(reading.parts)))
-        if self.baseline is None:
-            return False
-        won = Verdict(self.baseline, reading, self.baseline_name, margin=self.margin, tolerance=self.tolerance).worth_it
+        won = self.baseline is not None and self._verdict(reading, {}).worth_it
+        if won and step > 0 and control is not None:
+            self.read_controls(step, control)
+            won = self._verdict(reading, self.controls).worth_it
+        read = {k: v.far for k, v in self.controls.items()} if self.controls_step == step else {}
+        self.curve.append(Point(step, round(self.elapsed(), 2), reading.far, reading.original, dict(reading.parts),
+                                read))
         self.wins = self.wins + 1 if won and step > 0 else 0
         return self.early and self.wins >= 2
 
-    def verdict(self, reading: Reading | None) -> Verdict | None:
-        """The final reading against the baseline (None without a baseline)."""
+    def read_controls(self, step: int, control: Callable[[], Reading | None]) -> None:
+        """The model's own control, read after ``step`` (kept with the run's other controls, by name)."""
+        reading = control()
+        if reading is not None:
+            self.controls = {**self.controls, self.control_name: reading}
+            self.controls_step = step
+
+    def _verdict(self, reading: Reading, controls: dict[str, Reading], **more) -> Verdict:
+        return Verdict(self.baseline, reading, self.baseline_name, margin=self.margin, tolerance=self.tolerance,
+                       controls=controls, old_length=self.old_length, **more)
+
+    def verdict(self, reading: Reading | None, controls: dict[str, Reading] | None = None) -> Verdict | None:
+        """The final reading against the baseline and the controls read with it (None without a baseline)."""
         if self.baseline is None or reading is None:
             return None
-        return Verdict(self.baseline, reading, self.baseline_name, margin=self.margin, tolerance=self.tolerance,
-                       budget=self.budget.text if self.early else None, curve=list(self.curve))
+        return self._verdict(reading, self.controls if controls is None else controls,
+                             budget=self.budget.text if self.early else None, curve=list(self.curve))

@@ -34,7 +34,8 @@ class _OneProcess:
 
 def _verdict(chosen: Objective, checkpoint: Checkpoint, run: RunContext) -> Verdict | None:
     """The verdict of a checkpoint whose provenance records the original it was extended from (and that
-    original is still there): the original reading the data its own way, against the checkpoint."""
+    original is still there): the original reading the data its own way, and the checkpoint reading it so
+    (its control), against the checkpoint with its whole context."""
     from posextend.training.loading import anchor_original
 
     if run.old_length >= run.length:
@@ -50,7 +51,9 @@ def _verdict(chosen: Objective, checkpoint: Checkpoint, run: RunContext) -> Verd
     reading = chosen.reading(run)
     if baseline is None or reading is None:
         return None
-    return Verdict(baseline, reading, chosen.baseline_name(run))
+    control = chosen.control(run)  # the checkpoint itself without its longer context
+    controls = {chosen.control_name(run): control} if control is not None else {}
+    return Verdict(baseline, reading, chosen.baseline_name(run), controls=controls, old_length=run.old_length)
 
 
 def evaluate(
@@ -71,7 +74,8 @@ def evaluate(
     ``finetune`` would use), cut ``data`` into samples at ``length`` (default: the model's), and report
     by position as the objective scores them (at most ``max_sequences`` samples). For a checkpoint whose
     provenance records the original it was extended from, ``report.verdict`` says whether the extension is
-    worth it on this data: its far range against the original reading the text its own way.
+    worth it on this data: its far range against the original reading the text its own way, and against the
+    checkpoint itself reading it so (its control: what the longer context adds).
 
     Args:
         model_path: the checkpoint folder, or a Hugging Face Hub id (downloaded into its cache).

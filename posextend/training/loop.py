@@ -176,7 +176,7 @@ def _check(run: Run, step: int, eval_losses: list[tuple[int, float]]) -> bool:
         mid = run.evaluate()
         eval_losses.append((step, mid.loss))
         log.info("step %d: held-out loss %.4f (perplexity %.2f)", step, mid.loss, mid.perplexity)
-    stop = run.judge.check(step, lambda: run.objective.reading(run))
+    stop = run.judge.check(step, lambda: run.objective.reading(run), lambda: run.objective.control(run))
     if run.judge.curve and run.accelerator.is_main_process:
         point = run.judge.curve[-1]
         log.info("step %d: far range %.4g, original range %.4g", step, point.far, point.original)
@@ -236,12 +236,18 @@ def _resume_step(run: Run) -> int:
 
 
 def _final_reading(run: Run, steps: int) -> Reading | None:
-    """The reading the verdict is given on: the last check's when it was at the last step, else a new one."""
-    last = run.judge.curve[-1] if run.judge.curve else None
-    if last is not None and last.step == steps and run.judge.baseline is not None:
-        return dataclasses.replace(run.judge.baseline, far=last.far, original=last.original)
-    reading = run.objective.reading(run)
-    run.judge.record(steps, reading)
+    """The reading the verdict is given on: the last check's when it was at the last step, else a new one; and the
+    model's own control beside it (:meth:`Objective.control`), read now unless that check read it."""
+    judge, last = run.judge, run.judge.curve[-1] if run.judge.curve else None
+    if judge.baseline is None:
+        return None
+    if last is not None and last.step == steps:
+        reading = dataclasses.replace(judge.baseline, far=last.far, original=last.original, parts=dict(last.parts))
+    else:
+        reading = run.objective.reading(run)
+        judge.record(steps, reading)
+    if reading is not None and judge.controls_step != steps:
+        judge.read_controls(steps, lambda: run.objective.control(run))
     return reading
 
 

@@ -186,6 +186,7 @@ def _card(report: FinetuneReport, resize: ResizeReport | None, directory: Path) 
         if ev is not None and math.isfinite(getattr(ev, ev.score)):
             lines.append(f"- Held-out {ev.metric} {label}: {getattr(ev, ev.score):.3f}")
     if report.verdict is not None:
-        lines.append(f"- Verdict: {report.verdict.text}")
+        advice = f": {report.verdict.advice}" if report.verdict.advice else ""
+        lines.append(f"- Verdict: {report.verdict.text}{advice}")
     lines += [f"- {note}" for note in report.notes]
     return "\n".join(lines) + "\n"

@@ -202,7 +202,8 @@ def setup(checkpoint: Checkpoint, dst: Path, data: Sequence[str | Path], config:
     baseline = _baseline(run, source)
     del source
     run.judge = _judge(chosen, config, baseline, tokens_per_step=train_seqs.shape[1] * config.batch_size
-                       * config.grad_accum * accelerator.num_processes)
+                       * config.grad_accum * accelerator.num_processes,
+                       control=dict(control_name=chosen.control_name(run), old_length=old_len))
     schedule.steps = run.judge.steps or chosen.steps
     return run, loaded
 
@@ -231,7 +232,7 @@ def _samples(chosen: Objective, tokenizer: Any, documents: tuple[Sequence[Any], 
 
 
 def _judge(chosen: Objective, config: FinetuneConfig, baseline: tuple[Reading, str] | None, *,
-           tokens_per_step: int) -> Judge:
+           tokens_per_step: int, control: dict[str, Any]) -> Judge:
     """How long the run trains: exactly ``steps`` when given; else ``budget`` (default :data:`DEFAULT_BUDGET`
     for a run with a baseline to beat), stopping early once worth it; else the objective's steps."""
     from posextend.training.budget import parse_budget
@@ -245,7 +246,7 @@ def _judge(chosen: Objective, config: FinetuneConfig, baseline: tuple[Reading, s
         budget, early = Budget(f"{chosen.steps} steps", steps=chosen.steps), False
     reading, name = baseline or (None, "")
     return Judge(budget, early, baseline=reading, baseline_name=name, margin=config.margin, tolerance=config.tolerance,
-                 eval_every=config.eval_every, tokens_per_step=tokens_per_step)
+                 eval_every=config.eval_every, tokens_per_step=tokens_per_step, **control)
 
 
 def _baseline(run: Run, source: torch.nn.Module | None) -> tuple[Reading, str] | None:

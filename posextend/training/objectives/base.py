@@ -229,6 +229,17 @@ class Objective:
         scores (None when it names no baseline)."""
         return None
 
+    def control(self, run: RunContext) -> Reading | None:
+        """The control: the model being trained (``run.model``) read as :meth:`baseline` reads the source, without
+        its longer context (through its old window, or in chunks). It had the same training, so what the far range
+        gains over it is the longer context's; the verdict asks the far range to beat it too. By default
+        :meth:`baseline` given the trained model, which any objective that names a baseline has."""
+        return self.baseline(run, run.model)
+
+    def control_name(self, run: RunContext) -> str:
+        """How :meth:`control` reads the text, as the verdict says it ("the same model through a 64-token window")."""
+        return "the same model read as the source is"
+
     def notes(self, run: RunContext) -> list[str]:
         """Lines about the run that the fine-tune's report, the CLI and the model card carry (none by default)."""
         return []
@@ -268,6 +279,9 @@ class LanguageModel(Objective):
 
     def baseline_name(self, run: RunContext) -> str:
         return f"the source through its own {run.old_length}-token window"
+
+    def control_name(self, run: RunContext) -> str:
+        return f"the same model through a {run.old_length}-token window"
 
     def reading(self, run: RunContext) -> Reading | None:
         return self._reading(run, run.model, window=None)

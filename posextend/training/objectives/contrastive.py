@@ -213,6 +213,9 @@ class Contrastive(Objective):
     def baseline_name(self, run: RunContext) -> str:
         return f"the source reading {run.old_length}-token chunks, averaged"
 
+    def control_name(self, run: RunContext) -> str:
+        return f"the same model reading {run.old_length}-token chunks, averaged"
+
     def reading(self, run: RunContext) -> Reading | None:
         """The model being trained reading the same documents whole (:meth:`_read`)."""
         return self._read(run, run.model, chunk=False)

@@ -291,6 +291,9 @@ class GapSentences(Objective):
     def baseline_name(self, run: RunContext) -> str:
         return f"the source reading the text in its own {run.old_length}-token windows"
 
+    def control_name(self, run: RunContext) -> str:
+        return f"the same model reading the text in {run.old_length}-token windows"
+
     def reading(self, run: RunContext) -> Reading | None:
         if run.eval_seqs.dim() == 3 or run.old_length >= run.length:
             return None
