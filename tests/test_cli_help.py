@@ -77,7 +77,7 @@ def test_finetune_groups_its_options_in_panels():
     assert found["What most users set"] == ["--data", "--length", "--strategy", "--steps", "--budget", "--train",
                                             "--objective"]
     assert {"--lr", "--schedule", "--batch-size", "--anchor", "--seed", "--resume"} <= set(found["Training"])
-    assert found["Evaluation"] == ["--eval-every", "--eval-data", "--margin", "--tolerance", "--eval-sequences",
+    assert found["Evaluation"] == ["--eval-every", "--eval-data", "--train-control", "--margin", "--tolerance", "--eval-sequences",
                                    "--buckets", "--plot"]
     assert found["Advanced"][-1] == "--help" and {"--overwrite", "--source", "--init-head"} <= set(found["Advanced"])
     # eval shows some of the same fields, without panels; resize-model has none

@@ -161,6 +161,29 @@ def test_a_model_whose_context_cannot_help_is_never_worth_it(gpt, corpus, tmp_pa
     assert f"Verdict: {verdict.text}: {verdict.advice}" in card
 
 
+def test_the_exact_control_is_the_source_fine_tuned_at_its_length_on_the_same_tokens(gpt, corpus, tmp_path):
+    """train_control: the source, fine-tuned at its own 32 positions on the run's training text and as many tokens
+    (4 steps of 2 x 64 = 8 steps of 2 x 32), read through its window on the run's held-out text: what a user gets
+    without extending. It is the same model as a fine-tune of the source without length, with those steps."""
+    held = tmp_path / "held.txt"
+    held.write_text(corpus.read_text()[-8000:])
+    common = dict(eval_data=[held], anchor=0, lr=3e-3, schedule="cosine", **QUICK)
+    report = finetune(gpt, tmp_path / "out", [corpus], length=64, steps=4, train_control=True, **common)
+    name = "the source fine-tuned at its own length on the same tokens, read the same way"
+    assert list(report.verdict.controls) == ["the same model through a 32-token window", name]
+    assert report.tokens == 4 * 2 * 64
+    plain = finetune(gpt, tmp_path / "plain", [corpus], steps=8, **common)
+    assert plain.tokens == report.tokens and plain.new_length == 32
+    trained = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "plain")
+    seqs = pack(transformers.AutoTokenizer.from_pretrained(gpt), read_documents([held]), 64)[:4]
+    total, count = position_losses(trained, seqs, "causal", window=32)
+    far = math.exp(float(total[32:].sum() / count[32:].sum()))
+    assert report.verdict.controls[name].far == pytest.approx(far, rel=1e-3)
+    assert f"and {report.verdict.controls[name].far:.1f} for {name}" in report.verdict.text
+    with pytest.raises(TrainingError, match="its control is the source itself"):
+        finetune(gpt, tmp_path / "x", [corpus], length=64, steps=1, train="new-rows", train_control=True)
+
+
 def test_the_control_is_read_once_the_baseline_is_beaten_and_must_be_beaten_too(tmp_path):
     """The stop rule: worth it at two checks in a row against the baseline and the model's own control; the
     control costs a reading, so a check reads it only when the baseline is beaten."""

@@ -114,17 +114,17 @@ class Verdict:
         b, r, unit = self.baseline, self.reading, self.baseline.metric
         change = f"{100 * self.original_change:+.1f}%"
         original = f"original range {_num(r.original)} against {_num(b.original)} ({change})"
-        lost = self.context_loses_to
-        if self.far_wins and lost is not None:
+        controls = " and ".join(f"{_num(c.far)} for {name}" for name, c in self.controls.items())
+        if self.far_wins and self.context_loses_to is not None:
             return (f"the fine-tune helped, the longer context did not: far range {unit} {_num(r.far)} with the whole "
-                    f"context against {_num(self.controls[lost].far)} for {lost} ({_num(b.far)} for "
-                    f"{self.baseline_name}); {original}")
+                    f"context against {controls} ({_num(b.far)} for {self.baseline_name}); {original}")
         head = "worth it" if self.worth_it else ("not yet worth it" + (" within the budget" if self.budget else ""))
         short = shortfalls(r, b, self.tolerance)
         behind = ", ".join(f"{k} {_num(r.parts[k])} against {_num(b.parts[k])}" for k in short)
         behind = f" (but {behind})" if short else ""
-        controls = "".join(f" and {_num(c.far)} for {name}" for name, c in self.controls.items())
-        return f"{head}: far range {unit} {_num(r.far)} against {_num(b.far)} for {self.baseline_name}{controls}{behind}; {original}"
+        controls = f" and {controls}" if controls else ""
+        return (f"{head}: far range {unit} {_num(r.far)} against {_num(b.far)} for {self.baseline_name}{controls}"
+                f"{behind}; {original}")
 
     @property
     def advice(self) -> str | None:

@@ -251,6 +251,30 @@ def _final_reading(run: Run, steps: int) -> Reading | None:
     return reading
 
 
+def _train_control(run: Run, checkpoint: Checkpoint, tokens: int,
+                   progress: Callable[[int, int, float, float], None] | None) -> None:
+    """The exact control: the source fine-tuned at its own length on the run's training documents and as many
+    tokens (its lr, schedule, batch and anchor), read as the baseline reads the source (its window, or chunks) on
+    the run's held-out data; kept among the judge's controls, which the verdict asks the far range to beat. What the
+    user would get by fine-tuning without extending. The run's optimizer state is let go first (its memory)."""
+    config = dataclasses.replace(run.config, length=None, decoder_length=None, budget=None, eval_every=0,
+                                 save_every=0, resume=False, train_control=False, steps=1)
+    run.optimizer.zero_grad(set_to_none=True)
+    getattr(run.optimizer, "optimizer", run.optimizer).state.clear()
+    control, _ = setup(checkpoint, run.state_dir.with_name(run.state_dir.name + "-control"), [], config, run.objective,
+                       documents=(run.train_documents, run.eval_documents))
+    per_step = control.judge.tokens_per_step
+    control.schedule.steps = max(1, round(tokens / per_step))  # its lr schedule over them, as the run's
+    if run.accelerator.is_main_process:
+        log.info("Training the control: the source at its own %d positions, %d steps of %d tokens (%d in all)",
+                 run.old_length, control.schedule.steps, per_step, control.schedule.steps * per_step)
+    _loop(control, 0, save_every=0, progress=progress)
+    reading = run.objective.baseline(run, control.unwrapped)
+    if reading is not None:
+        name = "the source fine-tuned at its own length on the same tokens, read the same way"
+        run.judge.controls = {**run.judge.controls, name: reading}
+
+
 def finetune(
     src: str | Path,
     dst: str | Path,
@@ -320,7 +344,10 @@ def finetune(
         _loop, run, start_step, save_every=config.save_every, progress=progress))
     after = run.evaluate()
     steps = start_step + len(losses)
-    verdict = run.judge.verdict(_final_reading(run, steps))
+    reading = _final_reading(run, steps)
+    if config.train_control and reading is not None:
+        _train_control(run, checkpoint, tokens, progress)
+    verdict = run.judge.verdict(reading)
     run.accelerator.wait_for_everyone()
     run.config = dataclasses.replace(run.config, steps=steps)  # the steps it trained
     report = finetune_report(run, dst, (before, after), (losses, eval_losses), tokens, seconds, verdict)

@@ -60,8 +60,10 @@ class FinetuneConfig:
       extends spends :data:`DEFAULT_BUDGET`, one that does not trains the objective's steps (200 for language
       models, 60 for ``contrastive``).
     - ``eval_data``: held-out text (default: a few percent of the data, whole documents, never trained on);
-      ``margin`` / ``tolerance``: how much the far range must beat the baseline by, and how much the original
-      range may lose (:mod:`posextend.scoring.verdict`).
+      ``train_control``: also fine-tune the source at its own length on the same text and tokens (the exact
+      control: what not extending gives), which the far range must beat too; ``margin`` / ``tolerance``: how
+      much the far range must beat the baseline by, and how much the original range may lose
+      (:mod:`posextend.scoring.verdict`).
     - ``train``: ``new-rows`` (only rows beyond the old length; everything else stays bit-identical),
       ``positions`` (the whole table), ``all`` (every parameter) or ``lora`` (LoRA on the attention
       projections, with the table(s) and norms: :mod:`posextend.training.adapters`; the output is merged).
@@ -135,6 +137,10 @@ class FinetuneConfig:
         None, {"finetune": "Held-out text to judge the extension on (default: a few percent of --data, whole "
                            "documents, never trained on)."}, cli_type=list[Path], metavar="PATH",
         panel={"finetune": EVALUATION})
+    train_control: bool = _option(
+        False, "Also fine-tune SRC at its own length on the same training text and as many tokens, and read it as the "
+        "source reads held-out text: what you would get without extending. The extension must beat it too to be worth "
+        "it (about twice the run's time and memory).", panel=EVALUATION)
     margin: float = _option(MARGIN, "How much better than the source's own reading the far positions must read "
                                     "held-out text to stop early (0.03: 3% lower perplexity).", panel=EVALUATION)
     tolerance: float = _option(TOLERANCE, "How much worse the first positions (the old length) may read it than the "
@@ -204,6 +210,9 @@ class FinetuneConfig:
         self._check_train()
         if self.schedule is not None and self.schedule not in SCHEDULES:
             raise TrainingError(f"The schedule must be constant or cosine, got {self.schedule!r}.")
+        if self.train_control and self.train == "new-rows":
+            raise TrainingError("Training only new rows keeps every weight the old length uses, so its control is the "
+                                "source itself, which the verdict reads already: leave train_control off.")
         if self.save_adapter and self.train != "lora":
             raise TrainingError("Only a LoRA run has an adapter to save; train with lora, or leave save_adapter off.")
         if self.mixed_precision not in PRECISIONS:

@@ -53,6 +53,7 @@ class Run(RunContext):
     judge: Judge = field(default_factory=lambda: Judge(Budget("0 steps", steps=0), early=False))  # steps, checks, verdict
     schedule: Schedule = field(default_factory=lambda: Schedule(1, "constant"))  # the lr factor by step
     adapter: Any = None  # train="lora": the adapter on the model (:class:`posextend.training.adapters.Lora`)
+    train_documents: Sequence[Any] = ()  # the documents the training samples were cut from (a control trains on them)
 
     def evaluate(self) -> EvalReport:  # through the prepared model: sharded weights need every process
         return self.objective.evaluate(self)
@@ -146,13 +147,16 @@ def cpu_has_native_bf16() -> bool:
 
 
 def setup(checkpoint: Checkpoint, dst: Path, data: Sequence[str | Path], config: FinetuneConfig,
-           chosen: Objective) -> tuple[Run, Loaded]:
+           chosen: Objective, *, documents: tuple[Sequence[Any], Sequence[Any]] | None = None) -> tuple[Run, Loaded]:
     """Load, extend, cut the data into samples, choose what trains, and prepare model, optimizer and
-    schedule. ``config`` is resolved (:meth:`FinetuneConfig.resolved`); its ``lr`` is set here when None."""
+    schedule. ``config`` is resolved (:meth:`FinetuneConfig.resolved`); its ``lr`` is set here when None.
+    ``documents``: the data already split, ``(train, held_out)`` (a control trains on a run's own), in place of
+    ``data``'s files."""
     from accelerate.utils import set_seed
 
-    docs = chosen.documents(data)
-    given_held_out = chosen.documents(config.eval_data) if config.eval_data else None
+    docs = chosen.documents(data) if documents is None else documents[0]
+    given_held_out = (documents[1] if documents is not None else
+                      chosen.documents(config.eval_data) if config.eval_data else None)
     loaded, length, old_len, extended, anchor, source = _load(chosen, checkpoint, config)
     decoder_length = _resize_decoder(loaded, config)  # None: the decoder shares the run's length
     model, tokenizer = loaded.model, loaded.tokenizer
@@ -198,7 +202,7 @@ def setup(checkpoint: Checkpoint, dst: Path, data: Sequence[str | Path], config:
               reference=loaded.reference, state=chosen.State(),
               optimizer=optimizer, scheduler=scheduler, tables=tables, saved_rows=saved_rows, decoder_length=decoder_length,
               state_dir=dst.with_name(dst.name + ".state"), fingerprint=fingerprint, extended=extended,
-              anchor_original=anchor, schedule=schedule, adapter=adapter)
+              anchor_original=anchor, schedule=schedule, adapter=adapter, train_documents=train_docs)
     baseline = _baseline(run, source)
     del source
     run.judge = _judge(chosen, config, baseline, tokens_per_step=train_seqs.shape[1] * config.batch_size
