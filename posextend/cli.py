@@ -40,19 +40,23 @@ F = TypeVar("F", bound=Callable[..., Any])
 # The library's messages name its arguments (``length=N``, ``overwrite=True``); the CLI shows its own flags.
 _FLAGS = {"allow_large": "--yes", "allow_same": "--allow-same", "allow_shrink": "--shrink", "data": "--data", "decoder_length": "--decoder-length", "init_head": "--init-head", "length": "--length", "lr": "--lr",
           "mixed_precision": "--mixed-precision", "old_length": "--old-length", "overwrite": "--overwrite",
-          "resume": "--resume"}
+          "resume": "--resume", "table": "--table"}
 
 
 def cli_wording(message: str) -> str:
-    """``message`` with each argument it names (``name=value``) written as this CLI's flag."""
+    """``message`` with each argument it names (``name=value``) written as this CLI's flag: ``table='decoder'`` as
+    ``--table decoder``, a tuple (``table=('decoder', 'encoder')``) as the flag repeated."""
 
     def flag(match: re.Match) -> str:
         name, value = match.groups()
         if name not in _FLAGS:
             return match.group(0)
-        return _FLAGS[name] if value == "True" else f"{_FLAGS[name]} {value}"
+        if value == "True":
+            return _FLAGS[name]
+        values = re.findall(r"'([^']*)'", value) if value[:1] in "('" else [value]
+        return " ".join(f"{_FLAGS[name]} {v}" for v in values)
 
-    return re.sub(r"\b([a-z_]+)=([^\s,;)]*[^\s,;).])", flag, message)
+    return re.sub(r"\b([a-z_]+)=(\([^)]*\)|'[^']*'|[^\s,;)]*[^\s,;).])", flag, message)
 
 
 def handle_errors(fn: F) -> F:

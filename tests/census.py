@@ -110,10 +110,17 @@ def default_config(model_type: str) -> dict:
 
 
 def capped(config: dict) -> dict:
+    """Lengths capped at :data:`LENGTH_CAP`, and a local attention window (LED's, Longformer's) at a quarter of it:
+    a stack that pads its input to a multiple of its window (LED's encoder) must still run within its table."""
     out = config
     for path in length_fields(config):
         if configs.get_path(out, path) > LENGTH_CAP:
             out = configs.set_path(out, path, LENGTH_CAP)
+    window = out.get("attention_window")
+    if isinstance(window, int) and window > LENGTH_CAP // 4:
+        out = {**out, "attention_window": LENGTH_CAP // 4}
+    elif isinstance(window, list) and any(w > LENGTH_CAP // 4 for w in window):
+        out = {**out, "attention_window": [min(w, LENGTH_CAP // 4) for w in window]}
     return out
 
 
@@ -248,15 +255,12 @@ def check_written(src: Path, dst: Path, cls: type, spec, new: int) -> None:
     watch = {t: params[t] for t in tables}
     path, before = _outermost(source, tables, config)
     where = path or cls.__name__
-    # short inputs (stack i: 5 + i tokens): identical outputs; the lookups' lengths tell which stacks use the tables
+    # short inputs (stack i: 5 + i tokens): identical outputs
     short = _stack_inputs(loaded, path, {}, config)
-    after, seen = _run(loaded, path, short, watch)
+    after, _ = _run(loaded, path, short, watch)
     _same(before, after, f"{where} on short inputs")
-    stacks = {short[k].shape[1]: k for k in _stacks(short)}
-    users = {stacks.get(len(rows)) for looks in seen.values() for rows in looks}
-    resized = list(stacks.values()) if None in users or not users else [k for k in stacks.values() if k in users]
     old = spec.usable_from_config(json.loads((src / "config.json").read_text()))
-    for stack in resized:
+    for stack in _stacks_using(loaded, path, config, watch, old):
         try:
             out, seen = _run(loaded, path, _stack_inputs(loaded, path, {stack: new}, config), watch)
         except Exception as exc:
@@ -280,6 +284,29 @@ def check_written(src: Path, dst: Path, cls: type, spec, new: int) -> None:
     assert spec.usable_from_config(config) == new, "config does not state the new length"
     tok = json.loads((dst / "tokenizer_config.json").read_text())
     assert tok["model_max_length"] == new, "tokenizer model_max_length disagrees"
+
+
+def _stacks_using(model, path: str, config: dict, watch: dict[str, torch.Tensor], old: int) -> list[str]:
+    """The stacks (encoder, decoder inputs) of module ``path`` that look ``watch``'s tables up: with several, each
+    alone at the source's full length ``old``, the others short, changes those lookups (LED pads its encoder's
+    input to its attention window, so short lengths alone cannot tell); a stack that fails there reads another,
+    shorter table. None found: every stack."""
+    short = _stack_inputs(model, path, {}, config)
+    stacks = _stacks(short)
+    if len(stacks) < 2:
+        return stacks
+
+    def lengths(inputs: dict[str, torch.Tensor]) -> dict[str, list[int]]:
+        return {n: [len(rows) for rows in looks] for n, looks in _run(model, path, inputs, watch)[1].items()}
+
+    before, users = lengths(short), []
+    for stack in stacks:
+        try:
+            if lengths(_stack_inputs(model, path, {stack: old}, config)) != before:
+                users.append(stack)
+        except Exception:  # noqa: BLE001, S112  (beyond its own table: not one of these tables' stacks)
+            continue
+    return users or stacks
 
 
 def _runs(model, config: dict) -> bool:
@@ -391,9 +418,34 @@ def _build(model_type: str, result: Result) -> tuple[type, object, dict] | None:
 
 def _bare_layout(layout: str, headed: Path, cls: type, base: type | None, prefix: str, small: dict,
                  specs: list) -> dict:
-    """Save the base model alone (``bare``: under the headed ``architectures``), resize and check it.
+    """Save the base model alone (``bare``: under the headed ``architectures``), resize and check it."""
+    src = save_bare(layout, headed, cls, base, prefix, small)
+    outcome, reason = _resize_and_check(src, base or cls, specs, small, [])
+    return {"outcome": outcome, "reason": reason}
 
-    A family without a bare class in transformers (TrOCR) gets the headed file's tensors under
+
+def save_layouts(model_type: str, workdir: Path, layouts: tuple[str, ...] = ("headed", "bare")) -> dict[str, tuple]:
+    """A tiny twin of ``model_type`` saved in each of ``layouts`` its family has (``bare`` only where its headed
+    class keeps a base model under a prefix): ``{layout: (folder, the class whose names the file holds)}``."""
+    result = Result(model_type, "")
+    built = _build(model_type, result)
+    assert built is not None, result.reason
+    cls, model, small = built
+    headed = workdir / model_type / "headed"
+    model.save_pretrained(headed)
+    saved = {"headed": (headed, cls)}
+    prefix = twin.base_prefix(small, cls)
+    base = twin.base_class(small)
+    base = None if base is cls else base
+    for layout in layouts:
+        if prefix and (layout == "bare" or (layout == "bare-class" and base is not None)):
+            saved[layout] = (save_bare(layout, headed, cls, base, prefix, small), base or cls)
+    return saved
+
+
+def save_bare(layout: str, headed: Path, cls: type, base: type | None, prefix: str, small: dict) -> Path:
+    """The base model alone, saved beside ``headed`` (``bare``: under the headed ``architectures``; ``bare-class``:
+    its own). A family without a bare class in transformers (TrOCR) gets the headed file's tensors under
     ``prefix`` with the prefix cut, which its headed class loads (``from_pretrained`` adds it back).
     """
     src = headed.parent / layout
@@ -409,8 +461,7 @@ def _bare_layout(layout: str, headed: Path, cls: type, base: type | None, prefix
     if layout == "bare":  # what sentence-transformers and many hub uploads leave
         config = json.loads((src / "config.json").read_text())
         (src / "config.json").write_text(json.dumps({**config, "architectures": [cls.__name__]}))
-    outcome, reason = _resize_and_check(src, base or cls, specs, small, [])
-    return {"outcome": outcome, "reason": reason}
+    return src
 
 
 def _grid_outcome(checked: list[dict], grids: list) -> tuple[str, str]:

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
+import census
 import pytest
 
-import census
+import posextend
 
 RECORD = Path(__file__).parent.parent / "posextend" / "families" / "census.json"
 RECORDED = {r["model_type"]: r for r in json.loads(RECORD.read_text())}
@@ -117,3 +119,51 @@ def test_no_registered_type_is_written_and_then_fails(workdir):
     results = census.run(census.model_types())
     bad = [(r.model_type, r.outcome, r.reason) for r in results if r.outcome in ("silently-wrong", "error")]
     assert not bad
+
+
+# Families with several lengths of positions (LED's encoder and decoder, RAG's question encoder and generator), as
+# the census found them: each length resized alone, then all together to one length, in each layout the family has.
+SEVERAL = sorted(t for t, r in RECORDED.items() if r["outcome"] == "verified" and len(r["groups"]) > 1)
+
+
+def test_the_families_with_several_lengths_are_listed():
+    assert {"led", "rag", "bark", "encoder-decoder", "instructblip"} <= set(SEVERAL)
+
+
+@pytest.mark.parametrize("model_type", SEVERAL)
+def test_each_length_resizes_alone_and_all_together_in_every_layout(workdir, model_type):
+    """Headed, and bare where the headed class keeps a base model (LED): each table alone, then all at once,
+    verified; the written model passes the census's independent checks at each new length (it loads cleanly,
+    each stack runs at its own full length), loads with every table at its size, and the lengths left alone stay."""
+    try:
+        layouts = census.save_layouts(model_type, workdir)
+        assert set(layouts) == {"headed", *RECORDED[model_type]["layouts"]} - {"bare-class"}
+        for layout, (src, cls) in layouts.items():
+            config = json.loads((src / "config.json").read_text())
+            specs = [s for s in posextend.all_specs(config) if s.rank == 1]
+            assert [s.group for s in specs] == [g["group"] for g in RECORDED[model_type]["groups"]], layout
+            old = {s.group: s.usable_from_config(config) for s in specs}
+            (src / "tokenizer_config.json").write_text(json.dumps({"model_max_length": old[specs[0].group]}))
+            for chosen in [*([s] for s in specs), specs]:
+                _resize_groups(src, cls, specs, chosen, old, f"{layout}-{'-'.join(s.group for s in chosen)}")
+    finally:
+        shutil.rmtree(workdir / model_type, ignore_errors=True)
+
+
+def _resize_groups(src: Path, cls: type, specs: list, chosen: list, old: dict[str, int], name: str) -> None:
+    """Resize the ``chosen`` groups of the checkpoint at ``src`` to twice the longest of them, and check it."""
+    new, dst = 2 * max(old[s.group] for s in chosen), src.parent / name
+    report = posextend.resize_checkpoint(src, dst, new, "tile", seed=0, verify=True,
+                                         table=tuple(s.group for s in chosen))
+    assert report.verified and len(report.tables) >= len(chosen), name
+    written = json.loads((dst / "config.json").read_text())
+    lengths = {s.group: s.usable_from_config(written) for s in specs}
+    assert lengths == {s.group: new if s in chosen else old[s.group] for s in specs}, name
+    for spec in chosen:
+        census.check_written(src, dst, cls, spec, new)
+    model = cls.from_pretrained(dst)
+    params = dict(model.named_parameters())
+    for spec in specs:
+        for table in spec.table_names(frozenset(params)):
+            rows = (new if spec in chosen else old[spec.group]) + spec.reserved_rows(written)
+            assert params[table].shape[0] == rows, (name, table, tuple(params[table].shape))

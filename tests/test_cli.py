@@ -185,3 +185,54 @@ def test_documented_python_api_is_exported():
         assert callable(getattr(posextend, name)), name
     import posextend.training.loop  # importing the module must not shadow the function
     assert callable(posextend.finetune) and posextend.finetune.__module__ == "posextend.training.loop"
+
+
+@pytest.fixture(scope="module")
+def led(tmp_path_factory):
+    """A tiny LED whose stacks have lengths of their own (encoder 48, decoder 40, attention window 8), saved headed
+    and as its bare LEDModel under the headed architectures; its tokenizer states the encoder's length."""
+    import transformers
+
+    root = tmp_path_factory.mktemp("led")
+    config = transformers.LEDConfig(
+        vocab_size=120, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_encoder_position_embeddings=48,
+        max_decoder_position_embeddings=40, attention_window=8)
+    model = transformers.LEDForConditionalGeneration(config)
+    model.save_pretrained(root / "headed")
+    model.led.save_pretrained(root / "bare")
+    bare = json.loads((root / "bare" / "config.json").read_text())
+    (root / "bare" / "config.json").write_text(json.dumps({**bare, "architectures": ["LEDForConditionalGeneration"]}))
+    for layout in ("headed", "bare"):
+        (root / layout / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 48}))
+    return root
+
+
+@pytest.mark.parametrize("layout", ["headed", "bare"])
+def test_an_encoder_decoder_grows_each_stack_alone_or_both(led, tmp_path, layout):
+    """Issue 52: LED's encoder alone (its own recipe) is verified with each stack at its own length; the
+    tokenizer follows the encoder, and stays when only the decoder grows; both grow together by naming both."""
+    src = led / layout
+    lengths = {"encoder": "max_encoder_position_embeddings", "decoder": "max_decoder_position_embeddings"}
+    for tables, want, tokenizer in ((["encoder"], {"encoder": 96, "decoder": 40}, 96),
+                                    (["decoder"], {"encoder": 48, "decoder": 96}, 48),
+                                    (["encoder", "decoder"], {"encoder": 96, "decoder": 96}, 96)):
+        dst = tmp_path / "-".join(tables)
+        r = run("resize-model", src, dst, "--length", "96", *(a for t in tables for a in ("--table", t)))
+        assert r.exit_code == 0, r.output
+        assert "verified" in r.output and "Input ids are automatically padded" not in r.output
+        config = json.loads((dst / "config.json").read_text())
+        assert {group: config[field] for group, field in lengths.items()} == want
+        assert json.loads((dst / "tokenizer_config.json").read_text())["model_max_length"] == tokenizer
+    assert "encoder 48 → 96, decoder 40 → 96 usable positions" in r.output
+
+
+def test_a_model_with_several_lengths_names_the_table_to_choose(led, tmp_path):
+    r = run("resize-model", led / "headed", tmp_path / "out", "--length", "96")
+    assert r.exit_code == 1 and not (tmp_path / "out").exists()
+    assert "choose the table to resize: --table decoder or --table encoder, or several to the same length: " \
+           "--table decoder --table encoder." in r.output
+    r = run("inspect", led / "headed")
+    assert r.exit_code == 0, r.output
+    assert "decoder: usable positions: 40, config: max_decoder_position_embeddings=40" in r.output
+    assert "encoder: usable positions: 48, config: max_encoder_position_embeddings=48" in r.output

@@ -159,9 +159,11 @@ def spec_for(
         return names[table]
     lengths = ", ".join(f"{s.group} ({s.length_keys[0]}={get_path(config, s.length_keys[0])})" for s in specs)
     if table is None:
+        groups = sorted(names)
         raise UnsupportedArchitectureError(
-            f"Model type {config.get('model_type')!r} has several position lengths: {lengths}; "
-            "choose the table to resize by its name."
+            f"Model type {config.get('model_type')!r} has several position lengths: {lengths}; choose the "
+            f"table to resize: {' or '.join(f'table={g!r}' for g in groups)}, or several to the same length: "
+            f"table={tuple(groups)!r}."
         )
     raise UnsupportedArchitectureError(
         f"Model type {config.get('model_type')!r} has no table {table!r}; its tables: {lengths}."

@@ -154,7 +154,6 @@ def build(config: Mapping[str, Any], *, device: str = "cpu", cls: type | None = 
     is refused (``UnsupportedArchitectureError``) instead of filling the memory.
     """
     import torch
-    import transformers
 
     cls = cls or model_class(config)
     if device != "meta":
@@ -165,24 +164,28 @@ def build(config: Mapping[str, Any], *, device: str = "cpu", cls: type | None = 
                 "shrinking; its position table cannot be observed on this machine."
             )
     cfg = config_object(config)
-    verbosity = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()
-    try:
-        torch.manual_seed(seed)
-        with torch.device(device), _quiet():
-            model = cls._from_config(cfg) if hasattr(cls, "_from_config") else cls(cfg)
-    finally:
-        transformers.logging.set_verbosity(verbosity)
+    torch.manual_seed(seed)
+    with torch.device(device), _quiet():
+        model = cls._from_config(cfg) if hasattr(cls, "_from_config") else cls(cfg)
     return model.float().eval() if device != "meta" else model.eval()
 
 
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:
+    """No warnings, nor transformers' log lines (LED's "Input ids are automatically padded"), while a twin
+    is built or run: what a user sees is the model's, not its twin's."""
     import warnings
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
+    import transformers
+
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        transformers.logging.set_verbosity(verbosity)
 
 
 def _key(config: Mapping[str, Any], cls: type | None) -> str:

@@ -8,7 +8,7 @@ pixels or as a patch sequence with its grid; the token helpers give ids that are
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from posextend.errors import UnsupportedArchitectureError
@@ -174,7 +174,8 @@ def run_whole(
 ) -> tuple[dict[str, torch.Tensor], str]:
     """:func:`run_lookups` at ``length`` on the module that runs on ``short`` tokens, no module inside
     it standing in for it: each of its token inputs (encoder, decoder) that looks ``tables`` up gets
-    ``length`` tokens, the others ``short``. Raises ``RuntimeError`` when that module fails.
+    ``length`` tokens, the others ``short``, so that each stack stays within its own table (see
+    :func:`_users`). Raises ``RuntimeError`` when that module fails.
     """
     import torch
 
@@ -195,17 +196,56 @@ def run_whole(
             module(**kwargs)
         return seen.seen
 
-    users = stacks
-    if len(stacks) > 1:  # which inputs look the tables up: by the length of each lookup
-        by_length = {short + i: k for i, k in enumerate(stacks)}
-        seen = run({k: short + i for i, k in enumerate(stacks)})
-        found = {by_length.get(len(rows)) for rows_list in seen.values() for rows in rows_list}
-        users = stacks if None in found or not found else [k for k in stacks if k in found]
-    try:
-        seen = run({k: length for k in users})
-    except Exception as exc:
-        raise RuntimeError(f"{name} with {', '.join(users)} of {length} tokens: {_first_line(exc)}") from None
+    users, seen = _users(run, stacks, length, short, name)
+    if seen is None:
+        try:
+            seen = run({k: length for k in users})
+        except Exception as exc:
+            raise RuntimeError(f"{name} with {', '.join(users)} of {length} tokens: {_first_line(exc)}") from None
     return {n: torch.cat(seen[n]) for n in watched if seen[n]}, name
+
+
+def _users(
+    run: Callable[[dict[str, int]], dict[str, list[torch.Tensor]]], stacks: list[str], length: int, short: int,
+    name: str,
+) -> tuple[list[str], dict[str, list[torch.Tensor]] | None]:
+    """The token inputs of ``stacks`` that look the watched tables up, and the lookups of the one that does
+    at ``length`` (None: not run yet, or several do).
+
+    With one input, it. With several (an encoder's and a decoder's, each with a table and a length of its
+    own), each runs alone at ``length``, the others at ``short``: it uses the tables when their lookups then
+    change. One that fails there uses them only where short inputs of distinct lengths say so (LED pads its
+    encoder's, so lengths alone cannot tell): else its failure is another stack's shorter table, not these.
+    Raises ``RuntimeError`` naming each failure when every input fails at ``length``.
+    """
+    if len(stacks) < 2:
+        return stacks, None
+
+    def lengths(seen: dict[str, list[torch.Tensor]]) -> dict[str, list[int]]:
+        return {n: [len(rows) for rows in looks] for n, looks in seen.items()}
+
+    before = lengths(run({}))
+    try:  # short inputs of distinct lengths: the lookups' lengths name the inputs they follow
+        told = {stacks[len(rows) - short] for looks in run({k: short + i for i, k in enumerate(stacks)}).values()
+                for rows in looks if 0 <= len(rows) - short < len(stacks)}
+    except Exception:  # noqa: BLE001  (a forward that wants its inputs of one length: each input's own run decides)
+        told = set()
+    found: dict[str, dict[str, list[torch.Tensor]] | None] = {}
+    failures = []
+    for stack in stacks:
+        try:
+            seen = run({stack: length})
+        except Exception as exc:  # noqa: BLE001  (a foreign forward's failure, any type, is what is reported)
+            failures.append(f"{stack} of {length} tokens: {_first_line(exc)}")
+            if stack in told:
+                found[stack] = None  # it uses the tables and fails: the run of every user says so
+            continue
+        if lengths(seen) != before:
+            found[stack] = seen
+    if not found and failures:
+        raise RuntimeError(f"{name} with " + "; with ".join(failures))
+    users = list(found) or stacks  # no input moves the lookups (a table used whole): every input at length
+    return users, found[users[0]] if len(users) == 1 and users[0] in found else None
 
 
 def num_channels(config: Mapping[str, Any]) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 from torch import nn
@@ -20,7 +21,7 @@ def extend_model(
     image_size: int | tuple[int, int] | None = None,
     seed: int | None = None,
     allow_shrink: bool = False,
-    table: str | None = None,
+    table: str | Sequence[str] | None = None,
     **params: Any,
 ) -> nn.Module:
     """Give a transformers ``PreTrainedModel`` ``new_length`` usable positions and/or image grids
@@ -49,7 +50,8 @@ def extend_model(
         image_size: pixels, ``448`` or ``(height, width)``, for an image-patch grid.
         seed: seeds a strategy that draws random rows (default: a random seed).
         allow_shrink: allow a ``new_length`` (or image size) below the current one.
-        table: which tables, for a model with several lengths (``"decoder"``, ``"text"``).
+        table: which tables, for a model with several lengths (``"decoder"``, ``"text"``), or several, each
+            given ``new_length`` (``("encoder", "decoder")``).
         **params: the strategy's parameters (``std="matched"`` for ``random``, ``keep=20`` for ``kps``).
 
     Returns:

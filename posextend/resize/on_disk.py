@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +47,7 @@ def resize_checkpoint(
     overwrite: bool = False,
     allow_shrink: bool = False,
     link: bool = False,
-    table: str | None = None,
+    table: str | Sequence[str] | None = None,
     verify: bool | None = None,
     st_max_seq_length: int | None = None,
     revision: str | None = None,
@@ -85,7 +85,8 @@ def resize_checkpoint(
         link: hard-link the weight files that need no change instead of copying them (copied
             where the destination is on another file system).
         table: which tables, for a model with several lengths (``"encoder"``, ``"decoder"``,
-            ``"text"``; see ``inspect_checkpoint(src).groups``). Not needed with one length.
+            ``"text"``; see ``inspect_checkpoint(src).groups``), or several, each given ``new_length``
+            (``("encoder", "decoder")``). Not needed with one length.
         verify: check the output against a twin of its written config (shapes, a forward
             pass at the full new length or image size) before it appears. Default: for a
             family observed on a twin (no written spec) and for every image grid; ``True`` for any family.
@@ -122,6 +123,7 @@ def resize_checkpoint(
         [28, 28]
     """
     start = time.perf_counter()
+    table = table if table is None or isinstance(table, str) else tuple(table) or None
     options = ResizeOptions(new_length=new_length, image_size=image_size, strategy=strategy, seed=seed, params=params,
                             overwrite=overwrite, allow_shrink=allow_shrink, link=link, table=table, verify=verify,
                             st_max_seq_length=st_max_seq_length, revision=revision, allow_same=allow_same,

@@ -61,9 +61,9 @@ class ResizeOptions:
     overwrite: bool = _option(False, "Replace DST if it exists.")
     allow_shrink: bool = _option(False, "Allow a length below the current one (cuts positions).", flag="--shrink")
     link: bool = _option(False, "Hard-link shards that need no change instead of copying them.")
-    table: str | None = _option(
-        None, "Which tables, for a model with several lengths: encoder, decoder, text... (inspect lists them).",
-        metavar="NAME")
+    table: str | tuple[str, ...] | None = _option(  # one group, or several resized to the same length
+        None, "Which tables, for a model with several lengths: encoder, decoder, text... (inspect lists them); "
+        "repeat it to resize several to the new length.", metavar="NAME", cli_type=list[str])
     verify: bool | None = _option(
         None, "Before the output appears, check that a tiny random model built from its new config takes the new "
         "tables and runs at the full new length (default: for families without a built-in description; see "

@@ -10,7 +10,7 @@ for image grids, or the family's own run-time resampling where its spec names on
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -105,14 +105,22 @@ class GroupPlan:
 @dataclass(frozen=True)
 class Request:
     """What a resize asks for, as both doors take it: a new length and/or image size, the strategy and its
-    ``params``, the group of positions (``group``: ``table=`` in the public API) in a model with several, and whether it may shrink."""
+    ``params``, the group(s) of positions (``group``: ``table=`` in the public API: one name, or several resized
+    to the same length) in a model with several, and whether it may shrink."""
 
     new_length: int | None = None
     image_size: int | ImageSize | None = None
     strategy: str | None = None
     params: Mapping[str, Any] | None = None
-    group: str | None = None
+    group: str | Sequence[str] | None = None
     allow_shrink: bool = False
+
+    @property
+    def groups(self) -> tuple[str | None, ...]:
+        """The groups named, each once, in the order given; ``(None,)`` when none is."""
+        if self.group is None or isinstance(self.group, str):
+            return (self.group,)
+        return tuple(dict.fromkeys(self.group)) or (None,)
 
 
 def plan_resize(config: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], request: Request, *,
@@ -121,7 +129,8 @@ def plan_resize(config: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]
 
     ``request.strategy`` (with its ``params``) applies to the groups whose grid rank it handles; the others
     get their rank's default. ``request.group`` names the group of positions in a model with several
-    (``"decoder"``), or the grid's group when only an image size is given. ``cls``: the model's class, in memory.
+    (``"decoder"``; several, ``("encoder", "decoder")``, each resized to the new length), or the grid's group
+    when only an image size is given. ``cls``: the model's class, in memory.
     """
     if request.new_length is None and request.image_size is None:
         raise InvalidLengthError("Give a new length (positions) or a new image size (image grids) to resize to.")
@@ -132,8 +141,8 @@ def plan_resize(config: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]
     if strategy is not None and not any(r in get_strategy(strategy).ranks for r in ranks):
         check_rank(strategy, ranks[0])  # raises, naming the strategies that fit
     plans = []
-    for rank in ranks:
-        spec = spec_for(config, cls=cls, table=request.group if rank == 1 or len(ranks) == 1 else None, rank=rank)
+    for rank, group in [(r, g) for r in ranks for g in (request.groups if r == 1 or len(ranks) == 1 else (None,))]:
+        spec = spec_for(config, cls=cls, table=group, rank=rank)
         layout = spec.locate(shapes, config)
         target, new_grid = _target(spec, layout, config, request, rank, in_memory=cls is not None)
         default = spec.grid.strategy if rank == 2 and spec.grid.strategy else DEFAULTS[rank]

@@ -30,6 +30,7 @@ class ResizeReport:
         params: the strategy's parameters.
         options: what was asked, resolved: the seed drawn when none was given (``seed`` reads it).
         old_length: usable positions before (the first group's). ``new_length``: after.
+        lengths: with several groups of positions (LED's encoder and decoder), each one's ``[before, after]``.
         reserved: rows before the usable ones (RoBERTa's padding rows, OPT's offset, ViT's class token).
         tables: the tensors resized. ``buffers``: the length-dependent buffers rebuilt.
         dropped: obsolete tensors left out (a causal mask an older GPT-2 file stores).
@@ -70,6 +71,7 @@ class ResizeReport:
     old_grid: list[int] | None = None  # image grids: [H, W] patches
     new_grid: list[int] | None = None
     strategies: dict[str, str] = field(default_factory=dict)  # group -> strategy, when several groups
+    lengths: dict[str, list[int]] = field(default_factory=dict)  # group -> [before, after], several of positions
     transformer_dir: str = ""  # where the resized model sits in src and dst ("0_Transformer" in an older ST folder)
     src_revision: str | None = None  # a hub source's commit
 
@@ -88,7 +90,7 @@ class ResizeReport:
         params = ", ".join(f"{k}={v}" for k, v in self.params.items())
         lines = []
         if self.options.new_length is not None:
-            lines.append(f"Resized {self.model_type} checkpoint: {self.old_length} → {self.new_length} usable "
+            lines.append(f"Resized {self.model_type} checkpoint: {self.length_change()} usable "
                          f"positions with {self.strategy}" + (f" ({params})" if params else "")
                          + (f", seed {self.seed}" if self.uses_seed else "") + f", in {self.seconds:.2f} s")
         if self.new_image_size:
@@ -115,6 +117,12 @@ class ResizeReport:
         lines.append(f"  written to {self.dst}")
         return "\n".join(lines)
 
+    def length_change(self) -> str:
+        """``512 → 1024``; with several groups of positions, each: ``encoder 48 → 96, decoder 40 → 96``."""
+        if len(self.lengths) > 1:
+            return ", ".join(f"{group} {old} → {new}" for group, (old, new) in self.lengths.items())
+        return f"{self.old_length} → {self.new_length}"
+
     def record(self, written: Written) -> None:
         """Take the writer's account of the files (:class:`Written`)."""
         for f in dataclasses.fields(written):
@@ -134,6 +142,7 @@ class ResizeReport:
             **({"posextend.old_image_size": "x".join(map(str, self.old_image_size)),
                 "posextend.new_image_size": "x".join(map(str, self.new_image_size))} if self.new_image_size else {}),
             **({"posextend.strategies": json.dumps(self.strategies, sort_keys=True)} if len(self.strategies) > 1 else {}),
+            **({"posextend.lengths": json.dumps(self.lengths)} if len(self.lengths) > 1 else {}),
         }
 
 
@@ -154,6 +163,7 @@ def resize_report(source: Checkpoint, dst: Path, plans: list[GroupPlan], options
         buffers=[b for p in plans for b in p.layout.buffers], dropped=sorted({d for p in plans for d in p.layout.dropped}),
         covered_by=main.spec.covered_by, strategies={p.spec.group: p.strategy for p in plans},
         transformer_dir=source.transformer_dir,
+        lengths={p.spec.group: [p.layout.usable, p.new_usable] for p in plans if not p.spec.grid},
     )
     for plan in plans:
         if plan.spec.grid:
@@ -178,7 +188,7 @@ def model_card(report: ResizeReport, original: str = "", *, trained: bool = Fals
         f"# Position table extended with posextend {__version__}",
         "",
         f"- Source: `{report.src}`" + (f" (revision `{report.src_revision}`)" if report.src_revision else ""),
-        f"- Usable positions: {report.old_length} → {report.new_length}"
+        f"- Usable positions: {report.length_change()}"
         + (f" (plus {report.reserved} reserved rows)" if report.reserved else ""),
         *([f"- Image size: {'x'.join(map(str, report.old_image_size))} → {'x'.join(map(str, report.new_image_size))} "
            f"pixels (patch grid {'x'.join(map(str, report.old_grid))} → {'x'.join(map(str, report.new_grid))})"]

@@ -21,12 +21,13 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from posextend.errors import PosExtendError
 from posextend.files.checkpoint import Checkpoint
 from posextend.files.copying import copy_file
 from posextend.files.reader import BIN_INDEX, SAFE_INDEX, SAFE_SINGLE, CheckpointReader, prefetch_torch
 from posextend.files.tensorfile import Entry, TensorData, write_safetensors
 from posextend.resize.plan import GroupPlan, ImageSize
-from posextend.files.sources import ST_CONFIG, TOKENIZER_FILES
+from posextend.files.sources import ST_CONFIG, TOKENIZER_FILES, json_int
 from posextend.families.specs import IMAGE_COUNT_FIELD
 from posextend.families.configs import get_path, set_path
 
@@ -62,6 +63,7 @@ class Change:
     - ``plans``: the resize that ``config.json``, the tokenizer's and processor's settings and a
       sentence-transformers ``max_seq_length`` follow (none: they are copied as they are).
     - ``metadata``: provenance, added to every rewritten header and the index.
+    - ``config``: fields of ``config.json`` set besides the plans' (a fine-tune's new head: its labels).
     """
 
     tensors: Mapping[str, tuple[tuple[int, ...], TensorData]] = field(default_factory=dict)
@@ -70,6 +72,7 @@ class Change:
     plans: tuple[GroupPlan, ...] = ()
     metadata: Mapping[str, str] = field(default_factory=dict)
     st_max_seq_length: int | None = None
+    config: Mapping[str, Any] = field(default_factory=dict)
 
 
 COPY_THREADS = 4  # whole-file copies at once: the kernel's copy of a file runs on one core
@@ -251,10 +254,12 @@ def _copy_other_files(source: Checkpoint, out_dir: Path, change: Change, written
     hold the old table: they are left out and listed in ``written.files_skipped``.
     """
     src, config = source.directory, source.config
-    updates = {k: v for plan in change.plans for k, v in plan.config_updates(config).items()}
+    updates = {**{k: v for plan in change.plans for k, v in plan.config_updates(config).items()}, **change.config}
     text = next((p for p in change.plans if not p.spec.grid), None)
     image = next((p for p in change.plans if p.spec.grid), None)
     model = Path(source.transformer_dir)  # relative to src and out_dir; Path("") is the root
+    stated = json_int(src / model / "tokenizer_config.json", "model_max_length")
+    tokenizer = tokenizer_plan(change.plans, config, stated)
     st_file = source.st_config
     for path, rel, left_out in _other_files(source):
         if left_out:
@@ -272,8 +277,8 @@ def _copy_other_files(source: Checkpoint, out_dir: Path, change: Change, written
         target.parent.mkdir(parents=True, exist_ok=True)
         if rel == model / "config.json":
             _write_json(target, updated_config(config, updates))
-        elif rel == model / "tokenizer_config.json" and text:
-            _write_json(target, {**json.loads(path.read_text()), "model_max_length": text.new_usable})
+        elif rel == model / "tokenizer_config.json" and tokenizer:
+            _write_json(target, {**json.loads(path.read_text()), "model_max_length": tokenizer.new_usable})
         elif rel == model / PROCESSOR_CONFIG and image:
             old = image.spec.grid.sizes(config)[0]
             _write_json(target, processor_config(json.loads(path.read_text()), old, image.target, _counts(image, config)))
@@ -285,11 +290,32 @@ def _copy_other_files(source: Checkpoint, out_dir: Path, change: Change, written
         elif rel != Path("README.md"):
             shutil.copy2(path, target)
     has_tokenizer = any((src / model / name).is_file() for name in TOKENIZER_FILES)
-    if text and has_tokenizer and not (src / model / "tokenizer_config.json").is_file():
-        _write_json(out_dir / model / "tokenizer_config.json", {"model_max_length": text.new_usable})
+    if tokenizer and has_tokenizer and not (src / model / "tokenizer_config.json").is_file():
+        _write_json(out_dir / model / "tokenizer_config.json", {"model_max_length": tokenizer.new_usable})
     if change.st_max_seq_length is not None and written.st_max_seq_length is None:
         log.warning("A sentence-transformers max_seq_length was given, but %s has no %s: nothing to set.",
                     src / model, ST_CONFIG)
+
+
+def tokenizer_plan(plans: tuple[GroupPlan, ...], config: Mapping[str, Any], stated: int | None) -> GroupPlan | None:
+    """The plan of positions the tokenizer's ``model_max_length`` follows (None: it is copied as it is).
+
+    The plan whose old length the tokenizer ``stated``; where it stated none's, the first plan of positions,
+    unless it stated the length of a group left as it is (LED's encoder, when only its decoder grows).
+    """
+    text = [p for p in plans if not p.spec.grid]
+    same = next((p for p in text if p.layout.usable == stated), None)
+    if same is not None or not text or stated is None or text[0].spec.group == "model":  # "model": one length
+        return same or (text[0] if text else None)
+    from posextend.families.lookup import all_specs
+
+    try:
+        kept = [s for s in all_specs(config) if s.rank == 1 and s.group not in {p.spec.group for p in text}]
+        if any(s.usable_from_config(config) == stated for s in kept):
+            return None
+    except PosExtendError:  # the groups were found once already; without them, as before
+        pass
+    return text[0]
 
 
 def _other_files(source: Checkpoint) -> Iterator[tuple[Path, Path, tuple[str, str] | None]]:
