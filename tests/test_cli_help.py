@@ -74,7 +74,7 @@ def test_flags_take_no_value_and_values_have_plain_names():
 def test_finetune_groups_its_options_in_panels():
     found = panels(help_text("finetune"))
     assert list(found) == ["Arguments", "What most users set", "Training", "Evaluation", "Advanced"]
-    assert found["What most users set"] == ["--data", "--length", "--strategy", "--steps", "--budget", "--train",
+    assert found["What most users set"] == ["--data", "--length", "--image-size", "--strategy", "--steps", "--budget", "--train",
                                             "--objective"]
     assert {"--lr", "--schedule", "--batch-size", "--anchor", "--seed", "--resume"} <= set(found["Training"])
     assert found["Evaluation"] == ["--eval-every", "--eval-data", "--train-control", "--margin", "--tolerance", "--eval-sequences",

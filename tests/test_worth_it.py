@@ -297,7 +297,7 @@ def test_later_passes_cut_the_stream_at_another_offset():
     """The first pass over the data reads the packed rows as they are; each later one cuts the same stream of
     tokens at a seeded offset, so no text sits at the same positions pass after pass. The rows of a global
     batch are the same however many processes share it."""
-    from posextend.training.loop import batch_indices, batch_rows, epoch_offset
+    from posextend.training.batches import batch_indices, batch_rows, epoch_offset
 
     n, length, batch = 5, 8, 2
     seqs = torch.arange(n * length).view(n, length)  # token i of the stream is i

@@ -31,13 +31,19 @@ class RunContext:
 
     - ``model``: the model as prepared by accelerate (wrapped when distributed: call it for forwards);
       ``unwrapped``: the model itself (its attributes, saving).
-    - ``tokenizer``, ``accelerator`` (``device``, ``num_processes``, ``reduce``).
+    - ``processor``: what turns the objective's data into the model's inputs, as its ``load_model`` loaded it: a
+      tokenizer (``tokenizer`` names it too), an image processor, or both (a CLIP processor);
+      ``accelerator`` (``device``, ``num_processes``, ``reduce``).
     - ``config``: the run's options, resolved (:class:`~posextend.training.options.FinetuneConfig`: ``seed``,
       ``batch_size``, ``buckets``, ``lr`` …); ``spec``: the family's position tables.
-    - ``train_seqs`` / ``eval_seqs``: the samples the objective cut (:meth:`Objective.samples`);
+    - ``train_seqs`` / ``eval_seqs``: the samples the objective cut (:meth:`Objective.samples`): a tensor of
+      token windows, or any sequence of items (images, pairs of image and caption); the loop takes micro-batches
+      of them by index and hands each to ``loss`` as the objective made it (rows of the tensor, or a list);
       ``eval_documents``: the held-out documents they were cut from (never trained on).
-    - ``length`` / ``old_length``: the run's number of positions, and the source's; ``decoder_length``: an
-      encoder-decoder's decoder positions where it has a length of its own (LED; None: ``length``).
+    - ``length`` / ``old_length``: the run's number of positions, and the source's (an image grid's patches, for a
+      vision tower); ``decoder_length``: an encoder-decoder's decoder positions where it has a length of its own
+      (LED; None: ``length``); ``image_size`` / ``old_image_size``: the run's image size in pixels (height, width)
+      and the source's, for a model with an image grid (None without one).
     - ``short_inputs_fixed``: only new rows train, so outputs on inputs within the old length never change.
     - ``reference``: the frozen model the objective's anchor term compares with, when the run keeps one
       (:meth:`Objective.read_reference`, :meth:`Objective.copy_reference`).
@@ -48,7 +54,7 @@ class RunContext:
     accelerator: Any
     model: torch.nn.Module
     unwrapped: torch.nn.Module
-    tokenizer: Any
+    processor: Any
     config: FinetuneConfig
     spec: ArchitectureSpec | None = None
     train_seqs: torch.Tensor
@@ -57,9 +63,16 @@ class RunContext:
     length: int
     old_length: int
     decoder_length: int | None = None
+    image_size: tuple[int, int] | None = None
+    old_image_size: tuple[int, int] | None = None
     short_inputs_fixed: bool = False
     reference: torch.nn.Module | None = None
     state: Any = None
+
+    @property
+    def tokenizer(self) -> Any:
+        """The processor of a text objective: its tokenizer."""
+        return self.processor
 
     def generator(self, position: int) -> torch.Generator:
         """Global sample ``position``'s generator: every random choice of that sample comes from it, so a run

@@ -16,6 +16,7 @@ from typing import Any
 
 from posextend.files.checkpoint import Checkpoint
 from posextend.training.context import RunContext
+from posextend.training.loading import image_size
 from posextend.errors import PosExtendError
 from posextend.scoring.by_position import EvalReport, plot_reports, reading_device
 from posextend.scoring.verdict import Verdict
@@ -113,16 +114,18 @@ def evaluate(
         raise PosExtendError(
             f"A length of {length} exceeds the model's {loaded.usable} positions; extend the model first."
         )
-    samples = chosen.samples(loaded.tokenizer, docs, length)
+    samples = chosen.samples(loaded.processor, docs, length)
     if max_sequences:
         samples = samples[:max_sequences]
     device = reading_device()
     loaded.model.to(device)
     run = RunContext(
-        accelerator=_OneProcess(device), model=loaded.model, unwrapped=loaded.model, tokenizer=loaded.tokenizer,
-        config=FinetuneConfig(batch_size=batch_size, buckets=buckets, seed=seed, objective=chosen.name),
+        accelerator=_OneProcess(device), model=loaded.model, unwrapped=loaded.model, processor=loaded.processor,
+        config=FinetuneConfig(batch_size=batch_size, buckets=buckets, seed=seed, objective=chosen.name,
+                              eval_sequences=chosen.eval_sequences),
         spec=loaded.spec, train_seqs=samples[:0], eval_seqs=samples, eval_documents=docs, length=length,
         old_length=loaded.old_length or length, reference=loaded.reference, state=chosen.State(),
+        image_size=image_size(loaded), old_image_size=image_size(loaded),
         decoder_length=loaded.decoder.usable if loaded.decoder else None,
     )
     report = dataclasses.replace(chosen.evaluate(run), verdict=_verdict(chosen, checkpoint, run))

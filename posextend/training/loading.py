@@ -1,4 +1,5 @@
-"""Loading a checkpoint for training or evaluation: the model its objective needs, and its tokenizer.
+"""Loading a checkpoint for training or evaluation: the model its objective needs, and its processor (a tokenizer,
+an image processor, or both).
 
 The checkpoint comes resolved (a :class:`~posextend.files.checkpoint.Checkpoint`); the functions here also
 take its folder as a path, for callers that hold no checkpoint."""
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,11 +31,12 @@ log = logging.getLogger(__name__)
 class Loaded:
     """A model ready to train: ``model`` trains; ``hf_model`` is the transformers model holding the
     table (the same object for language models, the first module of a sentence-transformers model);
-    ``tables`` are named as in ``model``."""
+    ``tables`` are named as in ``model``. ``processor``: what turns data into its inputs (a tokenizer, an image
+    processor, or both). ``spec`` is the positions a fine-tune's length sizes (an image grid for a vision tower)."""
 
     model: torch.nn.Module
     hf_model: torch.nn.Module
-    tokenizer: Any
+    processor: Any
     spec: ArchitectureSpec
     objective: str
     usable: int
@@ -44,6 +47,11 @@ class Loaded:
     decoder: Stack | None = None  # an encoder-decoder's decoder with a length of its own (LED); ``spec`` is the encoder's
     requests: list[Request] = field(default_factory=list)  # the resizes a fine-tune made in memory, in order
     files: FileNames | None = None  # where the trained tensors sit in the checkpoint's files (set by a fine-tune)
+
+    @property
+    def tokenizer(self) -> Any:
+        """The processor of a text model: its tokenizer."""
+        return self.processor
 
 
 @dataclass(frozen=True)
@@ -72,17 +80,43 @@ def load_tokenizer(directory: Path):
     return tokenizer
 
 
-def loaded(model: torch.nn.Module, hf_model: torch.nn.Module, tokenizer, objective: str,
+def loaded(model: torch.nn.Module, hf_model: torch.nn.Module, processor, objective: str,
            directory: Path | Checkpoint) -> Loaded:
-    """Locate the table(s) of ``hf_model`` (inside ``model``) and read the old length from provenance."""
+    """Locate the table(s) of ``hf_model`` (inside ``model``) and read the old length from provenance; ``processor``:
+    the model's tokenizer, image processor, or both."""
     config = hf_model.config.to_dict()
     spec, decoder = stack_specs(config, type(hf_model))  # the loaded class's own names
     shapes = {n: tuple(p.shape) for n, p in hf_model.named_parameters()}
     prefix = next((f"{n}." for n, m in model.named_modules() if m is hf_model and n), "")
     encoder, decoder = (None if s is None else _stack(s, shapes, config, prefix) for s in (spec, decoder))
     old = Checkpoint.of(directory).provenance.get("posextend.old_length")
-    return Loaded(model, hf_model, tokenizer, spec, objective, encoder.usable, encoder.reserved, encoder.tables,
+    return Loaded(model, hf_model, processor, spec, objective, encoder.usable, encoder.reserved, encoder.tables,
                   int(old) if old else None, decoder=decoder)
+
+
+def image_size(loaded: Loaded, *, asked: bool = False) -> tuple[int, int] | None:
+    """The image size (height, width) in pixels of the loaded model's image grid (:func:`image_grid`): looked for
+    in a vision tower or a model with a vision config, or anywhere when ``asked`` (a run gives an image size);
+    None without one."""
+    config = loaded.hf_model.config.to_dict()
+    if not (asked or loaded.spec.rank == 2 or "vision_config" in config):
+        return None
+    grid = image_grid(loaded)
+    return None if grid is None else grid.spec.grid.sizes(config)[0]
+
+
+def image_grid(loaded: Loaded) -> Stack | None:
+    """The image grid of the loaded model (its tables named as in ``loaded.model``): ``spec`` itself for a vision
+    tower, the vision tower's beside a text length (CLIP), None for a model without one."""
+    hf_model = loaded.hf_model
+    config = hf_model.config.to_dict()
+    spec = loaded.spec if loaded.spec.rank == 2 else next(
+        (s for s in all_specs(config, cls=type(hf_model)) if s.rank == 2), None)
+    if spec is None:
+        return None
+    shapes = {n: tuple(p.shape) for n, p in hf_model.named_parameters()}
+    prefix = next((f"{n}." for n, m in loaded.model.named_modules() if m is hf_model and n), "")
+    return _stack(spec, shapes, config, prefix)
 
 
 def stack_specs(config: dict[str, Any], cls: type | None = None) -> tuple[ArchitectureSpec, ArchitectureSpec | None]:
@@ -99,14 +133,33 @@ def _stack(spec: ArchitectureSpec, shapes: dict[str, tuple[int, ...]], config: d
     return Stack(spec, tuple(prefix + t for t in layout.tables), layout.usable, layout.reserved)
 
 
+def load_processor(directory: Path, kind: str = "image") -> Any:
+    """The image processor (``kind="image"``: a vision tower's) or the processor of both text and images
+    (``"both"``: a CLIP processor, tokenizer and image processor) saved in ``directory``; a one-line error when
+    there is none."""
+    import transformers
+
+    auto = transformers.AutoImageProcessor if kind == "image" else transformers.AutoProcessor
+    advice = "save it there (processor.save_pretrained) so images can be read."
+    try:
+        processor = auto.from_pretrained(directory)
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        raise SourceError(f"No usable {'image ' if kind == 'image' else ''}processor in {directory} "
+                          f"({str(exc).splitlines()[0]}); {advice}") from None
+    if kind == "both" and not (hasattr(processor, "tokenizer") and hasattr(processor, "image_processor")):
+        raise SourceError(f"The processor in {directory} ({type(processor).__name__}) does not read both text and "
+                          f"images; {advice}")
+    return processor
+
+
 def load_headed_model(src: str | Path | Checkpoint, model_class: Any, head: str, objective: str, *,
-                      init_head: bool = False) -> Loaded:
+                      init_head: bool = False, processor: Callable[[Path], Any] = load_tokenizer) -> Loaded:
     """The checkpoint loaded by ``model_class`` (a transformers auto class: the head objective ``objective``
-    trains, called ``head`` in messages), and its tokenizer. A checkpoint without that head is refused
-    unless ``init_head`` asks for a fresh one."""
+    trains, called ``head`` in messages), and its processor (``processor(folder)``: its tokenizer by default). A
+    checkpoint without that head is refused unless ``init_head`` asks for a fresh one."""
     checkpoint = Checkpoint.resolve(src)
     directory, model_dir = checkpoint.directory, checkpoint.model_dir  # an older ST folder: its 0_Transformer/
-    tokenizer = load_tokenizer(model_dir)
+    tokenizer = processor(model_dir)
     model, info = model_class.from_pretrained(model_dir, output_loading_info=True,
                                               **attention_kwargs(model_class, checkpoint.config))
     missing = sorted(info["missing_keys"])

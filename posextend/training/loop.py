@@ -36,8 +36,9 @@ from posextend.resize.size import check_extension_size
 from posextend.training.objectives.base import default_objective, get_objective
 from posextend.training.options import FinetuneConfig
 from posextend.scoring.verdict import Reading
+from posextend.training.batches import batch_positions, batch_rows
 from posextend.training.budget import PROBE_STEPS
-from posextend.training.report import FinetuneReport, finetune_report, save
+from posextend.training.report import FinetuneReport, Trained, finetune_report, save
 from posextend.training.setup import Run, fit_in_memory, setup
 
 log = logging.getLogger(__name__)
@@ -64,64 +65,10 @@ def _stop_at_step_boundary() -> Iterator[Callable[[], bool]]:
         signal.signal(signal.SIGINT, previous)
 
 
-@functools.lru_cache(maxsize=8)
-def _epoch_order(n: int, seed: int, epoch: int) -> torch.Tensor:
-    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
-
-
-def batch_positions(k: int, batch_size: int, processes: int = 1, process: int = 0) -> range:
-    """Global sample numbers of micro-batch ``k`` on process number ``process``.
-
-    Sample ``p`` is sequence ``order(epoch = p // n)[p % n]``; its random choices (masks) are
-    drawn from a generator seeded by ``(seed, p)``. So a run is the same function of its
-    global batch whatever the number of processes, and resumes on any number of them.
-    """
-    start = (k * processes + process) * batch_size
-    return range(start, start + batch_size)
-
-
-def batch_indices(k: int, batch_size: int, n: int, seed: int, processes: int = 1, process: int = 0) -> torch.Tensor:
-    """Sequence indices of micro-batch ``k`` on process number ``process``: a pure function of its arguments."""
-    return torch.stack([_epoch_order(n, seed, p // n)[p % n] for p in batch_positions(k, batch_size, processes, process)])
-
-
-@functools.lru_cache(maxsize=64)
-def epoch_offset(length: int, seed: int, epoch: int) -> int:
-    """Where pass ``epoch`` over the data cuts its stream of tokens into samples of ``length``: at 0 in the
-    first pass, then at a seeded offset in 1 … length-1, so that on later passes each text sits at other
-    positions. Trained on the same text at the same positions pass after pass, the far range gets worse on
-    unseen text while the original range still improves: the grid's 2 × 128 GPT-2 in 15 minutes (19 passes)
-    read *Emma*'s far range 1.37× worse than the source through its own window; cut anew each pass, 0.95×
-    (``benchmarks/worth_it.py``)."""
-    if epoch == 0 or length < 2:
-        return 0
-    generator = torch.Generator().manual_seed(seed * 100_003 + epoch + 7_919)
-    return int(torch.randint(1, length, (1,), generator=generator))
-
-
-def batch_rows(k: int, batch_size: int, seqs: torch.Tensor, seed: int, processes: int = 1, process: int = 0, *,
-               stream: bool = True) -> torch.Tensor:
-    """The samples of micro-batch ``k`` on process number ``process``: rows of ``seqs`` in the order of
-    :func:`batch_indices`; when the rows are consecutive windows of one stream of tokens (``stream``, 2-D
-    ``seqs``), each pass after the first cuts them at its :func:`epoch_offset` (the last one wraps round to
-    the stream's start). A pure function of its arguments, as the order is."""
-    n = len(seqs)
-    if not stream or seqs.dim() != 2:
-        return seqs[batch_indices(k, batch_size, n, seed, processes, process)]
-    length, flat = seqs.shape[1], seqs.reshape(-1)
-    rows = []
-    for p in batch_positions(k, batch_size, processes, process):
-        epoch = p // n
-        start = int(_epoch_order(n, seed, epoch)[p % n]) * length + epoch_offset(length, seed, epoch)
-        end = start + length
-        rows.append(flat[start:end] if end <= flat.numel() else torch.cat([flat[start:], flat[: end - flat.numel()]]))
-    return torch.stack(rows)
-
-
-
-def _micro_loss(run: Run, k: int) -> tuple[torch.Tensor, int]:
+def _micro_loss(run: Run, k: int) -> tuple[torch.Tensor, tuple[int, int]]:
     """Loss of micro-batch ``k`` on this process, scaled so that the processes' gradients average
-    to the gradient of the mean over the *global* batch's items (tokens, or pairs); and its tokens."""
+    to the gradient of the mean over the *global* batch's items (tokens, or pairs); and its items and tokens,
+    as its objective counts them (:meth:`Objective.count`)."""
     acc = run.accelerator
     positions = batch_positions(k, run.config.batch_size, acc.num_processes, acc.process_index)
     batch = batch_rows(k, run.config.batch_size, run.train_seqs, run.config.seed, acc.num_processes, acc.process_index,
@@ -130,17 +77,17 @@ def _micro_loss(run: Run, k: int) -> tuple[torch.Tensor, int]:
     if acc.num_processes > 1:
         total = int(acc.reduce(torch.tensor([count], device=acc.device), "sum").item())
         loss = loss * (count * acc.num_processes / max(total, 1)) if count else loss * 0.0
-    return loss, int((batch >= 0).sum())  # the tokens it holds (samples of pairs pad with -1)
+    return loss, run.objective.count(batch)
 
 
-def _step(run: Run, step: int) -> tuple[float, int]:
-    """One optimizer step (its micro-batches accumulated): its loss and the tokens every process saw.
+def _step(run: Run, step: int) -> tuple[float, int, int]:
+    """One optimizer step (its micro-batches accumulated): its loss and the items and tokens every process saw.
     A non-finite loss saves the last good state and stops the run."""
     acc = run.accelerator
-    step_loss, tokens = 0.0, 0
+    step_loss, items, tokens = 0.0, 0, 0
     for micro in range(run.config.grad_accum):
         with acc.accumulate(run.model):
-            loss, n = _micro_loss(run, step * run.config.grad_accum + micro)
+            loss, (m, n) = _micro_loss(run, step * run.config.grad_accum + micro)
             bad = acc.reduce(torch.tensor([0.0 if torch.isfinite(loss) else 1.0], device=acc.device), "sum")
             if bad.item():
                 run.save_state(step)
@@ -153,12 +100,12 @@ def _step(run: Run, step: int) -> tuple[float, int]:
             run.scheduler.step()
             run.optimizer.zero_grad()
         step_loss += loss.item() / run.config.grad_accum
-        tokens += n * acc.num_processes
+        items, tokens = items + m * acc.num_processes, tokens + n * acc.num_processes
     if run.saved_rows:
         with torch.no_grad():
             for t, rows in zip(run.tables, run.saved_rows):
                 t[: len(rows)] = rows
-    return step_loss, tokens
+    return step_loss, items, tokens
 
 
 def _all_agree(run: Run, flag: bool) -> bool:
@@ -184,28 +131,25 @@ def _check(run: Run, step: int, eval_losses: list[tuple[int, float]]) -> bool:
 
 
 def _loop(run: Run, start_step: int, *, save_every: int, progress: Callable[[int, int, float, float], None] | None,
-          ) -> tuple[list[float], list[tuple[int, float]], int, float]:
+          ) -> Trained:
     """The shared training loop: steps until the judge's budget is spent or the run is worth it
-    (:class:`posextend.training.budget.Judge`), held-out checks, Ctrl-C, state saving, progress. Returns
-    the losses, the held-out losses, the tokens seen by every process, and the seconds of training."""
-    judge, schedule = run.judge, run.schedule
-    losses: list[float] = []
-    eval_losses: list[tuple[int, float]] = []
-    tokens, trained, step = 0, 0.0, start_step
+    (:class:`posextend.training.budget.Judge`), held-out checks, Ctrl-C, state saving, progress."""
+    judge, schedule, trained = run.judge, run.schedule, Trained()
+    step = start_step
     run.model.train()  # gradient checkpointing applies only in training mode (dropout is the objective's choice)
     with _stop_at_step_boundary() as stop_requested:
         while judge.budget.seconds is not None or step < schedule.steps:
             t0 = time.perf_counter()
-            loss, n = _step(run, step)
-            trained += time.perf_counter() - t0
-            step, tokens = step + 1, tokens + n
-            losses.append(loss)
+            loss, items, tokens = _step(run, step)
+            trained.seconds += time.perf_counter() - t0
+            step, trained.items, trained.tokens = step + 1, trained.items + items, trained.tokens + tokens
+            trained.losses.append(loss)
             if judge.budget.seconds is not None and step - start_step == PROBE_STEPS:
-                schedule.steps = judge.planned(step, trained * step / PROBE_STEPS)
+                schedule.steps = judge.planned(step, trained.seconds * step / PROBE_STEPS)
             if progress and run.accelerator.is_main_process:
-                progress(step, schedule.steps, loss, tokens / max(trained, 1e-9))
+                progress(step, schedule.steps, loss, trained.tokens / max(trained.seconds, 1e-9))
             done = _all_agree(run, judge.spent(step)) if judge.budget.seconds is not None else step >= schedule.steps
-            if not done and _all_agree(run, judge.check_due(step, schedule.steps)) and _check(run, step, eval_losses):
+            if not done and _all_agree(run, judge.check_due(step, schedule.steps)) and _check(run, step, trained.eval_losses):
                 break
             if save_every and step % save_every == 0:
                 run.save_state(step)
@@ -216,7 +160,7 @@ def _loop(run: Run, start_step: int, *, save_every: int, progress: Callable[[int
                 )
             if done:
                 break
-    return losses, eval_losses, tokens, trained
+    return trained
 
 
 def _resume_step(run: Run) -> int:
@@ -340,17 +284,17 @@ def finetune(
     start_step = _resume_step(run) if config.resume else 0
     if not config.resume:
         run.judge.check(0, lambda: run.objective.reading(run))
-    losses, eval_losses, tokens, seconds = fit_in_memory(run, loaded.hf_model, functools.partial(
+    trained = fit_in_memory(run, loaded.hf_model, functools.partial(
         _loop, run, start_step, save_every=config.save_every, progress=progress))
     after = run.evaluate()
-    steps = start_step + len(losses)
+    steps = start_step + len(trained.losses)
     reading = _final_reading(run, steps)
     if config.train_control and reading is not None:
-        _train_control(run, checkpoint, tokens, progress)
+        _train_control(run, checkpoint, trained.tokens, progress)
     verdict = run.judge.verdict(reading)
     run.accelerator.wait_for_everyone()
     run.config = dataclasses.replace(run.config, steps=steps)  # the steps it trained
-    report = finetune_report(run, dst, (before, after), (losses, eval_losses), tokens, seconds, verdict)
+    report = finetune_report(run, dst, (before, after), trained, verdict)
     state_dict = run.accelerator.get_state_dict(run.model)  # every process takes part (sharded weights)
     if run.accelerator.is_main_process:
         save(run, dst, report, checkpoint, loaded, state_dict)

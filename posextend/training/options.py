@@ -40,6 +40,7 @@ class Defaults(Protocol):
     name: str
     anchor: float | None
     steps: int
+    eval_sequences: int
     schedule: dict[str, str]
     strategy: dict[str, str]
 
@@ -51,6 +52,7 @@ class FinetuneConfig:
     """Every option of a fine-tune. ``None``: the objective's default (see :meth:`resolved`).
 
     - ``length``: extend to this many usable positions first (None: train at the checkpoint's length).
+    - ``image_size``: a model with an image grid (a vision tower, CLIP's): give it this size in pixels first.
     - ``decoder_length``: an encoder-decoder with a length per stack (LED): extend the decoder's table to
       this many positions too (None: as it is; ``length`` sizes the encoder's).
     - ``strategy``: how ``length`` fills the new rows (objective's default: ``interpolate`` for causal LMs
@@ -95,6 +97,9 @@ class FinetuneConfig:
     length: int | None = _option(None, {"finetune": "Extend SRC to this many positions (tokens) first.",
                                         "eval": "Sequence length in tokens (default: the model's)."}, short="-n",
                                  panel={"finetune": MOST})
+    image_size: int | None = _option(
+        None, "Vision towers and image-text models: give the image grid this size in pixels first (its patches follow).",
+        metavar="PIXELS", panel=MOST)
     decoder_length: int | None = _option(
         None, "Encoder-decoders with a length per stack (LED): extend the decoder's table to this many positions "
         "too (--length sizes the encoder's).")
@@ -164,9 +169,9 @@ class FinetuneConfig:
     source: str | Path | None = _option(
         None, "The original model the anchor compares with, when SRC was resized earlier (default: the model "
         "SRC was resized from, as posextend recorded in SRC's files, when it is still there).", metavar="PATH")
-    eval_sequences: int = _option(
-        16, "Held-out sequences each check reads (fewer: cheaper checks, coarser readings; contrastive: documents "
-        "per retrieval task).", metavar="N", panel=EVALUATION)
+    eval_sequences: int | None = _option(
+        None, "Held-out samples each check reads (fewer: cheaper checks, coarser readings; default 16 sequences of "
+        "text; contrastive: documents per retrieval task; images: the objective's).", metavar="N", panel=EVALUATION)
     buckets: int = _option(8, {"finetune": "Rows of the before/after table: the positions cut into this many "
                                            "ranges.",
                                "eval": "Rows of the table: the positions cut into this many ranges."},
@@ -192,6 +197,7 @@ class FinetuneConfig:
         config = replace(
             self, objective=objective.name, anchor=anchor,
             schedule=self.schedule or objective.schedule.get(self.train, "constant"),
+            eval_sequences=self.eval_sequences or objective.eval_sequences,
             strategy=self.strategy or objective.strategy.get(self.train, "tile"),
         )
         config.check()
@@ -217,7 +223,10 @@ class FinetuneConfig:
             raise TrainingError("Only a LoRA run has an adapter to save; train with lora, or leave save_adapter off.")
         if self.mixed_precision not in PRECISIONS:
             raise TrainingError(f"Mixed precision must be one of {', '.join(PRECISIONS)}, got {self.mixed_precision!r}.")
-        for name in ("steps", "batch_size", "grad_accum", "length", "decoder_length"):
+        if self.image_size is not None and self.train == "new-rows":
+            raise TrainingError("An image grid resized to a new image size has no old rows to keep (every row is "
+                                "resampled): train the positions, lora or every parameter.")
+        for name in ("steps", "batch_size", "grad_accum", "length", "decoder_length", "image_size", "eval_sequences"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise TrainingError(f"{name} must be at least 1, got {value}.")

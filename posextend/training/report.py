@@ -35,8 +35,20 @@ log = logging.getLogger(__name__)
 
 # the report's keys as plain data (:meth:`FinetuneReport.to_dict`), its options among its own fields
 _KEYS = ("dst", "train", "objective", "steps", "old_length", "new_length", "lr", "batch_size", "grad_accum", "precision",
-         "tokens", "seconds", "tokens_per_second", "losses", "eval_losses", "before", "after", "processes", "main_process",
+         "items", "tokens", "seconds", "tokens_per_second", "losses", "eval_losses", "before", "after", "processes", "main_process",
          "strategy", "anchor", "schedule", "anchor_source", "anchor_note", "notes", "verdict")
+
+
+@dataclass
+class Trained:
+    """What the loop did: each step's loss, the held-out losses (``eval_every``), the items and tokens every process
+    trained on (as the objective counts them: an image's tokens are its patches), and the seconds of training."""
+
+    losses: list[float] = field(default_factory=list)
+    eval_losses: list[tuple[int, float]] = field(default_factory=list)
+    items: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
 
 
 @dataclass
@@ -49,9 +61,10 @@ class FinetuneReport:
     config: FinetuneConfig
     old_length: int
     new_length: int
-    tokens: int
+    tokens: int  # what it trained on, as its objective counts them (text: tokens; an image: its patches)
     seconds: float
     tokens_per_second: float
+    items: int = 0  # samples trained on (token windows, images, pairs of image and caption)
     losses: list[float] = field(default_factory=list)
     eval_losses: list[tuple[int, float]] = field(default_factory=list)  # (step, held-out loss), with --eval-every
     before: EvalReport | None = None
@@ -84,16 +97,16 @@ class FinetuneReport:
         return {key: own[key] if key in own else getattr(self, key) for key in _KEYS}
 
 
-def finetune_report(run: Run, dst: Path, evaluations: tuple[EvalReport | None, EvalReport],
-                    losses: tuple[list[float], list[tuple[int, float]]], tokens: int, seconds: float,
+def finetune_report(run: Run, dst: Path, evaluations: tuple[EvalReport | None, EvalReport], trained: Trained,
                     verdict: Verdict | None = None) -> FinetuneReport:
     """The fine-tune's report: its options, throughput, losses (held-out ones at steps 0 and the last
     included), the before/after evaluations and the verdict."""
-    (before, after), (train_losses, eval_losses), config = evaluations, losses, run.config
+    (before, after), config = evaluations, run.config
     return FinetuneReport(
-        dst=str(dst.resolve()), config=config, old_length=run.old_length, new_length=run.length, tokens=tokens,
-        seconds=seconds, tokens_per_second=tokens / max(seconds, 1e-9), losses=train_losses,
-        eval_losses=([(0, before.loss)] if before else []) + eval_losses + [(config.steps, after.loss)],
+        dst=str(dst.resolve()), config=config, old_length=run.old_length, new_length=run.length, tokens=trained.tokens,
+        items=trained.items, seconds=trained.seconds, tokens_per_second=trained.tokens / max(trained.seconds, 1e-9),
+        losses=trained.losses,
+        eval_losses=([(0, before.loss)] if before else []) + trained.eval_losses + [(config.steps, after.loss)],
         before=before, after=after, processes=run.accelerator.num_processes,
         main_process=run.accelerator.is_main_process, strategy=config.strategy if run.extended else None,
         anchor_source=run.anchor_original.original.name if run.anchor_original.original else None,
@@ -124,7 +137,8 @@ def save(run: Run, dst: Path, report: FinetuneReport, checkpoint: Checkpoint, lo
         options = ResizeOptions(new_length=run.length, strategy=run.config.strategy, seed=seed)
         resize = resize_report(source, dst, plans, options) if plans else None
         change = dataclasses.replace(resized, tensors={**resized.tensors, **trained}, added=added,
-                                     metadata=_provenance(run, report, source, resize))
+                                     metadata=_provenance(run, report, source, resize),
+                                     config=run.objective.written_config(run))
         with atomic_output(dst, overwrite=run.config.overwrite) as tmp:
             written = write_trained(source, tmp, change, type(loaded.hf_model))
             _save_modules(loaded, source, tmp, run.config.train)

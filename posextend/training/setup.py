@@ -23,9 +23,10 @@ from posextend.resize.plan import Request
 from posextend.scoring.by_position import EvalReport
 from posextend.scoring.verdict import Reading
 from posextend.training.adapters import add_lora, param_groups
+from posextend.training.batches import batch_rows
 from posextend.training.budget import Budget, Judge, Schedule
 from posextend.training.context import RunContext
-from posextend.training.loading import AnchorOriginal, Loaded, anchor_original
+from posextend.training.loading import AnchorOriginal, Loaded, anchor_original, image_grid, image_size
 from posextend.training.objectives.base import Objective
 from posextend.training.options import FinetuneConfig
 
@@ -147,7 +148,7 @@ def cpu_has_native_bf16() -> bool:
 
 
 def setup(checkpoint: Checkpoint, dst: Path, data: Sequence[str | Path], config: FinetuneConfig,
-           chosen: Objective, *, documents: tuple[Sequence[Any], Sequence[Any]] | None = None) -> tuple[Run, Loaded]:
+          chosen: Objective, *, documents: tuple[Sequence[Any], Sequence[Any]] | None = None) -> tuple[Run, Loaded]:
     """Load, extend, cut the data into samples, choose what trains, and prepare model, optimizer and
     schedule. ``config`` is resolved (:meth:`FinetuneConfig.resolved`); its ``lr`` is set here when None.
     ``documents``: the data already split, ``(train, held_out)`` (a control trains on a run's own), in place of
@@ -157,82 +158,82 @@ def setup(checkpoint: Checkpoint, dst: Path, data: Sequence[str | Path], config:
     docs = chosen.documents(data) if documents is None else documents[0]
     given_held_out = (documents[1] if documents is not None else
                       chosen.documents(config.eval_data) if config.eval_data else None)
-    loaded, length, old_len, extended, anchor, source = _load(chosen, checkpoint, config)
+    loaded, sizes, anchor, source = _load(chosen, checkpoint, config)
     decoder_length = _resize_decoder(loaded, config)  # None: the decoder shares the run's length
-    model, tokenizer = loaded.model, loaded.tokenizer
-    if config.train == "new-rows" and old_len >= length:
+    if config.train == "new-rows" and sizes.old_length >= sizes.length:
         raise TrainingError(
-            f"Training only new rows needs rows beyond the old length, but the model has {length} positions and its old length is "
-            f"{old_len}: pass length=N above {length}, or old_length=N for a checkpoint extended elsewhere."
-        )
-    tokenizer.model_max_length = length
-    train_docs, held_docs = (docs, given_held_out) if given_held_out else _held_out(docs, tokenizer, length, config)
-    train_seqs, eval_seqs = _samples(chosen, tokenizer, (train_docs, held_docs), length)
+            f"Training only new rows needs rows beyond the old length, but the model has {sizes.length} positions and "
+            f"its old length is {sizes.old_length}: pass length=N above {sizes.length}, or old_length=N for a "
+            "checkpoint extended elsewhere.")
+    chosen.size_processor(loaded.processor, length=sizes.length, image_size=sizes.image_size)
+    train_docs, held_docs = ((docs, given_held_out) if given_held_out else
+                             chosen.split(docs, processor=loaded.processor, length=sizes.length, config=config))
+    train_seqs, eval_seqs = _samples(chosen, loaded.processor, (train_docs, held_docs), sizes.length)
     accelerator = make_accelerator(config.mixed_precision, config.grad_accum, unused_parameters=chosen.unused_parameters)
-    if config.train == "new-rows" and accelerator.distributed_type.value in ("FSDP", "DEEPSPEED"):
-        raise TrainingError(
-            "Training only the new rows edits one table's gradients in place, which sharded training (FSDP, "
-            "DeepSpeed) does not allow; train the positions or every parameter, or use data parallel training."
-        )
-    tables, keep = _trained_tables(loaded, old_len, decoder_length)
+    tables, keep = _trained_tables(loaded, sizes, decoder_length)
     config = config.with_lr(chosen, tables[0].shape[-1])
     # the run is a function of the global batch, so a resume may use another number of processes
     fingerprint = config.fingerprint(src=checkpoint.directory, data=[str(d) for d in data], processes=accelerator.num_processes,
                                      anchor_source=anchor.path, precision=accelerator.mixed_precision)
     if anchor.note and accelerator.is_main_process:
         (log.info if anchor.exact else log.warning)("%s", anchor.note)
-    for p in model.parameters():
-        p.requires_grad_(config.train == "all")
-    for t in tables:
-        t.requires_grad_(True)
-    saved_rows = _new_rows_only(tables, keep) if config.train == "new-rows" else []
-    if config.gradient_checkpointing:
-        loaded.hf_model.gradient_checkpointing_enable()
     set_seed(config.seed)
-    adapter = _lora(loaded, tables, accelerator) if config.train == "lora" else None  # seeded: LoRA's init
-    schedule = Schedule(config.steps or chosen.steps, config.schedule)  # its steps are the budget's, once known
-    optimizer = _adamw(param_groups(adapter, config.lr) if adapter else
-                       [p for p in model.parameters() if p.requires_grad], config.lr)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-    prepared, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    adapter, optimizer, scheduler, schedule, saved_rows = _trainable(loaded, config, chosen, accelerator, (tables, keep))
+    prepared, optimizer, scheduler = accelerator.prepare(loaded.model, optimizer, scheduler)
     run = Run(accelerator=accelerator, model=prepared, unwrapped=accelerator.unwrap_model(prepared),
-              tokenizer=tokenizer, config=config, spec=loaded.spec, train_seqs=train_seqs,
-              eval_seqs=eval_seqs[: config.eval_sequences], eval_documents=held_docs, length=length, old_length=old_len,
-              short_inputs_fixed=config.train == "new-rows", objective=chosen,
-              reference=loaded.reference, state=chosen.State(),
-              optimizer=optimizer, scheduler=scheduler, tables=tables, saved_rows=saved_rows, decoder_length=decoder_length,
-              state_dir=dst.with_name(dst.name + ".state"), fingerprint=fingerprint, extended=extended,
-              anchor_original=anchor, schedule=schedule, adapter=adapter, train_documents=train_docs)
+              processor=loaded.processor, config=config, spec=loaded.spec, train_seqs=train_seqs,
+              eval_seqs=eval_seqs[: config.eval_sequences], eval_documents=held_docs, length=sizes.length,
+              old_length=sizes.old_length, image_size=sizes.image_size, old_image_size=sizes.old_image_size,
+              short_inputs_fixed=config.train == "new-rows", objective=chosen, reference=loaded.reference,
+              state=chosen.State(), optimizer=optimizer, scheduler=scheduler, tables=tables, saved_rows=saved_rows,
+              decoder_length=decoder_length, state_dir=dst.with_name(dst.name + ".state"), fingerprint=fingerprint,
+              extended=sizes.extended or sizes.image_extended, anchor_original=anchor, schedule=schedule,
+              adapter=adapter, train_documents=train_docs)
     baseline = _baseline(run, source)
     del source
-    run.judge = _judge(chosen, config, baseline, tokens_per_step=train_seqs.shape[1] * config.batch_size
-                       * config.grad_accum * accelerator.num_processes,
-                       control=dict(control_name=chosen.control_name(run), old_length=old_len))
+    _, tokens = chosen.count(batch_rows(0, config.batch_size, train_seqs, config.seed, stream=chosen.stream))
+    run.judge = _judge(chosen, config, baseline, tokens_per_step=tokens * config.grad_accum * accelerator.num_processes,
+                       control=dict(control_name=chosen.control_name(run), old_length=sizes.old_length))
     schedule.steps = run.judge.steps or chosen.steps
     return run, loaded
 
 
-def _held_out(docs: Sequence[Any], tokenizer: Any, length: int, config: FinetuneConfig) -> tuple[list[Any], list[Any]]:
-    """Documents set aside for judging the run (:func:`posextend.training.heldout.split_documents`): a few
-    percent of the data, and enough for its held-out sequences, at the data's characters per token."""
-    from posextend.training.heldout import split_documents
+def _trainable(loaded: Loaded, config: FinetuneConfig, chosen: Objective, accelerator: Any,
+               tables: tuple[list[torch.nn.Parameter], list[int]]) -> tuple[Any, Any, Any, Schedule, list[torch.Tensor]]:
+    """What trains and how: every parameter or the tables (``tables``: the trained tables and each one's kept
+    rows), the kept rows of a new-rows run, LoRA's adapter, the optimizer and its lr schedule (its steps are the
+    budget's, once known)."""
+    model, (trained, keep) = loaded.model, tables
+    if config.train == "new-rows" and accelerator.distributed_type.value in ("FSDP", "DEEPSPEED"):
+        raise TrainingError(
+            "Training only the new rows edits one table's gradients in place, which sharded training (FSDP, "
+            "DeepSpeed) does not allow; train the positions or every parameter, or use data parallel training."
+        )
+    for p in model.parameters():
+        p.requires_grad_(config.train == "all")
+    for t in trained:
+        t.requires_grad_(True)
+    saved_rows = _new_rows_only(trained, keep) if config.train == "new-rows" else []
+    if config.gradient_checkpointing:
+        loaded.hf_model.gradient_checkpointing_enable()
+    adapter = _lora(loaded, trained, accelerator) if config.train == "lora" else None  # seeded: LoRA's init
+    schedule = Schedule(config.steps or chosen.steps, config.schedule)
+    optimizer = _adamw(param_groups(adapter, config.lr) if adapter else
+                       [p for p in model.parameters() if p.requires_grad], config.lr)
+    return adapter, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule), schedule, saved_rows
 
-    sample = next((d for d in docs if isinstance(d, str)), "")[:20_000]
-    per_token = len(sample) / max(1, len(tokenizer(sample, add_special_tokens=False, verbose=False)["input_ids"])) if sample else 4
-    return split_documents(docs, least=int(1.1 * config.eval_sequences * length * per_token), seed=config.seed)
 
-
-def _samples(chosen: Objective, tokenizer: Any, documents: tuple[Sequence[Any], Sequence[Any]], length: int
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+def _samples(chosen: Objective, processor: Any, documents: tuple[Sequence[Any], Sequence[Any]], length: int
+             ) -> tuple[Any, Any]:
     """The training and held-out samples of the two parts of the data, each cut by the objective."""
     from posextend.errors import DataError
 
     train, held = documents
     try:
-        eval_seqs = chosen.samples(tokenizer, held, length)
+        eval_seqs = chosen.samples(processor, held, length)
     except DataError as exc:
         raise DataError(f"The held-out text is too short: {exc}") from None
-    return chosen.samples(tokenizer, train, length), eval_seqs
+    return chosen.samples(processor, train, length), eval_seqs
 
 
 def _judge(chosen: Objective, config: FinetuneConfig, baseline: tuple[Reading, str] | None, *,
@@ -273,14 +274,50 @@ def _lora(loaded: Loaded, tables: list[torch.nn.Parameter], accelerator) -> Any:
     return add_lora(loaded.hf_model, tables)
 
 
-def _load(chosen: Objective, checkpoint: Checkpoint, config: FinetuneConfig
-          ) -> tuple[Loaded, int, int, bool, AnchorOriginal, torch.nn.Module | None]:
-    """Load through the objective, settle what its anchor holds to while the table is as loaded, then
-    extend it when ``config.length`` asks. Returns the loaded model, the run's length and old length,
-    whether this run extended the table, the anchor's reference, and the source a baseline reads
-    (:func:`_baseline_source`)."""
-    length, old_length, init_head, source = config.length, config.old_length, config.init_head, config.source
+@dataclass(frozen=True)
+class Sizes:
+    """A run's sizes, as loaded and after the extension: ``length`` / ``old_length`` (usable positions: the run's
+    and the source's; an image grid's patches for a vision tower); ``image_size`` / ``old_image_size`` in pixels,
+    (height, width), for a model with an image grid (None without one); ``extended``: this run extends the length,
+    ``image_extended``: the image grid."""
 
+    length: int
+    old_length: int
+    extended: bool = False
+    image_size: tuple[int, int] | None = None
+    old_image_size: tuple[int, int] | None = None
+    image_extended: bool = False
+
+    @property
+    def grows(self) -> bool:
+        """The run gives the model more than the source read: a longer length (beyond its old one) or an image size."""
+        return self.old_length < self.length or self.image_extended
+
+
+def _sizes(loaded: Loaded, config: FinetuneConfig) -> Sizes:
+    """The run's sizes: ``config.length`` and ``config.image_size`` against the loaded model's."""
+    from posextend.resize.plan import image_size_pair
+
+    current, length = loaded.usable, config.length
+    extended = length is not None and length != current
+    if extended and loaded.spec.rank == 2:
+        raise TrainingError(f"{loaded.hf_model.config.model_type} has an image grid, not a length of tokens: give the "
+                            "image size in pixels instead of a length.")
+    old_len = current if extended else (config.old_length or loaded.old_length or current)
+    old_image = image_size(loaded, asked=config.image_size is not None)
+    if config.image_size and old_image is None:
+        raise TrainingError(f"{loaded.hf_model.config.model_type} has no image grid to give an image size; leave "
+                            "the image size unset.")
+    image = image_size_pair(config.image_size) if config.image_size else old_image
+    return Sizes(length if extended else current, old_len, extended, image, old_image, image != old_image)
+
+
+def _load(chosen: Objective, checkpoint: Checkpoint, config: FinetuneConfig
+          ) -> tuple[Loaded, Sizes, AnchorOriginal, torch.nn.Module | None]:
+    """Load through the objective, settle what its anchor holds to while the table is as loaded, then
+    extend it when ``config.length`` (or ``config.image_size``) asks. Returns the loaded model, the run's
+    :class:`Sizes`, the anchor's reference, and the source a baseline reads (:func:`_baseline_source`)."""
+    init_head, source = config.init_head, config.source
     if source is not None and chosen.anchor is None:
         raise TrainingError(f"The {chosen.name} objective has no anchor term to hold to a source; "
                             "leave the source unset.")
@@ -288,37 +325,35 @@ def _load(chosen: Objective, checkpoint: Checkpoint, config: FinetuneConfig
     # an original may replace the frozen copy of the checkpoint: load without making that copy
     may_swap = anchored and (source is not None or "posextend.source" in checkpoint.provenance)
     loaded = (chosen.with_anchor(0) if may_swap else chosen).load(checkpoint, init_head=init_head)
-    current = loaded.usable
-    extended = length is not None and length != current
-    old_len = current if extended else (old_length or loaded.old_length or current)
-    length = length if extended else current
-    anchor = (anchor_original(checkpoint, source, old_length=old_len, length=length, extended=extended)
-              if anchored else AnchorOriginal())
+    sizes = _sizes(loaded, config)
+    anchor = (anchor_original(checkpoint, source, old_length=sizes.old_length, length=sizes.length,
+                              extended=sizes.extended or sizes.image_extended) if anchored else AnchorOriginal())
     if anchor.path is not None:  # the original, at its own length
         loaded.reference = chosen.read_reference(anchor.original, init_head=init_head)
     elif may_swap:  # no original to hold to: the checkpoint as loaded, before it is extended
         loaded.reference = chosen.copy_reference(loaded)
     loaded.files = _file_names(loaded, checkpoint)  # as loaded: before the table is extended or trained
-    source = _baseline_source(chosen, checkpoint, loaded, config, extended=extended, old_length=old_len, length=length)
-    if extended:
-        _resize(loaded, Request(length, strategy=config.strategy, group=loaded.spec.group if loaded.decoder else None),
-                config.seed)
-    return loaded, length, old_len, extended, anchor, source
+    source = _baseline_source(chosen, checkpoint, loaded, config, sizes)
+    if sizes.extended or sizes.image_extended:
+        _resize(loaded, Request(sizes.length if sizes.extended else None, strategy=config.strategy,
+                                image_size=sizes.image_size if sizes.image_extended else None,
+                                group=loaded.spec.group if loaded.decoder else None), config.seed)
+    return loaded, sizes, anchor, source
 
 
-def _baseline_source(chosen: Objective, checkpoint: Checkpoint, loaded: Loaded, config: FinetuneConfig, *,
-                     extended: bool, old_length: int, length: int) -> torch.nn.Module | None:
+def _baseline_source(chosen: Objective, checkpoint: Checkpoint, loaded: Loaded, config: FinetuneConfig,
+                     sizes: Sizes) -> torch.nn.Module | None:
     """The model without the extension, which the baseline reads: the anchor's reference when the run keeps
     one, else the checkpoint as loaded (a run that extends it), else the original its provenance records;
     None when there is no extension, or no original to read."""
-    if old_length >= length:
+    if not sizes.grows:
         return None
     if loaded.reference is not None:
         return loaded.reference
-    if extended:
+    if sizes.extended or sizes.image_extended:
         return chosen.copy_reference(loaded)
     given = config.source if chosen.anchor else None  # the anchor's source: without an anchor it goes unread
-    original = anchor_original(checkpoint, given, old_length=old_length, length=length, extended=False)
+    original = anchor_original(checkpoint, given, old_length=sizes.old_length, length=sizes.length, extended=False)
     return chosen.read_reference(original.path, init_head=config.init_head) if original.path else None
 
 
@@ -337,13 +372,18 @@ def _resize(loaded: Loaded, request: Request, seed: int) -> None:
     loaded.requests.append(request)
 
 
-def _trained_tables(loaded: Loaded, old_length: int, decoder_length: int | None
+def _trained_tables(loaded: Loaded, sizes: Sizes, decoder_length: int | None
                     ) -> tuple[list[torch.nn.Parameter], list[int]]:
     """The tables that train beside (or instead of) every parameter, and each one's rows below the new
-    ones: the run's, and an extended decoder's of its own length (LED)."""
+    ones: the run's, an extended decoder's of its own length (LED), and an image grid given a new size beside a
+    text length (CLIP's vision tower)."""
     named = dict(loaded.model.named_parameters())
     tables = [named[n] for n in loaded.tables]
-    keep = [old_length + loaded.reserved] * len(tables)
+    keep = [sizes.old_length + loaded.reserved] * len(tables)
+    grid = image_grid(loaded) if sizes.image_extended and loaded.spec.rank == 1 else None
+    if grid is not None:
+        tables += [named[n] for n in grid.tables]
+        keep += [0] * len(grid.tables)  # every row of a resampled grid is new
     decoder = loaded.decoder
     if decoder is not None and decoder_length is not None and decoder_length > decoder.usable:
         tables += [named[n] for n in decoder.tables]

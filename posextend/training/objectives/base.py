@@ -105,8 +105,9 @@ class Objective:
     State: ClassVar[type] = NoState  # its per-run state (``run.state``), a dataclass made empty for each run
     unused_parameters: ClassVar[bool] = False  # some trainable parameters get no gradient from the loss
     steps: ClassVar[int] = 200  # default number of optimizer steps
+    eval_sequences: ClassVar[int] = 16  # held-out samples each check reads, unless the run sets them
     # its samples are consecutive windows of one stream of tokens (what :meth:`samples` cuts by default), so each
-    # pass over the data after the first may cut them at another offset (:func:`posextend.training.loop.batch_rows`);
+    # pass over the data after the first may cut them at another offset (:func:`posextend.training.batches.batch_rows`);
     # False for samples of another kind
     stream: ClassVar[bool] = True
     # by train mode: the default lr, schedule, and strategy when the fine-tune extends (README, quality grid)
@@ -193,16 +194,40 @@ class Objective:
         return changed
 
     def documents(self, paths: Sequence[str | Path]) -> Sequence[Any]:
-        """What :meth:`samples` cuts, read from the data files: their texts (:func:`posextend.scoring.text.read_documents`)."""
+        """What :meth:`samples` cuts, read from the data the user gave (files, folders, or what this objective reads:
+        a dataset of images): their texts by default (:func:`posextend.scoring.text.read_documents`)."""
         from posextend.scoring.text import read_documents
 
         return read_documents(paths)
 
-    def samples(self, tokenizer, documents: Sequence[str], length: int) -> torch.Tensor:
-        """``[n, length]`` token windows: documents joined with EOS/SEP and packed."""
+    def split(self, documents: Sequence[Any], *, processor: Any, length: int, config: Any) -> tuple[Sequence[Any], Sequence[Any]]:
+        """``(train, held_out)``: the documents set aside for judging the run, never trained on
+        (:func:`posextend.training.heldout.split_documents`): a few percent of the data, and enough for
+        ``config.eval_sequences`` samples of ``length`` tokens at the data's characters per token."""
+        from posextend.training.heldout import split_documents
+
+        sample = next((d for d in documents if isinstance(d, str)), "")[:20_000]
+        tokens = len(processor(sample, add_special_tokens=False, verbose=False)["input_ids"]) if sample else 0
+        per_token = len(sample) / max(1, tokens) if sample else 4
+        return split_documents(documents, least=int(1.1 * config.eval_sequences * length * per_token), seed=config.seed)
+
+    def size_processor(self, processor: Any, *, length: int, image_size: tuple[int, int] | None) -> None:
+        """Make the processor read inputs of the run's size: a tokenizer's ``model_max_length`` (an image
+        processor's size is the image objectives' to set)."""
+        if hasattr(processor, "model_max_length"):
+            processor.model_max_length = length
+
+    def samples(self, tokenizer, documents: Sequence[str], length: int) -> torch.Tensor | Sequence[Any]:
+        """What the loop takes micro-batches of: ``[n, length]`` token windows by default (documents joined with
+        EOS/SEP and packed); an objective whose samples are items (images, pairs) returns a sequence of them."""
         from posextend.scoring.text import pack
 
         return pack(tokenizer, documents, length)
+
+    def count(self, batch: torch.Tensor | Sequence[Any]) -> tuple[int, int]:
+        """``(items, tokens)`` a micro-batch holds, as the run reports them: by default rows of token ids, the
+        tokens being the ids >= 0 (samples of pairs pad with -1). An image's tokens are its patches."""
+        return len(batch), int((batch >= 0).sum())
 
     def loss(self, run: RunContext, positions: range, batch: torch.Tensor) -> tuple[torch.Tensor, int]:
         """The micro-batch's mean loss on this process and the number of items it averages."""
@@ -239,6 +264,11 @@ class Objective:
     def control_name(self, run: RunContext) -> str:
         """How :meth:`control` reads the text, as the verdict says it ("the same model through a 64-token window")."""
         return "the same model read as the source is"
+
+    def written_config(self, run: RunContext) -> dict[str, Any]:
+        """Fields of the written ``config.json`` (dotted for nested configs) that the run sets beyond its sizes: a new
+        head's ``id2label`` and ``label2id``. None by default."""
+        return {}
 
     def notes(self, run: RunContext) -> list[str]:
         """Lines about the run that the fine-tune's report, the CLI and the model card carry (none by default)."""
