@@ -106,6 +106,7 @@ def evaluate(
     checkpoint = Checkpoint.resolve(model_path, revision=revision)  # resolved once, passed down
     chosen = get_objective(objective or default_objective(checkpoint))
     docs = chosen.documents(data)
+    chosen = chosen.for_data(docs)
     if chosen.anchor:
         chosen = chosen.with_anchor(0)  # no frozen copy of the model: nothing trains
     loaded = chosen.load(checkpoint, init_head=False)

@@ -158,6 +158,7 @@ def setup(checkpoint: Checkpoint, dst: Path, data: Sequence[str | Path], config:
     docs = chosen.documents(data) if documents is None else documents[0]
     given_held_out = (documents[1] if documents is not None else
                       chosen.documents(config.eval_data) if config.eval_data else None)
+    chosen = chosen.for_data(docs)
     loaded, sizes, anchor, source = _load(chosen, checkpoint, config)
     decoder_length = _resize_decoder(loaded, config)  # None: the decoder shares the run's length
     if config.train == "new-rows" and sizes.old_length >= sizes.length:

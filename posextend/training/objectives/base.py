@@ -200,6 +200,12 @@ class Objective:
 
         return read_documents(paths)
 
+    def for_data(self, documents: Sequence[Any]) -> Objective:
+        """This objective for a run on ``documents`` (what :meth:`documents` read), before the model is loaded: a
+        copy that knows what the data holds (an image objective: its classes, so that :meth:`load_model` gives the
+        model a head for them), or itself (the default)."""
+        return self
+
     def split(self, documents: Sequence[Any], *, processor: Any, length: int, config: Any) -> tuple[Sequence[Any], Sequence[Any]]:
         """``(train, held_out)``: the documents set aside for judging the run, never trained on
         (:func:`posextend.training.heldout.split_documents`): a few percent of the data, and enough for
