@@ -20,9 +20,14 @@ then times whole processes (wall clock, peak RSS of the process tree's largest m
               "startup + torch" is `python -c "import posextend.cli, torch"`, with the framework
               that non-row strategies need (posextend imports it in the background while copying)
 The target table compares `posextend` (a subprocess, so its start-up counts) with "cp + fsync" plus
-"python"; --target times only those three. --baseline DIR (repeatable) adds "posextend (DIR)":
-resize-model with DIR on PYTHONPATH (a source tree of another commit), in the same rounds, for a
-before/after on one machine.
+"python"; --target times only those three, and the time `posextend` takes before its first byte: a
+second run of it ("posextend, first byte") under an audit hook that notes when it first opens a file
+for writing beside DST (the hook's own cost, well under a millisecond, counts there). --baseline DIR
+(repeatable) adds "posextend (DIR)": resize-model with DIR on PYTHONPATH (a source tree of another
+commit), in the same rounds, for a before/after on one machine.
+The package's bytecode (and each baseline tree's) is compiled before timing, as an installed package's
+is: where PYTHONDONTWRITEBYTECODE is set (or the tree is read-only), a source tree's modules would
+otherwise be compiled again on every run, which no user of a wheel pays.
 The source files are read once before timing so every method starts from a warm page cache,
 and `sync` runs before each timed command. Repetitions go round robin over the methods, so
 the disk's state after one method's writes does not always fall on the same next method.
@@ -89,11 +94,33 @@ model.save_pretrained(dst)
 
 MEASURE = """
 import resource, subprocess, sys, time
-t = time.perf_counter()
+start, t = time.time(), time.perf_counter()
 rc = subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL).returncode
 wall = time.perf_counter() - t
-print(wall, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024, rc)
+print(wall, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024, rc, repr(start))
 """
+
+# Runs a console script (argv[1]) with an audit hook that writes, to the file FIRST_BYTE_FILE names, the time it
+# first opens a file for writing under FIRST_BYTE_UNDER: when its first byte is about to be written.
+FIRST_BYTE = """
+import os, runpy, sys, time
+fd = os.open(os.environ["FIRST_BYTE_FILE"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+under = os.environ["FIRST_BYTE_UNDER"]
+done = []
+def hook(event, args):
+    if event != "open" or done or not isinstance(args[0], (str, os.PathLike)):
+        return
+    mode, flags = args[1], args[2]
+    writes = any(c in mode for c in "wax+") if isinstance(mode, str) else bool((flags or 0) & (os.O_WRONLY | os.O_RDWR))
+    if writes and os.path.abspath(os.fspath(args[0])).startswith(under):
+        done.append(True)
+        os.write(fd, repr(time.time()).encode())
+sys.addaudithook(hook)
+sys.argv = sys.argv[1:]
+sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))  # as when the script runs itself: not the cwd
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+FIRST = ", first byte"  # the suffix of a method that times posextend's first byte
 
 
 def build_checkpoint(path: Path, size: str) -> Path:
@@ -140,12 +167,23 @@ def build_checkpoint(path: Path, size: str) -> Path:
     return path
 
 
-def measure(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, float]:
+def measure(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, float, float]:
+    """``(wall s, peak RSS MiB, the time.time() it started at)`` of ``cmd`` run as a whole process."""
     out = subprocess.run([sys.executable, "-c", MEASURE, *cmd], capture_output=True, text=True, check=True, env=env)
-    wall, rss, rc = out.stdout.split()
+    wall, rss, rc, start = out.stdout.split()
     if rc != "0":
         raise SystemExit(f"command failed ({rc}): {' '.join(cmd)}")
-    return float(wall), float(rss)
+    return float(wall), float(rss), float(start)
+
+
+def compile_bytecode(trees: list[Path]) -> None:
+    """Compile the posextend package of each source tree (and the installed one's) to bytecode, as installing a
+    wheel does: a run then reads it instead of compiling every module again."""
+    import posextend
+
+    for package in [Path(posextend.__file__).parent, *(tree / "posextend" for tree in trees)]:
+        subprocess.run([sys.executable, "-m", "compileall", "-q", str(package)], check=True, stdout=subprocess.DEVNULL,
+                       env={**os.environ, "PYTHONDONTWRITEBYTECODE": ""})
 
 
 TARGET = ("posextend", "cp + fsync", "python")  # what --target times
@@ -182,6 +220,8 @@ def methods_for(size: str, src: Path, config: dict, nfiles: int, args: argparse.
         methods[baseline(tree)] = methods["posextend"]
     if args.target:
         methods = {m: cmd for m, cmd in methods.items() if m in TARGET or m.startswith("posextend (")}
+        methods |= {m + FIRST: [sys.executable, "-c", FIRST_BYTE, *cmd] for m, cmd in methods.items()
+                    if m.startswith("posextend")}
     return methods
 
 
@@ -195,17 +235,17 @@ def run_size(size: str, args: argparse.Namespace) -> tuple[int, int, dict[str, t
             while h.read(1 << 26):
                 pass
     methods = methods_for(size, src, json.loads((src / "config.json").read_text()), len(files), args)
-    envs = {m: None for m in methods}
-    for tree in args.baseline:  # that tree's package first on the path
-        envs[baseline(tree)] = {**os.environ, "PYTHONPATH": str(tree.resolve())}
+    dst = args.workdir / "dst"
+    envs = _environments(methods, args, dst)
     walls: dict[str, list[float]] = {m: [] for m in methods}
     rsss: dict[str, list[float]] = {m: [] for m in methods}
-    dst = args.workdir / "dst"
     for rep in range(args.reps):  # round robin, so no method always runs right after the same one
         for method, cmd in methods.items():
             shutil.rmtree(dst, ignore_errors=True)
             os.sync()
-            wall, rss = measure([str(dst) if c == "DST" else c for c in cmd], envs[method])
+            wall, rss, start = measure([str(dst) if c == "DST" else c for c in cmd], envs[method])
+            if method.endswith(FIRST):  # its time: when it first opened a file to write
+                wall = float(Path(envs[method]["FIRST_BYTE_FILE"]).read_text()) - start
             walls[method].append(wall)
             rsss[method].append(rss)
             if rep == 0 and method == "posextend" and len(files) > 1:
@@ -224,17 +264,32 @@ def run_size(size: str, args: argparse.Namespace) -> tuple[int, int, dict[str, t
     return nbytes, len(files), results
 
 
+def _environments(methods: dict[str, list[str]], args: argparse.Namespace, dst: Path) -> dict[str, dict | None]:
+    """Each method's environment: a baseline's tree first on the path; a first-byte run's file and folder."""
+    envs: dict[str, dict | None] = {m: None for m in methods}
+    for tree in args.baseline:  # that tree's package first on the path
+        for method in (baseline(tree), baseline(tree) + FIRST):
+            envs[method] = {**os.environ, "PYTHONPATH": str(tree.resolve())}
+    for method in methods:
+        if method.endswith(FIRST):
+            envs[method] = {**(envs[method] or os.environ), "FIRST_BYTE_UNDER": str(dst.parent.resolve()),
+                            "FIRST_BYTE_FILE": str(args.workdir.resolve() / "first-byte")}
+    return envs
+
+
 def print_target(rows: list) -> None:
-    """The target: resize-model (a whole process) against cp -r + sync plus the interpreter's start-up."""
+    """The target: resize-model (a whole process) against cp -r + sync plus the interpreter's start-up, and the
+    time before its first byte."""
     print("\n| size | checkpoint | method | wall s | peak RSS MiB | cp + fsync s | python -c pass s "
-          "| wall / (cp + fsync + python) |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| wall / (cp + fsync + python) | before the first byte s |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for size, nbytes, _, results in rows:
         synced, python = results["cp + fsync"][0], results["python"][0]
         for method, (wall, rss) in results.items():
-            if method.startswith("posextend"):
+            if method.startswith("posextend") and not method.endswith(FIRST):
+                first = f"{results[method + FIRST][0]:.3f}" if method + FIRST in results else "-"
                 print(f"| {size} | {nbytes / 2**30:.2f} GiB | {method} | {wall:.2f} | {rss:.0f} | {synced:.2f} | "
-                      f"{python:.2f} | {wall / (synced + python):.2f}× |")
+                      f"{python:.2f} | {wall / (synced + python):.2f}× | {first} |")
 
 
 def print_all(rows: list) -> None:
@@ -271,12 +326,14 @@ def main() -> None:
     args.sizes = args.sizes or (["medium"] if args.target else ["small", "medium", "xl"])
     args.reps = args.reps or (5 if args.target else 3)
     made = not args.workdir.exists()
+    compile_bytecode(args.baseline)
     rows = []
     try:
         for size in args.sizes:
             rows.append((size, *run_size(size, args)))
     finally:
         shutil.rmtree(args.workdir / "dst", ignore_errors=True)
+        (args.workdir / "first-byte").unlink(missing_ok=True)
         if made and not args.keep:
             shutil.rmtree(args.workdir, ignore_errors=True)
     print(f"\nfp32 checkpoints: GPT-2's table doubled, ViT's image size doubled; median of {args.reps} runs; "

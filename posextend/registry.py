@@ -3,8 +3,8 @@
 Built-ins register when their module is imported; third-party packages register through an
 entry-point group (``posextend.strategies``, ``posextend.objectives``) whose entry points name a
 module (or callable) whose import registers them. Plug-ins are imported lazily, once, on the first
-lookup, and a plug-in that fails to import is skipped with a warning: it never breaks the built-ins
-or another plug-in.
+listing or lookup of a name no built-in has (a built-in's name is never a plug-in's), and a plug-in
+that fails to import is skipped with a warning: it never breaks the built-ins or another plug-in.
 """
 
 from __future__ import annotations
@@ -49,6 +49,8 @@ class Registry(Generic[T]):
         return dict(sorted(self.items.items()))
 
     def get(self, name: str) -> T:
+        if name in self.items:  # a built-in (or a plug-in loaded already): no plug-in can take its name
+            return self.items[name]
         found = self.available()
         if name not in found:
             raise self.error(f"Unknown {self.kind} {name!r}. Valid {self.plural}: {', '.join(found)}.")

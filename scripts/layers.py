@@ -21,7 +21,7 @@ BEGIN, END = "<!-- layers:begin (python scripts/layers.py) -->", "<!-- layers:en
 
 # Bottom to top: a module may import from its own layer and the layers below it, never from one above.
 LAYERS = ["errors", "version", "registry", "options", "tables", "files", "families", "resize", "scoring", "training", "terminal",
-          "cli"]
+          "shell", "commands", "cli"]
 
 
 def module_name(path: Path) -> str:

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
 
 import pytest
+from conftest import tree_digest
 from typer.testing import CliRunner
 
-from conftest import tree_digest
+import posextend
 from posextend.cli import app
 
 runner = CliRunner()
@@ -236,3 +238,70 @@ def test_a_model_with_several_lengths_names_the_table_to_choose(led, tmp_path):
     assert r.exit_code == 0, r.output
     assert "decoder: usable positions: 40, config: max_decoder_position_embeddings=40" in r.output
     assert "encoder: usable positions: 48, config: max_encoder_position_embeddings=48" in r.output
+
+
+# The lean path (issue 52): `posextend resize-model` and `--version` start without typer, rich or the fine-tune.
+HEAVY = ("typer", "rich", "pydantic", "torch", "transformers", "huggingface_hub", "importlib.metadata",
+         "posextend.training", "posextend.commands", "posextend.scoring")
+LOADED = "import sys; print(sorted({m for m in sys.modules for h in HEAVY if m == h or m.startswith(h + '.')}))"
+
+
+def _loaded(code: str, *args: str) -> list[str]:
+    r = subprocess.run([sys.executable, "-c", f"import sys\nHEAVY = {HEAVY!r}\n{code}\n{LOADED}", *map(str, args)],
+                       capture_output=True, text=True, check=False)
+    assert r.returncode == 0, r.stderr
+    return eval(r.stdout.strip().splitlines()[-1])
+
+
+def test_resize_model_and_version_import_neither_typer_rich_nor_the_fine_tune(tiny, tmp_path):
+    resize = "from posextend import cli; assert cli._lean(['resize-model', *sys.argv[1:]])"
+    assert _loaded(resize, tiny["gpt2"], tmp_path / "out", "--length", "64") == []
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["n_positions"] == 64
+    assert _loaded("import posextend.resize.on_disk, posextend.resize.inspection, posextend.cli") == []
+    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "posextend.cli", "--version"], capture_output=True,
+                       text=True, check=True)
+    assert r.stdout.strip() == f"posextend {posextend.__version__}"
+    assert not [m for h in HEAVY for m in re.findall(rf"\| +({re.escape(h)}(\.\S+)?)$", r.stderr, re.MULTILINE)]
+
+
+def test_inspect_builds_the_app_without_the_fine_tune(tiny):
+    code = ("from posextend import cli; argv = ['inspect', sys.argv[1]]\n"
+            "try:\n    cli.typer_app(argv)(argv)\nexcept SystemExit as e:\n    assert not e.code, e")
+    assert [m for m in _loaded(code, tiny["gpt2"]) if m.startswith("posextend.training")] == []  # transformers: yes
+
+
+def test_the_version_is_the_installed_packages():
+    from importlib.metadata import version
+
+    assert posextend.__version__ == version("posextend")
+
+
+RESIZE_LINES = [
+    ["-n", "64"], ["--length=64", "--table", "encoder", "--table=decoder", "--overwrite", "-y"],
+    ["--image-size", "448x336", "-s", "bicubic", "-p", "antialias=true", "--no-verify", "--seed", "007"],
+    ["--length", "64", "--verify", "--st-max-seq-length", "32", "--revision", "main", "--link", "--shrink"],
+    ["--allow-same", "--strategy=", "--length", "64", "--param", "a=1", "--param", "b=x"],
+]
+
+
+@pytest.mark.parametrize("options", RESIZE_LINES, ids=range(len(RESIZE_LINES)))
+def test_the_lean_parser_gives_resize_model_what_typer_gives_it(monkeypatch, options):
+    from posextend import cli, shell
+
+    calls = []
+    monkeypatch.setattr(shell, "resize_model", lambda *args: calls.append(args))
+    monkeypatch.setattr(shell, "setup_logging", lambda **flags: calls.append(flags))
+    line = ["--debug", "resize-model", *options[:2], "src", *options[2:], "dst"]  # options before, between, after
+    assert cli._lean(line)
+    assert run(*line).exit_code == 0
+    assert len(calls) == 4 and calls[0] == calls[2] and calls[1] == calls[3]
+
+
+@pytest.mark.parametrize("options", [
+    ["--help"], ["--length", "-5"], ["-n", "+5"], ["--length", "64", "--length", "65"], ["--bogus"], ["--", "x"],
+    ["--overwrite=1"], ["-n64"], ["extra"],
+])
+def test_the_lean_parser_leaves_to_typer_what_is_not_plainly_given(options):
+    from posextend import cli
+
+    assert not cli._lean(["resize-model", "src", "dst", *options])

@@ -13,7 +13,6 @@ import errno
 import glob
 import logging
 import os
-import secrets
 import shutil
 import sys
 import tempfile
@@ -229,7 +228,7 @@ def write_file(path: str | os.PathLike, data: str | bytes) -> Path:
     path = Path(path)
     with output_errors(path):
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{_temp_prefix(path)}{secrets.token_hex(4)}")
+        tmp = path.with_name(f"{_temp_prefix(path)}{os.urandom(4).hex()}")  # as secrets.token_hex(4)
         try:
             with open(tmp, "xb") as f:
                 f.write(data.encode() if isinstance(data, str) else data)

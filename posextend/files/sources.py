@@ -45,10 +45,10 @@ def resolve_source(src: str | Path, *, revision: str | None = None) -> Path:
 def hub_id(src: str | Path) -> str | None:
     """The Hugging Face Hub id ``src`` names (:func:`resolve_source` downloads it), or None: a
     :class:`~pathlib.Path`, or a text that is something here (a folder, a file) or no valid hub id."""
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
     if not isinstance(src, str) or Path(src).expanduser().exists():
         return None
+    from huggingface_hub.utils import HFValidationError, validate_repo_id  # ~0.1 s: only for what is not here
+
     try:
         validate_repo_id(src)
     except HFValidationError:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import secrets
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -85,7 +85,9 @@ class ResizeOptions:
 
     def resolved(self) -> ResizeOptions:
         """The options with a seed: the given one, else one drawn at random (and reported)."""
-        return self if self.seed is not None else dataclasses.replace(self, seed=secrets.randbits(63))
+        if self.seed is not None:
+            return self
+        return dataclasses.replace(self, seed=int.from_bytes(os.urandom(8), "big") >> 1)  # 63 random bits
 
 
 def parse_param(text: str) -> tuple[str, Any]:
