@@ -14,6 +14,14 @@ choose anything). Per cell and text:
 - ``far``: perplexity on the far range (the last half of the new length) against the source reading the same
   tokens through a sliding window of its own length (target: at or below it, ``far / window <= 1.00``);
 - ``original Δ``: the first ``old`` positions against the source on the same positions (target: within +2%).
+
+Beside them, the controls (what the same training gives without the longer context; the extension is worth it
+only when the far range beats them too):
+
+- ``self``: the fine-tuned model itself reading the far range through a sliding window of the old length;
+- ``exact``: the source fine-tuned at its own length on the same training texts and as many tokens (the run's
+  lr, schedule and batch; ``--no-exact`` leaves it out), read through its window. It trains on every training
+  text, the few percent the run held out included.
 """
 
 from __future__ import annotations
@@ -57,28 +65,52 @@ def run_cell(name: str, settings: dict, factor: int, args, train_files: list[Pat
     tok = transformers.AutoTokenizer.from_pretrained(ref)
     source = transformers.AutoModelForCausalLM.from_pretrained(ref).eval()
     tuned = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    exact = train_exact(ref, out, report, old, args, train_files) if args.exact else None
     row = {"size": name, "factor": factor, "seconds": seconds, "steps": report.steps, "tokens": report.tokens,
            "verdict": report.verdict.to_dict() if report.verdict else None}
     for label, docs in texts.items():
         seqs = pack(tok, docs, new)[: settings["eval_sequences"]]
         window_far, source_original = ranges(source, seqs, old, window=old)
         far, original = ranges(tuned, seqs, old)
+        self_far, _ = ranges(tuned, seqs, old, window=old)
         row[label] = {"far": far, "window": window_far, "far_ratio": far / window_far, "original": original,
-                      "source_original": source_original, "original_change": original / source_original - 1}
+                      "source_original": source_original, "original_change": original / source_original - 1,
+                      "self_window": self_far, "self_ratio": far / self_far}
+        if exact is not None:
+            row[label]["exact"] = ranges(exact, seqs, old, window=old)[0]
+            row[label]["exact_ratio"] = far / row[label]["exact"]
     shutil.rmtree(out, ignore_errors=True)
     return row
 
 
+def train_exact(ref: Path, out: Path, report, old: int, args, train_files: list[Path]):
+    """The exact control: the source fine-tuned at its own length on the training texts and as many tokens as the
+    run trained on (its lr, schedule and batch), held out nothing (the texts scored are not training texts)."""
+    steps = max(1, round(report.tokens / (report.batch_size * old)))
+    control = out.with_name(out.name + "-exact")
+    posextend.finetune(ref, control, train_files, steps=steps, lr=report.lr, schedule=report.schedule,
+                       batch_size=report.batch_size, seed=args.seed, overwrite=True,
+                       eval_data=[args.data / args.tuned], eval_sequences=2)
+    model = transformers.AutoModelForCausalLM.from_pretrained(control).eval()
+    shutil.rmtree(control, ignore_errors=True)
+    return model
+
+
 def table(rows: list[dict], labels: list[str]) -> str:
-    head = " | ".join(f"{label}: far / window; original Δ" for label in labels)
+    head = " | ".join(f"{label}: far / window; / self; / exact; original Δ" for label in labels)
     lines = [f"| model | time | steps | the run's verdict (its own held-out split) | {head} |",
              "|---|---|---|---|" + "---|" * len(labels)]
     for r in rows:
         v = r["verdict"]
-        said = (f"{'worth it' if v['worth_it'] else 'not yet'} ({v['far_ratio']:.3f}; {100 * v['original_change']:+.1f}%)"
-                if v else "–")
+        said = "–"
+        if v:
+            head_word = ("worth it" if v["worth_it"] else "context did not help" if v.get("context_loses_to")
+                         and v["far_ratio"] < 1 else "not yet")
+            said = f"{head_word} ({v['far_ratio']:.3f}; {100 * v['original_change']:+.1f}%)"
         cells = [f"{r[label]['far']:.1f} / {r[label]['window']:.1f} = **{r[label]['far_ratio']:.3f}**; "
-                 f"{100 * r[label]['original_change']:+.1f}%" for label in labels]
+                 f"/ {r[label]['self_window']:.1f} = {r[label]['self_ratio']:.3f}; "
+                 + (f"/ {r[label]['exact']:.1f} = {r[label]['exact_ratio']:.3f}; " if "exact" in r[label] else "")
+                 + f"{100 * r[label]['original_change']:+.1f}%" for label in labels]
         lines.append(f"| {r['size']} {r['factor']}x | {r['seconds'] / 60:.1f} min | {r['steps']} | {said} | "
                      + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -129,6 +161,8 @@ def main() -> None:
     ap.add_argument("--factors", nargs="+", type=int, default=[2, 4])
     ap.add_argument("--sizes", nargs="+", help="only these reference sizes (default: all of the mode's)")
     ap.add_argument("--budget", help="the run's budget (default: finetune's own; --quick: 20s)")
+    ap.add_argument("--no-exact", dest="exact", action="store_false",
+                    help="leave out the exact control (the source fine-tuned at its own length on the same tokens)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cache", type=Path, default=Path(".cache/quality"), help="reference model cache")
     ap.add_argument("--out", type=Path, default=Path("worth-it-results"))

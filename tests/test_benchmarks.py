@@ -90,6 +90,10 @@ def test_worth_it_quick(tmp_path):
         assert all(math.isfinite(cell[k]) and cell[k] > 1 for k in ("far", "window", "original", "source_original"))
         assert cell["far_ratio"] == pytest.approx(cell["far"] / cell["window"])
         assert f"**{cell['far_ratio']:.3f}**" in out
+        # the controls: the run's model through the old window, and the source fine-tuned on as many tokens
+        assert cell["self_ratio"] == pytest.approx(cell["far"] / cell["self_window"])
+        assert cell["exact_ratio"] == pytest.approx(cell["far"] / cell["exact"]) and cell["exact"] > 1
+        assert f"/ {cell['self_window']:.1f} = {cell['self_ratio']:.3f}; / {cell['exact']:.1f}" in out
     assert "| model | time | steps | the run's verdict" in out
     assert (tmp_path / "w" / "worth_it.png").stat().st_size > 10_000
 
