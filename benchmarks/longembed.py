@@ -53,7 +53,7 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=1,
                     help="read each row on this many task sets (seeds --seed, --seed + 1, ...) and give the mean: "
                          "with keys at random depths (varied), one set of 50 documents moves by 0.1 from seed to seed")
-    ap.add_argument("--haystack", default="shared,varied", help="protocols, in order: shared (LongEmbed's), varied")
+    ap.add_argument("--haystack", default="shared,varied", help="protocols, in order: shared (LongEmbed's), varied, reworded (varied in a wording kept aside)")
     args = ap.parse_args()
     protocols = [h.strip() for h in args.haystack.split(",") if h.strip()]
     if not protocols or any(h not in HAYSTACKS for h in protocols):

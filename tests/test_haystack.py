@@ -101,14 +101,15 @@ def _quarters(depths):
     return groups
 
 
-@pytest.mark.parametrize("haystack", ["shared", "varied"])
+@pytest.mark.parametrize("haystack", ["shared", "varied", "reworded"])
 def test_no_query_names_another_documents_key(tok, ids, haystack):
     """As in LongEmbed, 50 keys name 50 people and 50 places, no two sharing a word: each query's subject is
     in its own key and in no other. (The varied protocol once named 26 places, then "Lyon 2": a query for
     Lyon named two keys, and a model that found the place could still pick the other.)"""
     from posextend.scoring.retrieval import make_task
 
-    for task, before in (("passkey", " for "), ("needle", " in ")):
+    words = {"reworded": ((" to ", "passkey"), (" leaving ", "needle"))}
+    for before, task in words.get(haystack, ((" for ", "passkey"), (" in ", "needle"))):
         built = make_task(tok, ids, task, 200, n=50, seed=0, haystack=haystack)
         subjects = [set(q.rsplit(before, 1)[-1].removesuffix("?").lower().split()) for q in built.queries]
         keys = [set(tok.decode(k).replace(".", " ").replace("'", " ").split()) for k in built.keys]
@@ -116,6 +117,25 @@ def test_no_query_names_another_documents_key(tok, ids, haystack):
         for i, subject in enumerate(subjects):
             assert subject <= keys[i]
             assert [j for j, key in enumerate(keys) if j != i and subject & key] == []
+
+
+def test_the_reworded_protocol_shares_no_wording_and_no_verdict_reads_it(tok, ids):
+    """The protocol kept aside: the varied protocol's documents (spans, depths), keys and queries in words no
+    default was chosen on; a fine-tune's verdict builds its tasks without it."""
+    from posextend.scoring.retrieval import HAYSTACKS, VERDICT_HAYSTACKS, make_task, task_pairs
+
+    for task in ("passkey", "needle"):
+        varied = make_task(tok, ids, task, 200, n=20, seed=1, haystack="varied")
+        reworded = make_task(tok, ids, task, 200, n=20, seed=1, haystack="reworded")
+        assert reworded.haystack == "reworded" and len(reworded.documents) == 20
+        assert all(len(d) == 198 for d in reworded.documents)
+        assert not set(varied.queries) & set(reworded.queries)
+        first, second = ({w for q in t.queries for w in q.lower().split()[:4]} for t in (varied, reworded))
+        assert not first & second  # not one of the queries' first four words is shared
+        assert not {tok.decode(k) for k in varied.keys} & {tok.decode(k) for k in reworded.keys}
+    assert "reworded" in HAYSTACKS and "reworded" not in VERDICT_HAYSTACKS
+    built = task_pairs(tok, ids, (200, 100), n=4, seed=0)
+    assert {t.haystack for tasks in built for t in tasks} == {"shared", "varied"}
 
 
 def test_varied_is_the_old_protocol_unchanged(tok, ids):

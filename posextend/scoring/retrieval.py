@@ -8,7 +8,7 @@ accuracy@1 over all ``n`` documents of that length. As in LongEmbed, up to 50 ke
 50 places, no two sharing a word, so a query names one document's key and no other's. Documents are
 token ids, so their length is exact.
 
-Two protocols (``haystack``):
+Three protocols (``haystack``):
 
 * ``"shared"`` (LongEmbed's): every document of a length is the same haystack with its own key
   in it, so documents differ only in the key and where it sits. The passkey haystack is
@@ -18,6 +18,10 @@ Two protocols (``haystack``):
   passkey worded "The pass key for Joyce Jenkins is 48151. …", as this package's first protocol). Harder
   to read across papers (documents also differ in their text), easier for a model that only
   matches topics.
+* ``"reworded"``: the varied protocol with keys and queries worded otherwise ("Keep this in mind: the
+  secret code of Joyce Jenkins reads 48151 …", asked "Which secret code belongs to Joyce Jenkins?"; needles
+  of other activities), kept aside: no default was chosen on it, and a fine-tune's verdict never reads it
+  (:data:`VERDICT_HAYSTACKS`), so it shows whether a gain carries to wording nobody tuned on.
 
 A model reads a document as a user's code would: ``full`` (up to its ``max_seq_length``,
 truncated past it), or ``chunk`` (the usual workaround: embed each ``max_seq_length`` chunk
@@ -44,13 +48,20 @@ Haystack = Literal["shared", "varied"]
 HAYSTACKS = {
     "shared": "shared haystack (LongEmbed's protocol)",  # one haystack per length, keys at evenly spread depths
     "varied": "varied haystack (each document its own span)",  # the key at a random depth
+    "reworded": "varied haystack, reworded keys (kept aside)",  # as varied, in a wording no default was chosen on
 }
+#: The protocols a fine-tune's verdict reads (``reworded`` is kept aside: nothing is chosen on it).
+VERDICT_HAYSTACKS = ("shared", "varied")
 #: LongEmbed's passkey haystack: this text, repeated to the document's length.
 PASSKEY_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 _ACTIVITIES = ("watch the boats on the river", "eat warm bread at the market", "climb the old tower at dawn",
                "read in the public garden", "listen to the bells at noon", "walk along the harbour wall",
                "ride the tram to the last stop", "buy figs from the corner stall", "swim in the cold lake",
                "sketch the cathedral doors")
+_ACTIVITIES_ASIDE = ("taste the smoked fish by the docks", "hear the choir in the round church",
+                     "cross the stone bridge at night", "visit the clockmakers' street", "row across the bay",
+                     "see the lanterns in the old square", "try the honey cake at the bakery",
+                     "follow the canal to the mill", "watch the glassblowers at work", "climb to the lighthouse")
 # 50 keys a length, as in LongEmbed, each a different person or place: no two share a word (:func:`_subject`)
 _FIRST = ("Joyce", "Nathan", "Scarlett", "Esmeralda", "Avery", "Malcolm", "Felicity", "Madelyn", "Brittany", "Archer",
           "Bryson", "Stella", "Cohen", "Maverick", "Beatrice", "Desmond", "Harriet", "Ignatius", "Josephine", "Leopold",
@@ -90,9 +101,16 @@ def _key(task: str, i: int, rng: random.Random, haystack: Haystack = "varied") -
         if haystack == "shared":
             return f"\n{name}'s pass key is {number}. Remember it. {number} is the pass key for {name}.\n", \
                 f"what is the passkey for {name}?"
+        if haystack == "reworded":
+            return f" Keep this in mind: the secret code of {name} reads {number}. Once more, {name} has the code " \
+                f"{number}. ", f"Which secret code belongs to {name}?"
         return f" The pass key for {name} is {number}. Remember it. {number} is the pass key for {name}. ", \
             f"What is the pass key for {name}?"
     if task == "needle":
+        if haystack == "reworded":
+            activity = _ACTIVITIES_ASIDE[rng.randrange(len(_ACTIVITIES_ASIDE))]
+            return f" People say that in {place} you must {activity} before you leave. ", \
+                f"Which thing must you do before leaving {place}?"
         activity = _ACTIVITIES[rng.randrange(len(_ACTIVITIES))]
         return f" The best thing to do in {place} is to {activity}. ", f"What is the best thing to do in {place}?"
     raise PosExtendError(f"Unknown retrieval task {task!r}; tasks: {', '.join(TASKS)}.")
@@ -135,7 +153,8 @@ def make_task(tokenizer, corpus_ids: Sequence[int], task: str, length: int, *, n
         seed: makes the keys, the haystack span and the depths reproducible.
         haystack: ``"shared"`` (LongEmbed's protocol: one haystack for every document of this
             length, passkey in :data:`PASSKEY_FILLER`, keys at evenly spread depths) or
-            ``"varied"`` (each document its own span of the corpus, the key at a random depth).
+            ``"varied"`` (each document its own span of the corpus, the key at a random depth), or ``"reworded"``
+            (as varied, keys and queries in the wording kept aside).
 
     Returns:
         A :class:`Task`; ``depths[i]`` is where document ``i``'s key starts, as a fraction of the
@@ -155,7 +174,7 @@ def make_task(tokenizer, corpus_ids: Sequence[int], task: str, length: int, *, n
         return _shared_task(tokenizer, corpus_ids, task, length, n, rng)
     documents, queries, depths, keys = [], [], [], []
     for i in range(n):
-        sentence, query = _key(task, i, rng)
+        sentence, query = _key(task, i, rng, haystack)
         key = tokenizer(sentence, add_special_tokens=False)["input_ids"]
         keys.append(key)
         if len(key) >= content:
@@ -167,7 +186,7 @@ def make_task(tokenizer, corpus_ids: Sequence[int], task: str, length: int, *, n
         documents.append(filler[:at] + key + filler[at:])
         queries.append(query)
         depths.append(at / max(filler_len, 1))
-    return Task(task, length, documents, queries, depths, "varied", keys)
+    return Task(task, length, documents, queries, depths, haystack, keys)
 
 
 def _shared_task(tokenizer, corpus_ids: Sequence[int], task: str, length: int, n: int, rng: random.Random) -> Task:
@@ -305,8 +324,8 @@ def text_tokens(tokenizer, texts: Sequence[str], *, limit: int | None = None) ->
 
 
 def task_pairs(tokenizer, corpus_ids: Sequence[int], lengths: Sequence[int], *, n: int, seed: int = 0,
-               haystacks: Sequence[str] = tuple(HAYSTACKS), tasks: Sequence[str] = TASKS) -> list[list[Task]]:
-    """Every task of every protocol (``haystacks`` x ``tasks``), built at each of ``lengths`` (``n`` documents
+               haystacks: Sequence[str] = VERDICT_HAYSTACKS, tasks: Sequence[str] = TASKS) -> list[list[Task]]:
+    """Every task of the verdict's protocols (``haystacks`` x ``tasks``), built at each of ``lengths`` (``n`` documents
     each), that ``corpus_ids`` and every length can hold: one list of tasks per length, in the same order.
     A task the corpus is too short for (the needle, every varied task) or whose key does not fit the
     shortest length is left out at every length; the shared passkey needs no corpus."""
@@ -363,7 +382,7 @@ def evaluate_retrieval(
         max_tokens: read at most this many tokens at once (default: the model's ``max_seq_length``).
         reference: the original model, for the short-input cosine.
         seed: seeds the keys, names and spans drawn.
-        haystack: ``"shared"`` or ``"varied"`` (above).
+        haystack: ``"shared"``, ``"varied"`` or ``"reworded"`` (above).
 
     Returns:
         Accuracy@1 by task and length (``report.scores[task][length]``), by depth, and the
