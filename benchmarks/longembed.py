@@ -130,7 +130,7 @@ def main() -> None:
                 print(f"| {n} | {_quarters(r, 'passkey', n)} | {_quarters(r, 'needle', n)} |")
     if args.json:
         args.json.write_text(json.dumps({"settings": vars(args) | {"workdir": str(args.workdir), "json": str(args.json)},
-                                         "protocols": HAYSTACKS, "hardware": machine(),
+                                         "protocols": protocols, "hardware": machine(),
                                          "results": results}, indent=2, default=str))
 
 

@@ -149,7 +149,7 @@ def test_longembed_tiny(tmp_path):
                "--model", f"tile again={tmp_path / 'w' / 'tile-600'}", cwd=ROOT)
     rows = [line for line in out.splitlines() if line.startswith("| ") and not line.startswith(("| model", "| tokens"))]
     names = ["original, truncated at 512", "original, chunk-and-average (512)", "tile to 600, no training",
-             "interpolate to 600, no training", "tile again"]
+             "interpolate to 600, no training", "tile again", "tile again, chunk-and-average (512): its control"]
     # per protocol (shared, then varied): the scores, the longest length by depth, every length by depth for --model
     assert [r.split("|")[1].strip() for r in rows] == (names * 2 + ["64", "200"]) * 2
     assert out.index("shared haystack (LongEmbed's protocol") < out.index("varied haystack")
@@ -162,6 +162,10 @@ def test_longembed_tiny(tmp_path):
         assert results["tile to 600, no training"]["short_input_cosine"] == pytest.approx(1.0, abs=1e-6)
         assert results["interpolate to 600, no training"]["short_input_cosine"] < 0.999
     assert sorted(saved["results"]["shared"]["tile again"]["key_depths"]["needle"]["200"]) == [0.0, 0.5, 1.0]
+    # inputs within one 512-token chunk: the control reads them as the model does
+    for results in saved["results"].values():
+        control = results["tile again, chunk-and-average (512): its control"]
+        assert control["depth"] == results["tile again"]["depth"]
 
 
 def test_longembed_seeds_average_the_task_sets(tmp_path):
