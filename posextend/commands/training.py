@@ -38,7 +38,9 @@ class _ListsObjectives(Command):
         return params
 
 
-_DATA = "UTF-8 text file, directory of them, or JSON Lines with a 'text' field (repeatable)."
+_DATA = ("UTF-8 text file, directory of them, or JSON Lines with a 'text' field; images (vision, image-text): a folder "
+         "(a subfolder per class, or metadata.jsonl / .csv with captions), a table of image paths, a saved dataset or "
+         "a Hub dataset id (repeatable).")
 Data = Annotated[list[Path], typer.Option("--data", "-d", help=_DATA)]
 
 
@@ -110,7 +112,8 @@ def eval_cmd(
     reference: Annotated[str | None, typer.Option("--reference", help="With --task: the original model, for the short-input cosine.")] = None,
     haystack: Annotated[str, typer.Option("--haystack", help="With --task: shared (LongEmbed's protocol: one haystack per length, "
                                           "keys at evenly spread depths; passkey in LongEmbed's filler) or varied (each document "
-                                          "its own span of the data, key at a random depth).")] = "shared",
+                                          "its own span of the data, key at a random depth) or reworded (varied in a wording no default was chosen "
+                                          "on, kept aside: a fine-tune's verdict never reads it).")] = "shared",
     revision: Annotated[str | None, typer.Option("--revision", help=REVISION_HELP)] = None,
 ) -> None:
     """Held-out scores by position bucket, as the objective scores a fine-tune; or, with --task, long-document retrieval."""

@@ -7,9 +7,11 @@ position embeddings and the norms trainable it does not. So a ``lora`` run train
 - LoRA (rank :data:`RANK`, alpha :data:`ALPHA`, no dropout, started as PiSSA: :data:`INIT`) on every linear
   layer of the attention blocks (:func:`attention_projections`: q, k, v and o, as LongLoRA), found by module type;
   a model without one is refused;
-- the position table(s) the family's spec names (the run's tables, whole), as peft ``modules_to_save``;
+- the position table(s) the family's spec names (the run's tables, whole), as peft ``modules_to_save`` (a table that
+  is a parameter of a larger block, ViT's: :func:`table_modules`);
 - every normalisation layer (:func:`is_norm`: found by module type, not by name), as ``modules_to_save``;
-- the tables and norms, trained whole, at :data:`WHOLE_LR` of LoRA's lr (:func:`param_groups`).
+- a classifier's head (:func:`head_modules`: an image classifier's, whose head may be new), as ``modules_to_save``;
+- the tables, norms and head, trained whole, at :data:`WHOLE_LR` of LoRA's lr (:func:`param_groups`).
 
 The adapter goes on the transformers model that holds the table (a sentence-transformers model's first
 module), in place: the objective still calls the model it loaded. The output is merged
@@ -86,22 +88,40 @@ def norm_modules(model: torch.nn.Module) -> list[str]:
     return [name for name, module in model.named_modules() if name and is_norm(module)]
 
 
-def table_modules(model: torch.nn.Module, tables: Sequence[torch.nn.Parameter]) -> list[str]:
-    """The names of the modules of ``model`` holding ``tables`` (an embedding each). A table that shares its
-    module with other parameters (ViT's, a parameter of its embeddings block) is refused: peft could only
-    train the whole block."""
+def table_modules(model: torch.nn.Module, tables: Sequence[torch.nn.Parameter]
+                  ) -> tuple[list[str], list[torch.nn.Parameter]]:
+    """Where ``tables`` (parameters of ``model``) train whole beside LoRA: the names of the modules that peft keeps a
+    trained copy of (``modules_to_save``), and the tables that train as plain parameters instead. A table that is its
+    module's one parameter (an embedding) is saved as that module. One that is a parameter of a larger block: the
+    block, when no attention block is inside it (ViT's, DeiT's, DINOv2's embeddings, whose patch projection and class
+    token then train whole too, as LongLoRA trains a language model's embeddings); else the table alone, as a plain
+    parameter (SAM's grid is a parameter of its whole encoder), which the merged output holds but peft's adapter
+    files do not."""
     owners = {id(p): name.rpartition(".")[0] for name, p in model.named_parameters()}
-    names = []
+    names, plain = [], []
     for table in tables:
         owner = owners.get(id(table))
         if owner is None:
             raise TrainingError("The position table is not a parameter of the model LoRA adapts; "
                                 "train the positions or every parameter instead.")
-        if len(list(model.get_submodule(owner).parameters())) != 1:
-            raise TrainingError(f"The position table {owner} is one parameter of a larger module, which peft "
-                                "cannot train alone beside LoRA; train the positions or every parameter instead.")
-        names.append(owner)
-    return names
+        block = model.get_submodule(owner)
+        if len(list(block.parameters())) == 1 or not any(
+                type(m).__name__.endswith("Attention") for m in block.modules()):
+            names.append(owner)
+        else:
+            plain.append(table)
+    return names, plain
+
+
+def head_modules(model: torch.nn.Module) -> list[str]:
+    """A classifier's task head (the modules with parameters outside its base model, in a class whose name holds
+    ``Classification``): trained whole beside LoRA, as peft's own classification tasks save theirs (a head made for the
+    user's classes has learned nothing yet). None for other models."""
+    base = getattr(model, "base_model", model)
+    if base is model or "Classification" not in type(model).__name__:
+        return []
+    return [name for name, child in model.named_children()
+            if child is not base and any(True for _ in child.parameters())]
 
 
 @dataclass(frozen=True)
@@ -128,7 +148,10 @@ def add_lora(model: torch.nn.Module, tables: Sequence[torch.nn.Parameter], *, in
     from transformers.pytorch_utils import Conv1D
 
     targets = attention_projections(model)
-    saved = list(dict.fromkeys(table_modules(model, tables) + norm_modules(model)))
+    blocks, plain = table_modules(model, tables)
+    whole = blocks + head_modules(model)
+    norms = [n for n in norm_modules(model) if not any(n.startswith(w + ".") for w in whole)]  # not inside them
+    saved = list(dict.fromkeys(whole + norms))
     modules = dict(model.named_modules())
     fan_in_fan_out = any(isinstance(modules[n], Conv1D) for n in targets)
     total = sum(p.numel() for p in model.parameters())
@@ -137,6 +160,8 @@ def add_lora(model: torch.nn.Module, tables: Sequence[torch.nn.Parameter], *, in
     config = LoraConfig(r=rank, lora_alpha=ALPHA * rank // RANK, lora_dropout=DROPOUT, target_modules=targets,
                         modules_to_save=saved, fan_in_fan_out=fan_in_fan_out, init_lora_weights=init)
     adapter = get_peft_model(model, config)
+    for table in plain:  # trained as a plain parameter (peft froze it)
+        table.requires_grad_(True)
     wrapped = [n for n, m in model.named_modules() if isinstance(m, ModulesToSaveWrapper)]
     if sorted(wrapped) != sorted(saved):  # peft matches modules_to_save by the end of their names
         other = sorted(set(wrapped) ^ set(saved))[0]
@@ -145,16 +170,17 @@ def add_lora(model: torch.nn.Module, tables: Sequence[torch.nn.Parameter], *, in
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     log.info("LoRA (rank %d) on %d attention projections (%s), with %d table(s) and %d norms: %s trainable "
              "parameters, %.2f%% of %s", rank, len(targets), ", ".join(sorted({n.rpartition(".")[2] for n in targets})),
-             len(tables), len(saved) - len(tables), f"{trainable:,}", 100 * trainable / total, f"{total:,}")
+             len(tables), len(norm_modules(model)), f"{trainable:,}", 100 * trainable / total, f"{total:,}")
     return Lora(adapter, _lora_matrices(adapter) if init is not True else {})
 
 
 def param_groups(lora: Lora, lr: float) -> list[dict[str, Any]]:
-    """The optimizer's parameter groups of a model adapted by :func:`add_lora`: LoRA's matrices at ``lr``, the
-    modules trained whole (the tables and norms, peft's ``modules_to_save``) at :data:`WHOLE_LR` × ``lr``."""
+    """The optimizer's parameter groups of a model adapted by :func:`add_lora`: LoRA's matrices at ``lr``, what trains
+    whole (the tables, norms and a classifier's head: peft's ``modules_to_save``, and a table trained as a plain
+    parameter) at :data:`WHOLE_LR` × ``lr``."""
     trained = [(n, p) for n, p in lora.peft.named_parameters() if p.requires_grad]
-    whole = [p for n, p in trained if ".modules_to_save." in n]
-    adapted = [p for n, p in trained if ".modules_to_save." not in n]
+    whole = [p for n, p in trained if ".lora_" not in n]
+    adapted = [p for n, p in trained if ".lora_" in n]
     return [{"params": adapted, "lr": lr}, {"params": whole, "lr": WHOLE_LR * lr}]
 
 

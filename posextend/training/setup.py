@@ -336,7 +336,7 @@ def _load(chosen: Objective, checkpoint: Checkpoint, config: FinetuneConfig
     loaded.files = _file_names(loaded, checkpoint)  # as loaded: before the table is extended or trained
     source = _baseline_source(chosen, checkpoint, loaded, config, sizes)
     if sizes.extended or sizes.image_extended:
-        _resize(loaded, Request(sizes.length if sizes.extended else None, strategy=config.strategy,
+        _resize(loaded, Request(sizes.length if sizes.extended else None, strategy=_strategy(config, sizes),
                                 image_size=sizes.image_size if sizes.image_extended else None,
                                 group=loaded.spec.group if loaded.decoder else None), config.seed)
     return loaded, sizes, anchor, source
@@ -363,6 +363,16 @@ def _file_names(loaded: Loaded, checkpoint: Checkpoint) -> FileNames:
 
     with Checkpoint.open(checkpoint) as source:
         return file_names(loaded.model, loaded.hf_model, source.reader, source.config)
+
+
+def _strategy(config: FinetuneConfig, sizes: Sizes) -> str | None:
+    """The strategy of the run's resize: the config's, but where only an image grid grows and the config's is a text
+    strategy (an image-text objective's default ``kps``), none: the grid's own default (``bicubic``)."""
+    from posextend.tables.strategies import get_strategy
+
+    if not sizes.extended and 2 not in get_strategy(config.strategy).ranks:
+        return None
+    return config.strategy
 
 
 def _resize(loaded: Loaded, request: Request, seed: int) -> None:

