@@ -16,6 +16,8 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # the workers share the cores: one th
     import torch
 
     torch.set_num_threads(1)
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # and so do the commands and scripts the tests start
+        os.environ.setdefault(name, "1")
 
 
 @pytest.fixture(scope="session")

