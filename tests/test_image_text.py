@@ -163,6 +163,13 @@ def test_image_size_only_without_naming_a_strategy(clip, data, tmp_path):
     trained, resized = (load_file(tmp_path / d / "model.safetensors")[grid] for d in ("big", "resized"))
     assert trained.shape == resized.shape and json.loads((tmp_path / "big" / "config.json").read_text())[
         "vision_config"]["image_size"] == BIGGER
+    from safetensors import safe_open
+
+    recorded = []
+    for d in ("big", "resized"):
+        with safe_open(tmp_path / d / "model.safetensors", "pt") as f:
+            recorded.append(f.metadata().get("posextend.strategy"))
+    assert recorded[0] == recorded[1] != "kps"  # the provenance names the strategy the grid grew by
 
 
 def test_length_and_image_size_in_one_run(clip, data, tmp_path):

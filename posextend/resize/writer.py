@@ -283,10 +283,11 @@ def _copy_other_files(source: Checkpoint, out_dir: Path, change: Change, written
             old = image.spec.grid.sizes(config)[0]
             _write_json(target, processor_config(json.loads(path.read_text()), old, image.target, _counts(image, config)))
         elif rel == model / "processor_config.json" and image:  # a multimodal processor's own image-token count
-            data = with_counts(json.loads(path.read_text()), _counts(image, config))
+            counts = _counts(image, config)
+            data = with_counts(json.loads(path.read_text()), counts)
             if isinstance(data.get("image_processor"), Mapping):  # transformers 5 keeps the image settings here too
                 data["image_processor"] = processor_config(data["image_processor"], image.spec.grid.sizes(config)[0],
-                                                           image.target, _counts(image, config))
+                                                           image.target, counts)
             _write_json(target, data)
         elif st_file is not None and path == st_file and text:
             written.st_max_seq_length = change.st_max_seq_length or text.new_usable
