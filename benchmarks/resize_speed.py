@@ -29,8 +29,10 @@ The package's bytecode (and each baseline tree's) is compiled before timing, as 
 is: where PYTHONDONTWRITEBYTECODE is set (or the tree is read-only), a source tree's modules would
 otherwise be compiled again on every run, which no user of a wheel pays.
 The source files are read once before timing so every method starts from a warm page cache,
-and `sync` runs before each timed command. Repetitions go round robin over the methods, so
-the disk's state after one method's writes does not always fall on the same next method.
+and `sync` runs before each timed command. Each method writes a folder of its own, and a round's
+outputs are deleted only after the round (then flushed, and the disk left idle a few seconds), so no
+timed command follows the deletion of another's gigabytes (on a disk mounted with `discard`, a deletion's
+trims can run on into the next command). Each round starts one method further on, so none always runs first.
 What the script builds under --workdir is removed at the end (unless --keep).
 """
 
@@ -45,6 +47,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -121,6 +124,7 @@ sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))  # as when the scrip
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
 FIRST = ", first byte"  # the suffix of a method that times posextend's first byte
+SETTLE = 3.0  # seconds the disk is left idle after a round's outputs are deleted (see clear)
 
 
 def build_checkpoint(path: Path, size: str) -> Path:
@@ -165,6 +169,16 @@ def build_checkpoint(path: Path, size: str) -> Path:
     config.save_pretrained(tmp)
     os.rename(tmp, path)
     return path
+
+
+def clear(outs: Path) -> None:
+    """Delete the last round's outputs, flush, and give the disk :data:`SETTLE` seconds: on a file system mounted
+    with ``discard`` (ext4 here), the trims of gigabytes just freed can run on after the deletion."""
+    if outs.exists():
+        shutil.rmtree(outs)
+        os.sync()
+        time.sleep(SETTLE)
+    outs.mkdir(parents=True)
 
 
 def measure(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, float, float]:
@@ -235,15 +249,17 @@ def run_size(size: str, args: argparse.Namespace) -> tuple[int, int, dict[str, t
             while h.read(1 << 26):
                 pass
     methods = methods_for(size, src, json.loads((src / "config.json").read_text()), len(files), args)
-    dst = args.workdir / "dst"
-    envs = _environments(methods, args, dst)
+    outs = args.workdir / "out"  # each method writes a folder of its own here; a round's are deleted after it
+    envs = _environments(methods, args, outs / "dst")
     walls: dict[str, list[float]] = {m: [] for m in methods}
     rsss: dict[str, list[float]] = {m: [] for m in methods}
-    for rep in range(args.reps):  # round robin, so no method always runs right after the same one
-        for method, cmd in methods.items():
-            shutil.rmtree(dst, ignore_errors=True)
+    names = list(methods)
+    for rep in range(args.reps):
+        clear(outs)
+        for i, method in enumerate(names[rep % len(names):] + names[:rep % len(names)]):  # each round starts one on
+            dst = outs / f"dst{i}"
             os.sync()
-            wall, rss, start = measure([str(dst) if c == "DST" else c for c in cmd], envs[method])
+            wall, rss, start = measure([str(dst) if c == "DST" else c for c in methods[method]], envs[method])
             if method.endswith(FIRST):  # its time: when it first opened a file to write
                 wall = float(Path(envs[method]["FIRST_BYTE_FILE"]).read_text()) - start
             walls[method].append(wall)
@@ -254,7 +270,7 @@ def run_size(size: str, args: argparse.Namespace) -> tuple[int, int, dict[str, t
             if rep == 0 and method == "posextend --link":
                 linked = sum(os.stat(f).st_ino == os.stat(dst / f.name).st_ino for f in files)
                 print(f"  {size}: {linked} of {len(files)} shards hard-linked (same inode)")
-    shutil.rmtree(dst, ignore_errors=True)
+    shutil.rmtree(outs)
     results = {m: (statistics.median(walls[m]), max(rsss[m])) for m in methods}
     for method, (wall, rss) in results.items():
         print(f"  {size} {method:20s} {wall:7.2f} s  {rss:8.0f} MiB  (runs: "

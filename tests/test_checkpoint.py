@@ -128,3 +128,29 @@ def test_stale_temp_dir_of_a_dead_run_is_removed(tiny, tmp_path):
     (stale / "model.safetensors").write_bytes(b"partial")
     posextend.resize_checkpoint(tiny["gpt2"], tmp_path / "out", 50)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_copied_bytes_keep_their_offset_within_a_page(gpt, tmp_path):
+    """The header is padded so that the first copied tensor sits at the offset within a 4 KiB page it has in its
+    source (the kernel's copy then moves whole pages); the data still starts 8-byte aligned, and the file reads
+    back the source's tensors exactly."""
+    from safetensors.torch import load_file
+
+    from posextend.files.tensorfile import PAGE
+
+    posextend.resize_checkpoint(gpt, tmp_path / "out", 64, "tile")
+    (src_start, src), (out_start, out) = (_data_start_and_header(p / "model.safetensors")
+                                          for p in (gpt, tmp_path / "out"))
+    first = min((name for name in out if name != "__metadata__"), key=lambda n: out[n]["data_offsets"][0])
+    assert first in src and out[first]["shape"] == src[first]["shape"]  # a copied tensor comes first here
+    at_source = src_start + src[first]["data_offsets"][0]
+    at_output = out_start + out[first]["data_offsets"][0]
+    assert at_output % PAGE == at_source % PAGE and out_start % 8 == 0
+    before, after = load_file(gpt / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
+    assert all(torch.equal(before[k], after[k]) for k in before if "wpe" not in k)
+
+
+def _data_start_and_header(path):
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        return 8 + n, json.loads(f.read(n))
