@@ -2,6 +2,7 @@
 
     python benchmarks/quality.py --data ../shared/data/austen             # full (~20 min on 2 CPU cores; ~8 with the reference cached)
     python benchmarks/quality.py --data ../shared/data/austen --quick     # a few minutes
+    python benchmarks/quality.py --data ../shared/data/austen --strategies tile interpolate   # only these
 
 No GPT-2 or MLM checkpoint is available offline, so the reference model is made here,
 honestly: a small GPT-2 pretrained from random init (with posextend's own training loop,
@@ -123,6 +124,15 @@ def evaluate(path: Path, sequences: torch.Tensor, buckets: int, old: int | None)
     return score_model(model, sequences, "causal", buckets=buckets, old_length=old, batch_size=8)
 
 
+def strategies(chosen: list[str] | None) -> list[str]:
+    """The registered strategies that extend a table of positions (not only a grid), or those of them ``chosen``."""
+    every = [n for n, s in posextend.available_strategies().items() if 1 in s.ranks]
+    unknown = sorted(set(chosen or ()) - set(every))
+    if unknown:
+        raise SystemExit(f"--strategies: no table strategy {', '.join(unknown)} (there are: {', '.join(every)})")
+    return [n for n in every if not chosen or n in chosen]
+
+
 def machine() -> str:
     """What a benchmark ran on, for its table and JSON: the GPU's name, or the CPU and its cores."""
     if torch.cuda.is_available():
@@ -138,6 +148,8 @@ def main() -> None:
     ap.add_argument("--factor", type=int, default=4, help="extend the context this many times")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--pretrain-steps", type=int, help="pretraining steps of the reference (cached per value)")
+    ap.add_argument("--strategies", nargs="+", metavar="NAME", help="only these strategies (default: every one "
+                    "that extends a table of positions)")
     ap.add_argument("--cache", type=Path, default=Path(".cache/quality"), help="reference model cache")
     ap.add_argument("--out", type=Path, default=Path("quality-results"), help="table, JSON and plot go here")
     args = ap.parse_args()
@@ -165,7 +177,7 @@ def main() -> None:
     reports = {}
     r = evaluate(ref, seq_old, 1, None)
     rows["reference @ own length"] = {"buckets": [r.buckets[0].perplexity], "overall": r.perplexity, "steps": 0}
-    for strategy in [n for n, s in posextend.available_strategies().items() if 1 in s.ranks]:  # tables of positions
+    for strategy in strategies(args.strategies):
         ext = work / f"{strategy}-0"
         posextend.resize_checkpoint(ref, ext, new, strategy, seed=args.seed)
         r = evaluate(ext, seq_new, 5, old)

@@ -1,9 +1,9 @@
 """The census: every model type the installed transformers registers, resized or refused.
 
 For each type: a tiny twin is built from its default config (widths and layers shrunk,
-lengths capped at 64 so forwards are quick) and saved with a tokenizer config; posextend
-resizes each of its position lengths 2x with ``tile``; the result is checked *independently*
-of posextend's own verification: clean ``from_pretrained``, a forward at the full new length,
+lengths capped at 64 and images at 16 patches a side, so forwards are quick) and saved with a
+tokenizer config; posextend resizes each of its position lengths 2x with ``tile``; the result is
+checked *independently* of posextend's own verification: clean ``from_pretrained``, a forward at the full new length,
 outputs on a short input bit-identical to the source's, and the tokenizer and config agreeing.
 
 Outcomes:
@@ -54,6 +54,7 @@ from posextend.families.probe import length_fields  # noqa: E402
 transformers.logging.set_verbosity_error()
 warnings.filterwarnings("ignore")
 LENGTH_CAP = 64
+GRID_CAP = 16  # patches a side of a twin's image (see :func:`capped`)
 
 
 @dataclass
@@ -111,11 +112,18 @@ def default_config(model_type: str) -> dict:
 
 def capped(config: dict) -> dict:
     """Lengths capped at :data:`LENGTH_CAP`, and a local attention window (LED's, Longformer's) at a quarter of it:
-    a stack that pads its input to a multiple of its window (LED's encoder) must still run within its table."""
+    a stack that pads its input to a multiple of its window (LED's encoder) must still run within its table.
+    Image sizes are capped at :data:`GRID_CAP` patches a side: a SAM-style tower's 1024 px (64 patches a side,
+    128 once doubled) made the census's slowest forward passes, and a grid's handling does not depend on its size
+    (16 patches still span several of SAM's 14-patch windows)."""
     out = config
     for path in length_fields(config):
         if configs.get_path(out, path) > LENGTH_CAP:
             out = configs.set_path(out, path, LENGTH_CAP)
+    for path, sub in list(configs.sub_configs(out)):
+        size, patch = sub.get("image_size"), sub.get("patch_size")
+        if isinstance(size, int) and isinstance(patch, int) and patch > 0 and size > GRID_CAP * patch:
+            out = configs.set_path(out, f"{path}image_size", GRID_CAP * patch)
     window = out.get("attention_window")
     if isinstance(window, int) and window > LENGTH_CAP // 4:
         out = {**out, "attention_window": LENGTH_CAP // 4}

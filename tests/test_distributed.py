@@ -95,23 +95,25 @@ def test_two_processes_equal_one_with_the_same_global_batch(tmp_path, corpus, ki
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("two")) == ["two"]
 
 
-def test_contrastive_two_processes_equal_one(tmp_path, corpus, minilm):
+def test_contrastive_two_processes_equal_one(tmp_path, corpus):
     """In-batch negatives are gathered across processes: the global batch is the same either way.
 
+    On a tiny sentence-transformers twin (BERT 2 x 16 at 64 positions, mean pooling, no dropout) extended to 160.
     Compared by the whole update rather than the largest difference: some gradients here are
     zero up to rounding (attention key biases: softmax ignores them), and Adam turns a gradient's
     rounding into a step of the full learning rate. Without the gathering each process would see
     one document and no negative (loss 0): the updates would differ entirely."""
-    import json
-    import shutil
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
 
-    src = tmp_path / "minilm"
-    shutil.copytree(minilm, src)
-    config = json.loads((src / "config.json").read_text())
-    (src / "config.json").write_text(json.dumps({**config, "hidden_dropout_prob": 0.0,
-                                                 "attention_probs_dropout_prob": 0.0}))
-    args = ["--length", "600", "--steps", "3", "--lr", "1e-4", "--seed", "0", "--eval-every", "0", "--eval-sequences", "2",
-            "--mixed-precision", "no"]
+    fam = FAMILIES["bert"]
+    overrides = {**fam.overrides, "max_position_embeddings": 64, "hidden_dropout_prob": 0.0,
+                 "attention_probs_dropout_prob": 0.0}
+    bert = build(dataclasses.replace(fam, overrides=overrides, usable=64), tmp_path / "bert", headed=False)
+    src = tmp_path / "st"
+    SentenceTransformer(modules=[Transformer(str(bert)), Pooling(16)], device="cpu").save(str(src))
+    args = ["--length", "160", "--steps", "3", "--lr", "1e-3", "--seed", "0", "--eval-every", "0",
+            "--eval-sequences", "2", "--mixed-precision", "no"]
     one = _launch("python", 1, ["finetune", str(src), str(tmp_path / "one"), "--data", str(corpus), "--batch-size", "2",
                                 *args])
     two = _launch("torchrun", 2, ["finetune", str(src), str(tmp_path / "two"), "--data", str(corpus),

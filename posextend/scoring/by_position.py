@@ -201,12 +201,20 @@ def _scored(logits: torch.Tensor, labels: torch.Tensor, objective: str) -> tuple
     each token from the logits before it (not the read's first); masked, the masked tokens."""
     if objective == "causal":
         losses = torch.zeros(labels.shape, dtype=torch.float64)
-        losses[:, 1:] = F.cross_entropy(logits[:, :-1].transpose(1, 2), labels[:, 1:], reduction="none").double()
+        losses[:, 1:] = token_losses(logits, labels.roll(-1, 1))[:, :-1].double()
         chosen = torch.ones_like(losses)
         chosen[:, 0] = 0
         return losses, chosen
-    losses = F.cross_entropy(logits.transpose(1, 2), labels, reduction="none", ignore_index=-100).double()
-    return losses, (labels != -100).double()
+    return token_losses(logits, labels).double(), (labels != -100).double()
+
+
+def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of each token (``[B, n]``; 0 where a label is -100) from ``[B, n, vocab]`` logits, computed
+    on rows of the vocabulary: ``cross_entropy`` over a transposed ``[B, vocab, n]`` takes a strided path 3-5x
+    slower on a 50k vocabulary."""
+    flat = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none",
+                           ignore_index=-100)
+    return flat.view(labels.shape)
 
 
 def report_from(

@@ -27,7 +27,7 @@ import torch
 
 from posextend.training.context import RunContext, sample_generator
 from posextend.errors import TrainingError
-from posextend.scoring.by_position import EvalReport, bucket_edges, report_from
+from posextend.scoring.by_position import EvalReport, bucket_edges, report_from, token_losses
 from posextend.scoring.verdict import Reading, far_start
 from posextend.training.loading import Loaded
 from posextend.training.objectives.base import CheckpointFacts, Objective, register_objective
@@ -253,8 +253,7 @@ class GapSentences(Objective):
             rows = run.eval_seqs[i : i + size]
             inputs, wheres = self.batch(run, rows, [sample_generator(run.config.seed, HELD_OUT + i + j) for j in range(len(rows))])
             logits = run.model(**inputs).logits.float()
-            losses = torch.nn.functional.cross_entropy(logits.transpose(1, 2), inputs["labels"], reduction="none",
-                                                       ignore_index=-100).cpu().double()
+            losses = token_losses(logits, inputs["labels"]).cpu().double()
             for r, where in enumerate(wheres):
                 for t, pos in enumerate(where):
                     if pos >= 0 and inputs["labels"][r, t] != -100:
