@@ -114,6 +114,27 @@ def test_the_source_window_reads_each_far_token_with_its_own_length_of_context()
     assert torch.allclose(total[:16], whole[0])  # the first window reads the start as the model does
 
 
+
+def test_position_losses_are_the_models_own_losses():
+    """Summed over positions, the causal losses are transformers' own loss (the mean over shifted tokens); the masked
+    ones are the masked tokens' (a 500-token vocabulary, so that a wrong row or label is far off)."""
+    torch.manual_seed(0)
+    gpt = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=500, n_positions=32, n_embd=32, n_layer=1,
+                                                               n_head=2)).eval()
+    seqs = torch.randint(500, (3, 32))
+    total, count = position_losses(gpt, seqs, "causal")
+    with torch.no_grad():
+        expected = gpt(input_ids=seqs, labels=seqs).loss
+    assert count.tolist() == [0.0] + [3.0] * 31
+    assert float(total.sum() / count.sum()) == pytest.approx(float(expected), rel=1e-5)
+    from posextend.scoring.by_position import token_losses
+
+    logits, labels = torch.randn(2, 5, 500), torch.randint(500, (2, 5))
+    labels[0, 1] = -100
+    by_hand = torch.stack([torch.stack([torch.logsumexp(logits[b, t], 0) - logits[b, t, labels[b, t]]
+                                        if labels[b, t] >= 0 else torch.tensor(0.0) for t in range(5)]) for b in range(2)])
+    assert torch.allclose(token_losses(logits, labels), by_hand, atol=1e-5)
+
 def test_a_run_measures_the_source_window_on_held_out_text(gpt, corpus, tmp_path):
     held = tmp_path / "held.txt"
     held.write_text(corpus.read_text()[-8000:])
