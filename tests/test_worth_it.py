@@ -14,7 +14,7 @@ from posextend.cli import app
 from posextend.errors import DataError, TrainingError
 from posextend.scoring.by_position import position_losses
 from posextend.scoring.text import pack, read_documents
-from posextend.scoring.verdict import Reading, Verdict, beats, far_start, holds, plot_verdict
+from posextend.scoring.verdict import Point, Reading, Verdict, beats, far_start, holds, plot_verdict
 from posextend.training.budget import Budget, Judge, Schedule, parse_budget
 from posextend.training.heldout import split_documents
 from posextend.training.loop import finetune
@@ -57,6 +57,25 @@ def test_beats_and_holds_for_a_perplexity_and_an_accuracy():
     worse = Verdict(Reading(100.0, 50.0), Reading(95.0, 52.0), "x", budget="1min")
     assert not worse.worth_it and worse.text.startswith("not yet worth it within the budget")
     assert far_start(256, 64) == 128 and far_start(96, 64) == 64
+
+
+def test_a_reading_without_an_original_range_is_judged_on_its_far_range_and_controls(tmp_path):
+    """A vision tower read at its new size alone (the original ranges NaN): worth it when it beats the source and the
+    control by the margin, with no original range to keep, said or drawn."""
+    nan = float("nan")
+    base, read = Reading(0.70, nan, "accuracy", True), Reading(0.80, nan, "accuracy", True)
+    verdict = Verdict(base, read, "the source at its own 16x16 px", controls={"the same model at 16x16 px": Reading(
+        0.40, 0.40, "accuracy", True)})
+    assert verdict.worth_it and not verdict.has_original and verdict.original_holds
+    assert verdict.text == ("worth it: far range accuracy 0.800 against 0.700 for the source at its own 16x16 px and "
+                            "0.400 for the same model at 16x16 px")
+    assert not Verdict(base, Reading(0.70, nan, "accuracy", True), "x").worth_it  # no better: the far range decides
+    loses = Verdict(base, read, "x", controls={"the same model at 16x16 px": Reading(0.80, 0.80, "accuracy", True)})
+    assert not loses.worth_it and loses.context_loses_to == "the same model at 16x16 px"
+    # one side NaN is a reading that failed, not a missing range: it does not hold
+    assert not Verdict(Reading(0.70, 0.70, "accuracy", True), read, "x").original_holds
+    assert plot_verdict(Verdict(base, read, "x", curve=[Point(0, 0.0, 0.7, nan), Point(5, 1.0, 0.8, nan)]),
+                        tmp_path / "v.png").stat().st_size > 5_000
 
 
 def test_a_far_range_of_several_tasks_is_worth_it_only_when_no_task_is_worse_than_the_baselines(tmp_path):

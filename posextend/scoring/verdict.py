@@ -101,8 +101,15 @@ class Verdict:
                      if not wins(self.reading, control, self.margin, self.tolerance)), None)
 
     @property
+    def has_original(self) -> bool:
+        """Whether the run has an original range to keep (a vision tower read at its new size alone has none: its
+        reading and the baseline's ``original`` are NaN)."""
+        return not (math.isnan(self.reading.original) and math.isnan(self.baseline.original))
+
+    @property
     def original_holds(self) -> bool:
-        return holds(self.reading.original, self.baseline.original, self.tolerance, higher=self.baseline.higher)
+        return not self.has_original or holds(self.reading.original, self.baseline.original, self.tolerance,
+                                              higher=self.baseline.higher)
 
     @property
     def worth_it(self) -> bool:
@@ -113,18 +120,18 @@ class Verdict:
         """One line: worth it or not yet, with the numbers that say so (the controls' beside the baseline's)."""
         b, r, unit = self.baseline, self.reading, self.baseline.metric
         change = f"{100 * self.original_change:+.1f}%"
-        original = f"original range {_num(r.original)} against {_num(b.original)} ({change})"
+        original = f"; original range {_num(r.original)} against {_num(b.original)} ({change})" if self.has_original else ""
         controls = " and ".join(f"{_num(c.far)} for {name}" for name, c in self.controls.items())
         if self.far_wins and self.context_loses_to is not None:
             return (f"the fine-tune helped, the longer context did not: far range {unit} {_num(r.far)} with the whole "
-                    f"context against {controls} ({_num(b.far)} for {self.baseline_name}); {original}")
+                    f"context against {controls} ({_num(b.far)} for {self.baseline_name}){original}")
         head = "worth it" if self.worth_it else ("not yet worth it" + (" within the budget" if self.budget else ""))
         short = shortfalls(r, b, self.tolerance)
         behind = ", ".join(f"{k} {_num(r.parts[k])} against {_num(b.parts[k])}" for k in short)
         behind = f" (but {behind})" if short else ""
         controls = f" and {controls}" if controls else ""
         return (f"{head}: far range {unit} {_num(r.far)} against {_num(b.far)} for {self.baseline_name}{controls}"
-                f"{behind}; {original}")
+                f"{behind}{original}")
 
     @property
     def advice(self) -> str | None:
@@ -196,7 +203,7 @@ def plot_verdict(verdict: Verdict, path: Any, reports: dict[str, Any] | None = N
         ax.legend(fontsize="small")
     ax = axes[0][-1]
     steps = [p.step for p in verdict.curve]
-    for name, color in (("far", "tab:red"), ("original", "tab:blue")):
+    for name, color in (("far", "tab:red"), ("original", "tab:blue"))[:1 + verdict.has_original]:
         ax.plot(steps, [getattr(p, name) for p in verdict.curve], marker=".", color=color, label=f"{name} range")
         ax.axhline(getattr(verdict.baseline, name), color=color, linestyle="--", linewidth=1,
                    label=f"{name} range, {verdict.baseline_name}")
@@ -215,7 +222,7 @@ def plot_verdict(verdict: Verdict, path: Any, reports: dict[str, Any] | None = N
            else f"far x{verdict.far_ratio:.3f} of the baseline")
     head = ("worth it" if verdict.worth_it else "the longer context did not help" if verdict.context_loses_to
             and verdict.far_wins else "not yet worth it")
-    ax.set_title(head + f": {far}, original "
-                 f"{100 * verdict.original_change:+.1f}%", fontsize=10)
+    original = f", original {100 * verdict.original_change:+.1f}%" if verdict.has_original else ""
+    ax.set_title(f"{head}: {far}{original}", fontsize=10)
     ax.legend(fontsize="x-small")
     return _save(fig, Path(path), plt)

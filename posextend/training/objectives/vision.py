@@ -378,8 +378,8 @@ class Vision(Objective):
         return None if read is None else self._score(run, read, unwrapped.config)[1]
 
     def _at_old(self, run: RunContext) -> float | None:
-        """The trained model's accuracy at the source's size (the reading's original range and its control), read
-        once per state of its weights (a few of each trained tensor's values: a fused optimizer step leaves the
+        """The trained model's accuracy at the source's size (its control), read once per state of its weights (the
+        last check and the verdict read the same weights) (a few of each trained tensor's values: a fused optimizer step leaves the
         tensors' version counters as they were)."""
         key = torch.cat([p.detach().flatten()[:8].float().cpu() for p in run.unwrapped.parameters() if p.requires_grad])
         if run.state.at_old is None or not torch.equal(run.state.at_old[0], key):
@@ -401,7 +401,7 @@ class Vision(Objective):
             return None
         own_head = not getattr(source, NEW_HEAD, None)  # a head made for the data's classes has learned nothing yet
         state.baseline_metric, accuracy, _ = self._score(run, read, source.config, head=own_head)
-        return Reading(far=accuracy, original=accuracy, metric=ACCURACY, higher=True)
+        return Reading(far=accuracy, original=math.nan, metric=ACCURACY, higher=True)  # one size read: no old range
 
     def baseline_name(self, run: RunContext) -> str:
         h, w = self._source_size(run)
@@ -409,13 +409,12 @@ class Vision(Objective):
         return f"the source at its own {h}x{w} px{knn}"
 
     def reading(self, run: RunContext) -> Reading | None:
-        """The trained model's held-out accuracy at the run's size (``far``) and at the source's (``original``)."""
+        """The trained model's held-out accuracy at the run's size (``far``). No original range: the model is read at
+        its new size, so its accuracy at the source's is its control (what the new size adds), not a range to keep."""
         if tuple(run.image_size) == self._source_size(run) or not self._labelled(run):
             return None
         far = self._accuracy(run, run.model, run.unwrapped, tuple(run.image_size))
-        original = self._at_old(run)
-        return None if far is None else Reading(far=far, original=original if original is not None else math.nan,
-                                                metric=ACCURACY, higher=True)
+        return None if far is None else Reading(far=far, original=math.nan, metric=ACCURACY, higher=True)
 
     def control(self, run: RunContext) -> Reading | None:
         """The same trained model reading the held-out images at the source's size: what the new size itself adds."""
