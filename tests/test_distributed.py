@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tiny import FAMILIES, build
+from tiny import FAMILIES, build, sentence_transformer
 
 STEPS = 6
 TOLERANCE = 1e-5
@@ -103,15 +103,7 @@ def test_contrastive_two_processes_equal_one(tmp_path, corpus):
     zero up to rounding (attention key biases: softmax ignores them), and Adam turns a gradient's
     rounding into a step of the full learning rate. Without the gathering each process would see
     one document and no negative (loss 0): the updates would differ entirely."""
-    from sentence_transformers import SentenceTransformer
-    from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
-
-    fam = FAMILIES["bert"]
-    overrides = {**fam.overrides, "max_position_embeddings": 64, "hidden_dropout_prob": 0.0,
-                 "attention_probs_dropout_prob": 0.0}
-    bert = build(dataclasses.replace(fam, overrides=overrides, usable=64), tmp_path / "bert", headed=False)
-    src = tmp_path / "st"
-    SentenceTransformer(modules=[Transformer(str(bert)), Pooling(16)], device="cpu").save(str(src))
+    src = sentence_transformer(tmp_path)
     args = ["--length", "160", "--steps", "3", "--lr", "1e-3", "--seed", "0", "--eval-every", "0",
             "--eval-sequences", "2", "--mixed-precision", "no"]
     one = _launch("python", 1, ["finetune", str(src), str(tmp_path / "one"), "--data", str(corpus), "--batch-size", "2",

@@ -19,7 +19,7 @@ from posextend.cli import app
 from posextend.scoring.by_position import bucket_edges, score_model
 from posextend.training.objectives.base import get_objective
 from posextend.training.loop import finetune
-from tiny import FAMILIES, build, loss_nan_at  # noqa: F401
+from tiny import FAMILIES, build, loss_nan_at, sentence_transformer  # noqa: F401
 
 def _state(path: Path) -> dict[str, torch.Tensor]:
     return load_file(path / "model.safetensors")
@@ -218,7 +218,7 @@ def test_contrastive_is_the_default_for_sentence_transformers_and_new_rows_keep_
     from sentence_transformers import SentenceTransformer
 
     report = finetune(minilm, tmp_path / "out", [corpus], length=640, steps=3, batch_size=2, train="new-rows",
-                      eval_sequences=4, buckets=4, seed=0)
+                      eval_sequences=2, buckets=4, seed=0)
     assert report.objective == "contrastive" and (report.old_length, report.new_length) == (512, 640)
     assert report.after.accuracy is not None and 0 <= report.after.accuracy <= 1
     assert [b.accuracy is not None for b in report.after.buckets] == [True] * len(report.after.buckets)
@@ -265,29 +265,32 @@ def test_a_family_without_a_written_spec_is_fine_tuned_through_the_probe(corpus,
         assert model(input_ids=torch.full((1, 64), 2000)).logits.shape == (1, 64, 30527)
 
 
-def test_contrastive_anchor_keeps_short_inputs_near_the_source(minilm, corpus, tmp_path):
-    """Training every parameter moves short inputs; the anchor term pulls them back towards the source's."""
+def test_contrastive_anchor_keeps_short_inputs_near_the_source(corpus, tmp_path):
+    """Training every parameter moves short inputs; the anchor term pulls them back towards the source's (a tiny
+    sentence-transformers twin, 64 -> 160 positions; the real MiniLM's run is the test above)."""
     from sentence_transformers import SentenceTransformer
 
     from posextend.training.objectives import base as objectives
     from posextend.training.objectives import register_objective
     from posextend.training.objectives.contrastive import Contrastive
 
+    src = sentence_transformer(tmp_path)
     register_objective("contrastive-no-anchor", description="The contrastive objective without its anchor term.")(
         type("NoAnchor", (Contrastive,), {"anchor": 0.0}))
     try:
-        kwargs = dict(length=640, steps=4, batch_size=2, train="all", lr=3e-4, eval_sequences=2, buckets=2, seed=0)
-        anchored = finetune(minilm, tmp_path / "anchored", [corpus], **kwargs)
-        free = finetune(minilm, tmp_path / "free", [corpus], objective="contrastive-no-anchor", **kwargs)
+        kwargs = dict(length=160, steps=4, batch_size=2, train="all", lr=3e-3, eval_sequences=2, buckets=2, seed=0)
+        anchored = finetune(src, tmp_path / "anchored", [corpus], **kwargs)
+        free = finetune(src, tmp_path / "free", [corpus], objective="contrastive-no-anchor", **kwargs)
     finally:
         objectives._REGISTRY.items.pop("contrastive-no-anchor")
-    assert anchored.steps == free.steps == 4 and anchored.lr == 3e-4
+    assert anchored.steps == free.steps == 4 and anchored.lr == 3e-3
     assert (anchored.anchor, anchored.schedule, free.anchor) == (2.0, "cosine", 0.0)
-    texts = [corpus.read_text()[i : i + n] for i, n in ((0, 80), (5000, 400), (20000, 1200))]
-    source = SentenceTransformer(str(minilm), device="cpu").encode(texts, convert_to_tensor=True)
+    texts = [corpus.read_text()[i : i + n] for i, n in ((0, 80), (5000, 160), (20000, 200))]  # within 64 tokens
+    source = SentenceTransformer(str(src), device="cpu").encode(texts, convert_to_tensor=True)
 
     def cosine(path):
-        return float((SentenceTransformer(str(path), device="cpu").encode(texts, convert_to_tensor=True) * source).sum(1).mean())
+        tuned = SentenceTransformer(str(path), device="cpu").encode(texts, convert_to_tensor=True)
+        return float(torch.nn.functional.cosine_similarity(tuned, source).mean())
 
     assert cosine(tmp_path / "free") < cosine(tmp_path / "anchored") < 1.0
 

@@ -132,6 +132,22 @@ def build(family: Family, path: Path, *, headed: bool = True, dtype: torch.dtype
     return path
 
 
+def sentence_transformer(root: Path, positions: int = 64) -> Path:
+    """A tiny sentence-transformers folder at ``root / "st"``: BERT 2 x 16 at ``positions`` positions (no dropout),
+    mean pooling."""
+    import dataclasses
+
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
+
+    fam = FAMILIES["bert"]
+    overrides = {**fam.overrides, "max_position_embeddings": positions, "hidden_dropout_prob": 0.0,
+                 "attention_probs_dropout_prob": 0.0}
+    bert = build(dataclasses.replace(fam, overrides=overrides, usable=positions), root / "bert", headed=False)
+    SentenceTransformer(modules=[Transformer(str(bert)), Pooling(16)], device="cpu").save(str(root / "st"))
+    return root / "st"
+
+
 def add_legacy_gpt2_masks(path: Path) -> None:
     """Rewrite a GPT-2 checkpoint as older ones were saved: with attn.bias / attn.masked_bias buffers."""
     from safetensors.torch import load_file, save_file
