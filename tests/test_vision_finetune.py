@@ -294,14 +294,12 @@ def _census_towers() -> list[str]:
 # transformers itself cannot run these on a batch of images as the fine-tune reads them
 CANNOT = {"xclip_vision_model": "X-CLIP's vision tower reads videos: transformers needs each batch to be num_frames "
                                 "frames of one clip"}
-# posextend's fine-tune writer, not the objective: found by this test, left to the writer's owners
-WRITER = {"step3p5_vision": "the files fuse q, k and v (attn.in_proj_weight), which transformers splits on loading: the "
-                            "writer adds the trained q_proj/k_proj/v_proj beside the untouched fused tensor, so the "
-                            "output loads the source's attention (posextend/training/saving.py)"}
+# files that fuse q, k and v (attn.in_proj_weight), which transformers splits on loading (and permutes for the
+# rotary embedding): the writer merges the trained ones back as saving does, and they are what the output loads
+MERGED = {"step3p5_vision": ("q_proj.weight", "k_proj.weight", "v_proj.weight")}
 
 
-@pytest.mark.parametrize("model_type", [pytest.param(t, marks=pytest.mark.xfail(strict=True, reason=WRITER[t]))
-                                        if t in WRITER else t for t in _census_towers()])
+@pytest.mark.parametrize("model_type", _census_towers())
 def test_every_census_vision_tower_finetunes_through_the_cli(model_type, digits, tmp_path):
     """A tiny twin from the type's own config (as the census builds it, 4x4 patches), one label-free step at 8x8
     patches through ``posextend finetune``; the output keeps the source's tensors and layout, its config and image
@@ -337,6 +335,12 @@ def test_every_census_vision_tower_finetunes_through_the_cli(model_type, digits,
     assert not info["missing_keys"] and not info["mismatched_keys"], info
     with torch.no_grad():
         model.eval()(pixel_values=torch.randn(2, 3, 8 * ph, 8 * pw))
+    if model_type in MERGED:  # the trained q, k and v load, not the source's
+        before = cls.from_pretrained(src).state_dict()
+        moved = {n for n, t in model.state_dict().items() if n in before and not torch.equal(t, before[n])}
+        for suffix in MERGED[model_type]:
+            split = [n for n in before if n.endswith(suffix)]
+            assert split and set(split) <= moved, (suffix, sorted(set(split) - moved))
 
 
 # ------------------------------------------------------------------ an image objective from outside the package

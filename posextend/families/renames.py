@@ -1,7 +1,8 @@
 """A file's tensor names against a model's, observed on a meta twin (:mod:`posextend.families.twin`).
 
 :func:`names_on_load` gives the names transformers loads a file's tensors as, where the family's own
-conversion mapping renames them on loading; :func:`missing_table` says why a spec's table is not among a
+conversion mapping renames them on loading; :func:`merged_on_save` what saving makes of tensors that the mapping
+split on loading (a fused q, k and v); :func:`missing_table` says why a spec's table is not among a
 file's names (named otherwise, a model saved without it, or weights of another family).
 """
 
@@ -33,6 +34,22 @@ def names_on_load(names: set[str] | frozenset[str], config: Mapping[str, Any]) -
             if rules[0] and new.startswith(rules[0] + "."):
                 out[new.removeprefix(rules[0] + ".")] = name
     return out
+
+
+def merged_on_save(model: Any, state: Mapping[str, Any]) -> tuple[dict[str, Any], set[str]]:
+    """What transformers' ``save_pretrained`` makes of ``state`` (``model``'s tensors by name) where the family's
+    conversion mapping merges tensors back on saving (Step3.5's vision tower loads a fused ``attn.in_proj_weight`` as
+    q, k and v, permuted for its rotary embedding): the merged tensors by the name they are saved under, and the
+    names of ``state``'s tensors they are made from. Both empty where the mapping merges nothing."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, apply_converters, revert_weight_conversion
+
+    conversions = getattr(model, "_weight_conversions", None) or get_model_conversion_mapping(model, add_legacy=False)
+    converters = [r for r in (c.reverse_transform() for c in (conversions or [])[::-1]) if isinstance(r, WeightConverter)]
+    sources = {name for name in state if apply_converters(name, converters)[1] is not None}
+    if not sources:
+        return {}, set()
+    return revert_weight_conversion(model, {name: state[name] for name in sources}), sources
 
 
 @functools.lru_cache(maxsize=16)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -24,7 +24,7 @@ from posextend.errors import TrainingError, VerificationError
 from posextend.files.checkpoint import Checkpoint
 from posextend.files.reader import CheckpointReader
 from posextend.files.tensorfile import Entry, TensorData, dtype_code, torch_dtypes
-from posextend.families.renames import names_on_load
+from posextend.families.renames import merged_on_save, names_on_load
 from posextend.resize.writer import Change, Written, write_checkpoint
 
 if TYPE_CHECKING:
@@ -41,10 +41,16 @@ class FileNames:
       loaded is the file's, bit for bit). A buffer the model does not save but an older file still holds
       (``position_ids``) is the resize plan's, as ``resize-model`` writes it.
     - ``added``: each parameter the files lack (a freshly initialised head) -> the name it is written under.
+    - ``merged``: each file tensor the family splits on loading and merges back on saving (a fused q, k and v) ->
+      the name :func:`~posextend.families.renames.merged_on_save` gives it; ``sources``: the model's tensors it
+      is made from.
     """
 
     names: dict[str, str]
     added: dict[str, str]
+    merged: dict[str, str] = field(default_factory=dict)
+    sources: frozenset[str] = frozenset()
+    root: str = ""  # where the transformers model sits in the model that trains ("" : it is that model)
 
 
 def _candidates(name: str, prefix: str, renamed: Mapping[str, list[str]]) -> list[str]:
@@ -82,13 +88,32 @@ def file_names(model: torch.nn.Module, hf_model: torch.nn.Module, reader: Checkp
             if torch.equal(tensor.detach().cpu(), value.to(tensor.dtype)):
                 names[root + name] = file_name
                 break
-    return FileNames(names, _added(hf_model, root, names, reader, prefix))
+    merged, sources = _merged(hf_model, root, reader, prefix, set(names.values()))
+    return FileNames(names, _added(hf_model, root, names, reader, prefix, sources), merged, sources, root)
+
+
+def _merged(hf_model: torch.nn.Module, root: str, reader: CheckpointReader, prefix: str, held: set[str]
+            ) -> tuple[dict[str, str], frozenset[str]]:
+    """The file tensors no model tensor holds that saving ``hf_model`` makes again, bit for bit, from tensors the
+    family split them into on loading: each by the name saving gives it, and the model's tensors it is made from."""
+    import torch
+
+    left = [name for name in reader.entries if name not in held]
+    saved, sources = merged_on_save(hf_model, hf_model.state_dict()) if left else ({}, set())
+    merged = {}
+    for file_name in left:
+        for name in _candidates(file_name, prefix, {}):
+            if name in saved and tuple(saved[name].shape) == reader.entries[file_name].shape and torch.equal(
+                    saved[name].detach().cpu(), reader.get(file_name).to(saved[name].dtype)):
+                merged[file_name] = name
+                break
+    return merged, frozenset(root + name for name in sources) if merged else frozenset()
 
 
 def _added(hf_model: torch.nn.Module, root: str, names: Mapping[str, str], reader: CheckpointReader,
-           prefix: str) -> dict[str, str]:
-    """Each parameter that no file tensor holds and that shares no storage with one that does (a tied
-    weight is written once): a fresh head, named as the files name theirs (without the base model's
+           prefix: str, sources: frozenset[str]) -> dict[str, str]:
+    """Each parameter that no file tensor holds, that shares no storage with one that does (a tied weight is
+    written once) and that no merged file tensor is made from (``sources``): a fresh head, named as the files name theirs (without the base model's
     prefix in a bare file, with it in a headed file under a base class). Refused: a parameter whose
     own name is in the files with another value."""
     held = {t.data_ptr() for n, t in hf_model.state_dict(keep_vars=True).items() if root + n in names}
@@ -97,7 +122,7 @@ def _added(hf_model: torch.nn.Module, root: str, names: Mapping[str, str], reade
     headed = bool(prefix) and any(file == prefix + model for model, file in pairs)  # the model does (a base class)
     added = {}
     for name, param in hf_model.named_parameters():
-        if root + name in names or param.data_ptr() in held:
+        if root + name in names or param.data_ptr() in held or root + name in sources:
             continue
         file_name = name.removeprefix(prefix) if bare else prefix + name if headed else name
         if file_name in reader.entries or name in reader.entries:
@@ -130,6 +155,13 @@ def changes(state: Mapping[str, torch.Tensor], model: torch.nn.Module, files: Fi
 
         if shape != entry.shape or not torch.equal(value(), reader.get(file_name)):
             tensors[file_name] = (shape, value)
+    if files.merged and not files.sources <= frozen:  # made again as saving makes them (a fused q, k and v)
+        hf_model = model.get_submodule(files.root.removesuffix(".")) if files.root else model
+        saved = merged_on_save(hf_model, {name.removeprefix(files.root): state[name] for name in files.sources})[0]
+        for file_name, name in files.merged.items():
+            value = saved[name].detach().to("cpu", dtypes[reader.entries[file_name].dtype])
+            if not torch.equal(value, reader.get(file_name)):
+                tensors[file_name] = (tuple(value.shape), lambda v=value: v)
     added = tuple((Entry(file_name, reader.files[-1], dtype_code(state[name].dtype), tuple(state[name].shape)),
                    lambda n=name: state[n].detach().cpu())
                   for name, file_name in files.added.items())
