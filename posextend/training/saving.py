@@ -113,9 +113,9 @@ def _merged(hf_model: torch.nn.Module, root: str, reader: CheckpointReader, pref
 def _added(hf_model: torch.nn.Module, root: str, names: Mapping[str, str], reader: CheckpointReader,
            prefix: str, sources: frozenset[str]) -> dict[str, str]:
     """Each parameter that no file tensor holds, that shares no storage with one that does (a tied weight is
-    written once) and that no merged file tensor is made from (``sources``): a fresh head, named as the files name theirs (without the base model's
-    prefix in a bare file, with it in a headed file under a base class). Refused: a parameter whose
-    own name is in the files with another value."""
+    written once) and that no merged file tensor is made from (``sources``): a fresh head, named as the files
+    name theirs (without the base model's prefix in a bare file, with it in a headed file under a base class).
+    Refused: a parameter whose own name is in the files with another value."""
     held = {t.data_ptr() for n, t in hf_model.state_dict(keep_vars=True).items() if root + n in names}
     pairs = [(model.removeprefix(root), file) for model, file in names.items()]
     bare = bool(prefix) and any(model == prefix + file for model, file in pairs)  # the file leaves the prefix off

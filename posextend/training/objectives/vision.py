@@ -378,9 +378,9 @@ class Vision(Objective):
         return None if read is None else self._score(run, read, unwrapped.config)[1]
 
     def _at_old(self, run: RunContext) -> float | None:
-        """The trained model's accuracy at the source's size (its control), read once per state of its weights (the
-        last check and the verdict read the same weights) (a few of each trained tensor's values: a fused optimizer step leaves the
-        tensors' version counters as they were)."""
+        """The trained model's accuracy at the source's size (its control), read once per state of its weights: the
+        last check and the verdict read the same ones (known by a few of each trained tensor's values: a fused
+        optimizer step leaves the tensors' version counters as they were)."""
         key = torch.cat([p.detach().flatten()[:8].float().cpu() for p in run.unwrapped.parameters() if p.requires_grad])
         if run.state.at_old is None or not torch.equal(run.state.at_old[0], key):
             run.state.at_old = (key, self._accuracy(run, run.model, run.unwrapped, self._source_size(run)))
