@@ -67,14 +67,13 @@ def canvases(digits: np.ndarray, index: np.ndarray, seed: int, scales: tuple[int
 
     rng = np.random.default_rng(seed)
     out, which = [], []
-    fixed = side
     for k in np.repeat(index, copies):
-        side = fixed if scales is None else int(rng.integers(scales[0], scales[1] + 1))
-        digit = digits[k] if side == DIGIT else np.asarray(Image.fromarray(digits[k]).resize((side, side),
+        n = side if scales is None else int(rng.integers(scales[0], scales[1] + 1))
+        digit = digits[k] if n == DIGIT else np.asarray(Image.fromarray(digits[k]).resize((n, n),
                                                                                              Image.BILINEAR))
         canvas = np.zeros((CANVAS, CANVAS), np.uint8)
-        y, x = np.clip((CANVAS - side) // 2 + rng.integers(-JITTER, JITTER + 1, 2), 0, CANVAS - side)
-        canvas[y:y + side, x:x + side] = digit
+        y, x = np.clip((CANVAS - n) // 2 + rng.integers(-JITTER, JITTER + 1, 2), 0, CANVAS - n)
+        canvas[y:y + n, x:x + n] = digit
         out.append(canvas)
         which.append(k)
     return np.stack(out), np.array(which)
