@@ -208,6 +208,56 @@ def test_label_free_judged_on_labelled_images_apart_by_knn(towers, digits, tmp_p
     assert r.exit_code == 0 and "vision: label-free" in _flat(r.output)  # labels, but no head to train: label-free
 
 
+def test_label_free_reads_each_sample_with_seven_mates_moved_the_same_way_each_run(towers, digits, tmp_path):
+    """Label-free reads 8 images a sample (the sample and 7 mates, for SHOT's spread over the classes), each moved by
+    its sample's generator: two runs of one seed write the same weights, another seed others."""
+    import posextend
+
+    runs = {name: posextend.finetune(towers["vit"], tmp_path / name, [digits["plain"]], image_size=NEW, steps=2,
+                                     batch_size=2, eval_sequences=8, seed=seed)
+            for name, seed in (("a", 0), ("b", 0), ("c", 1))}
+    assert runs["a"].items == 2 * 2 * 8
+    key = "vit.encoder.layer.0.attention.attention.query.weight"
+    assert _tensor(tmp_path / "a", key).equal(_tensor(tmp_path / "b", key))
+    assert not _tensor(tmp_path / "a", key).equal(_tensor(tmp_path / "c", key))
+
+
+def test_images_move_and_their_patch_features_move_back_to_the_nearest_patch():
+    """An image moved 4 px down and 3 px left shows its own pixels there, its edge reflected in; the patches of the
+    moved image (here each patch's mean pixel) moved back (one patch down, one left: the nearest whole patches) are
+    the image's own, but for the row and the column that wrapped."""
+    from posextend.training.towers import Features, moved_back, random_moves, shifted
+
+    pixels = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    moved = shifted(pixels, [(4, -3), (0, 0)])
+    assert torch.equal(moved[0, :, 4:, :13], pixels[0, :, :12, 3:]) and torch.equal(moved[1], pixels[1])
+    assert torch.equal(moved[0, :, 3, :13], pixels[0, :, 1, 3:])  # reflected: row 3 mirrors row 5 (source row 1)
+    assert torch.equal(moved[0, :, 4:, 13:], pixels[0, :, :12, 12:15].flip(-1))  # and the right edge
+
+    def patch_means(x):
+        return torch.nn.functional.avg_pool2d(x, 4)
+
+    four = shifted(pixels, [(4, -4), (0, 0)])
+    back = moved_back(Features(torch.zeros(2, 3), patch_means(four), None), [(4, -3), (1, 1)], (4, 4)).patches
+    assert torch.allclose(back[0, :, :3, 1:], patch_means(pixels)[0, :, :3, 1:]) and torch.equal(
+        back[1], patch_means(pixels)[1])  # (4, -3) is a patch down and one left; (1, 1) none
+    first = random_moves([torch.Generator().manual_seed(s) for s in (0, 1)], (1, 2), 3)
+    again = random_moves([torch.Generator().manual_seed(s) for s in (0, 1)], (1, 2), 3)
+    assert first == again and len(first) == 6 and all(abs(dy) <= 1 and abs(dx) <= 2 for dy, dx in first)
+    assert first[1] == random_moves([torch.Generator().manual_seed(1)], (1, 2), 1)[0]  # the samples' moves first
+
+
+def test_information_maximisation_rewards_sure_predictions_spread_over_the_classes():
+    """SHOT's term: 0 for unsure predictions and for sure ones all of one class; -log C for sure ones of every
+    class."""
+    from posextend.training.towers import information
+
+    sure = 30 * torch.eye(4)
+    assert information(torch.zeros(4, 4)).item() == pytest.approx(0.0, abs=1e-6)
+    assert information(sure[[0, 0, 0, 0]]).item() == pytest.approx(0.0, abs=1e-6)
+    assert information(sure).item() == pytest.approx(-math.log(4), abs=1e-6)
+
+
 @pytest.mark.parametrize("name, table", [("vit", "vit.embeddings.position_embeddings"),
                                          ("clip-vision", "embeddings.position_embedding.weight")])
 def test_lora_trains_the_attention_the_table_the_norms_and_the_head(towers, digits, tmp_path, name, table):

@@ -167,6 +167,43 @@ def match(student: Features, teacher: Features) -> torch.Tensor:
     return loss
 
 
+def information(logits: torch.Tensor) -> torch.Tensor:
+    """SHOT's information maximisation (Liang et al., 2020) on a head's outputs ``[B, C]``: the mean entropy of each
+    image's prediction (each made sure) less the entropy of the batch's mean prediction (kept spread over the
+    classes)."""
+    p = logits.float().softmax(-1)
+    mean = p.mean(0)
+    return -(p * p.clamp_min(1e-8).log()).sum(-1).mean() + (mean * mean.clamp_min(1e-8).log()).sum()
+
+
+def random_moves(generators: Sequence[torch.Generator], most: tuple[int, int], each: int) -> list[tuple[int, int]]:
+    """``each`` moves ``(down, right)`` of up to ``most`` pixels a side from each generator (a sample's): the first
+    of every generator's (the samples'), then the others in turn (their batch-mates')."""
+    drawn = [[tuple(int(torch.randint(-m, m + 1, (1,), generator=g)) for m in most) for _ in range(each)]
+             for g in generators]
+    return [d[0] for d in drawn] + [m for d in drawn for m in d[1:]]
+
+
+def shifted(pixels: torch.Tensor, moves: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """Each image of ``pixels`` ``[B, C, H, W]`` moved by its ``(down, right)`` pixels, its edge reflected in
+    (FixMatch's weak augmentation)."""
+    height, width = pixels.shape[-2:]
+    my, mx = max(abs(m[0]) for m in moves), max(abs(m[1]) for m in moves)
+    padded = F.pad(pixels, (mx, mx, my, my), mode="reflect")
+    return torch.stack([padded[k, :, my - dy:my - dy + height, mx - dx:mx - dx + width]
+                        for k, (dy, dx) in enumerate(moves)])
+
+
+def moved_back(found: Features, moves: Sequence[tuple[int, int]], patch: tuple[int, int]) -> Features:
+    """The patch features of :func:`shifted` images moved back onto the unmoved images' grid, to the nearest whole
+    patch of ``patch`` pixels (the patches moved in at the edge wrap round)."""
+    if found.patches is None:
+        return found
+    back = torch.stack([found.patches[k].roll((-round(dy / patch[0]), -round(dx / patch[1])), (1, 2))
+                        for k, (dy, dx) in enumerate(moves)])
+    return Features(found.pooled, back, found.logits)
+
+
 def knn_accuracy(pooled: torch.Tensor, labels: Sequence[int]) -> float:
     """Leave-one-out k-nearest-neighbour accuracy of embeddings ``pooled`` (cosine; :data:`NEIGHBOURS` votes weighted
     by ``exp(similarity / TEMPERATURE)``, as DINO's k-NN evaluation): each image classified by the others."""

@@ -407,6 +407,18 @@ def objectives_help() -> str:
     return "\n\n".join(f"{name}: {objective.description}" for name, objective in available_objectives().items())
 
 
+def draw_mates(run: RunContext, positions: range, mates: int) -> tuple[list[Any], list[torch.Generator]]:
+    """``mates`` training samples more for each sample at ``positions``, drawn by that sample's generator (so that a
+    run is the same on any number of processes): the drawn samples, in the samples' order, and each sample's
+    generator for its other random choices."""
+    pool, drawn, generators = run.train_seqs, [], []
+    for p in positions:
+        g = run.generator(p)
+        drawn += [pool[int(i)] for i in torch.randint(len(pool), (mates,), generator=g)]
+        generators.append(g)
+    return drawn, generators
+
+
 def without_dropout(model: torch.nn.Module, *, attention_only: bool = False) -> int:
     """Zero ``model``'s dropout for this run (its config, and so the written model, keeps its values).
 

@@ -30,7 +30,8 @@ from posextend.scoring.by_position import Bucket, EvalReport, bucket_edges
 from posextend.scoring.verdict import Reading
 from posextend.training.context import RunContext
 from posextend.training.loading import Loaded, load_headed_model, load_processor
-from posextend.training.objectives.base import CheckpointFacts, Objective, register_objective, without_dropout
+from posextend.training.objectives.base import (CheckpointFacts, Objective, draw_mates, register_objective,
+                                               without_dropout)
 
 # the dual encoders whose base class gives image and text features (tests/test_image_text.py trains each's tiny twin)
 FAMILIES = ("clip", "siglip", "siglip2", "chinese_clip", "altclip", "metaclip_2", "aimv2", "align", "blip", "owlvit",
@@ -161,11 +162,7 @@ class ImageText(Objective):
         the images' features reduced to the batch's principal components against the first sentences."""
         if not run.state.started:
             _start(run)
-        pool = run.train_seqs
-        items = list(batch)
-        for p in positions:
-            g = run.generator(p)
-            items += [pool[int(i)] for i in torch.randint(len(pool), (self.batch_mates,), generator=g)]
+        items = list(batch) + draw_mates(run, positions, self.batch_mates)[0]
         tokenizer, n = run.processor.tokenizer, len(items)
         pixels = _image_inputs(run.processor.image_processor, [i["image"] for i in items])
         shorts = [first_sentence(i["text"]) for i in items]

@@ -6,8 +6,9 @@
   comma-separated aliases count); only when they differ, or the checkpoint has no head, does the model get a new
   head for the data's classes, and the run says so.
 - **Label-free** otherwise: the source, frozen, reads each image at its own resolution and the extended model at
-  the new one; the loss matches their pooled embeddings (cosine), the patch features resampled to the source's grid
-  (cosine) and, where the model has a classification head, its outputs (KL), so that a classifier stays one.
+  the new one, moved by up to a tenth of its side; the loss matches their pooled embeddings (cosine), the patch
+  features resampled to the source's grid (cosine) and, where the model has a classification head, its outputs
+  (KL), plus SHOT's information maximisation on those outputs (each sure, the batch spread over the classes).
 
 Judged on held-out images: the head's accuracy where it knows their classes, else the k-nearest-neighbour accuracy
 of the pooled embeddings (each held-out image against the others). The baseline is the source reading them at its
@@ -38,9 +39,11 @@ from posextend.scoring.by_position import Bucket, EvalReport
 from posextend.scoring.verdict import Reading
 from posextend.training.context import RunContext
 from posextend.training.loading import Loaded, attention_kwargs, load_processor, loaded
-from posextend.training.objectives.base import CheckpointFacts, Objective, register_objective, without_dropout
+from posextend.training.objectives.base import (CheckpointFacts, Objective, draw_mates, register_objective,
+                                               without_dropout)
 from posextend.training.towers import (NEW_HEAD, Features, NewHead, agreement, features, forward, knn_accuracy,
-                                       label_map, match, output_size, replace_head, resized_copy, set_size)
+                                       information, label_map, match, moved_back, output_size, random_moves,
+                                       replace_head, resized_copy, set_size, shifted)
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +92,8 @@ class Vision(Objective):
     anchor = 0.0  # supervised: the weight of a KL term to the source's head at its own size (label-free: the loss)
     classes: list[str] | None = None  # the data's class names (for_data); None: images without labels
     patches: int = 0  # patches of an image at the run's size (size_processor): what count() counts
+    shift = 0.1  # label-free: how far (a share of the side) each image the model reads moves, at most
+    mates = 0  # label-free: images more per sample, drawn by its generator (7: a micro-batch of 4 reads 32)
 
     def accepts(self, checkpoint: CheckpointFacts) -> bool:
         """A vision tower: a model whose positions are one image grid sized by its own config's image size (not a
@@ -128,7 +133,7 @@ class Vision(Objective):
         if "anchor" in vars(self) and not self.anchor:
             raise TrainingError("Label-free training learns from the source model itself, which an anchor of 0 "
                                 "leaves out: leave the anchor unset, or give images with labels.")
-        self.anchor = self.anchor or 1.0
+        self.anchor, self.mates = self.anchor or 1.0, 7  # SHOT's spread over the classes needs a batch's worth
 
     def load_model(self, directory: Path, *, init_head: bool) -> Loaded:
         """Supervised: the family's image classifier, its head mapped to the data's classes by name, or a new one
@@ -207,19 +212,19 @@ class Vision(Objective):
         return documents
 
     def count(self, batch: Sequence[Any]) -> tuple[int, int]:
-        """``(images, images × patches)``."""
-        return len(batch), len(batch) * self.patches
+        """``(images, images × patches)``, label-free mates included."""
+        return (1 + self.mates) * len(batch), (1 + self.mates) * len(batch) * self.patches
 
     def loss(self, run: RunContext, positions: range, batch: Sequence[Any]) -> tuple[torch.Tensor, int]:
         """Supervised: cross-entropy of the head at the run's size (plus ``anchor`` × the KL divergence from the
-        source's head at its own size). Label-free: :func:`match` of the model at the run's size to the source."""
+        source's head at its own size). Label-free: :meth:`_distilled`."""
         images = [item["image"] for item in batch]
-        pixels = self._pixels(run, images, run.image_size).to(run.accelerator.device)
         ids = self._train_ids(run)
+        if ids is None:
+            return self._distilled(run, positions, images), len(batch)
+        pixels = self._pixels(run, images, run.image_size).to(run.accelerator.device)
         out, base = forward(run.model, run.unwrapped, pixels)
         student = features(out, base, self._grid(run, run.image_size), len(images))
-        if ids is None:
-            return match(student, self._teacher(run, images)), len(batch)
         labels = torch.tensor([-100 if it["label"] is None else ids[it["label"]] for it in batch], device=pixels.device)
         loss = F.cross_entropy(student.logits.float(), labels, ignore_index=-100) if (labels >= 0).any() else \
             student.logits.sum() * 0.0
@@ -228,6 +233,20 @@ class Vision(Objective):
             loss = loss + self.anchor * match(Features(student.pooled, None, student.logits),
                                               Features(student.pooled.detach(), None, teacher.logits))
         return loss, len(batch)
+
+    def _distilled(self, run: RunContext, positions: range, images: list[Any]) -> torch.Tensor:
+        """Label-free, on the samples and :attr:`mates` more each (see the module): alone, matching the source
+        learns its readings; made sure and steady under the move too, they settle on what the finer pixels tell
+        apart, which reads better than the teacher (benchmarks/vision.py)."""
+        mates, generators = draw_mates(run, positions, self.mates)
+        images = images + [item["image"] for item in mates]
+        pixels = self._pixels(run, images, run.image_size).to(run.accelerator.device)
+        (height, width), grid = pixels.shape[-2:], self._grid(run, run.image_size)
+        moves = random_moves(generators, (round(height * self.shift), round(width * self.shift)), 1 + self.mates)
+        out, base = forward(run.model, run.unwrapped, shifted(pixels, moves))
+        student = moved_back(features(out, base, grid, len(images)), moves, (height // grid[0], width // grid[1]))
+        loss = match(student, self._teacher(run, images))
+        return loss if student.logits is None else loss + information(student.logits)
 
     def _train_ids(self, run: RunContext) -> list[int] | None:
         """The model's class id of each of the data's classes (supervised), or None (label-free: the source as the
