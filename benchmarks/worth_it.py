@@ -157,10 +157,10 @@ def main() -> None:
     ap.add_argument("--data", type=Path, required=True, help="directory of .txt files")
     ap.add_argument("--tuned", default=TUNED, help="held-out text the defaults were chosen on")
     ap.add_argument("--aside", default=ASIDE, help="held-out text kept aside: never used to choose anything")
-    ap.add_argument("--quick", action="store_true", help="a tiny reference and a 20 s budget (the tests)")
+    ap.add_argument("--quick", action="store_true", help="a tiny reference and a 10 s budget (the tests)")
     ap.add_argument("--factors", nargs="+", type=int, default=[2, 4])
     ap.add_argument("--sizes", nargs="+", help="only these reference sizes (default: all of the mode's)")
-    ap.add_argument("--budget", help="the run's budget (default: finetune's own; --quick: 20s)")
+    ap.add_argument("--budget", help="the run's budget (default: finetune's own; --quick: 10s)")
     ap.add_argument("--no-exact", dest="exact", action="store_false",
                     help="leave out the exact control (the source fine-tuned at its own length on the same tokens)")
     ap.add_argument("--seed", type=int, default=0)
@@ -168,7 +168,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("worth-it-results"))
     args = ap.parse_args()
     mode = "quick" if args.quick else "full"
-    args.budget = args.budget or ("20s" if args.quick else None)
+    args.budget = args.budget or ("10s" if args.quick else None)
     files = sorted(args.data.glob("*.txt"))
     held = [args.data / args.tuned, args.data / args.aside]
     train_files = [p for p in files if p not in held]

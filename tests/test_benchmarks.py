@@ -87,7 +87,7 @@ def test_worth_it_quick(tmp_path):
     data = json.loads((tmp_path / "w" / "worth_it.json").read_text())
     (row,) = data["rows"]
     assert not {"emma.txt", "northangerabbey.txt"} & set(data["meta"]["train"])
-    assert row["verdict"]["budget"] == "20s" and row["steps"] >= 1
+    assert row["verdict"]["budget"] == "10s" and row["steps"] >= 1
     for text in ("tuned emma", "aside northangerabbey"):
         cell = row[text]
         assert all(math.isfinite(cell[k]) and cell[k] > 1 for k in ("far", "window", "original", "source_original"))
