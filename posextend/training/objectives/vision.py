@@ -490,8 +490,9 @@ class Vision(Objective):
             head = getattr(run.unwrapped, NEW_HEAD, None) or "the head's own"
             return [f"vision: supervised on {len(self.classes)} classes, {head}"]
         h, w = self._source_size(run)
-        lines = [(f"vision: label-free, the source at {h}x{w} px as the teacher (pooled embedding, patch features, and "
-                  "the head's outputs where it has one)")]
+        lines = [(f"vision: label-free, the source at {h}x{w} px as the teacher (pooled embedding, patch features, the "
+                  f"head's outputs where it has one, made sure and spread); {self.mates} mates a sample, each image "
+                  f"moved by up to {self.shift:.0%} of its side")]
         if run.state.labels is not None and not self._labelled(run):
             lines.append("vision: no labels among the held-out images, so no verdict: give labelled held-out images "
                          "(a subfolder per class) for one")
