@@ -2,22 +2,40 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
+import runpy
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from tiny import in_process
 
 ROOT = Path(__file__).resolve().parent.parent
 AUSTEN = ROOT.parent / "shared" / "data" / "austen"
 
 
 def _run(*args, cwd):
-    r = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, cwd=cwd)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return r.stdout
+    """``python SCRIPT ARGS`` in ``cwd``: its stdout. A benchmark script runs as its ``__main__`` in this process
+    (torch and transformers imported once per test process, not once a script); ``-c`` code in a process of its
+    own."""
+    if args[0] == "-c":
+        r = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, cwd=cwd)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return r.stdout
+    out, argv, path = io.StringIO(), sys.argv, list(sys.path)
+    sys.argv, sys.path[:0] = list(map(str, args)), [str(Path(args[0]).parent)]  # as python puts a script's folder
+    try:
+        with in_process(cwd), contextlib.redirect_stdout(out):
+            runpy.run_path(str(args[0]), run_name="__main__")
+    except SystemExit as exc:
+        assert not exc.code, f"{args[0]} exited {exc.code}\n{out.getvalue()[-3000:]}"
+    finally:
+        sys.argv, sys.path[:] = argv, path
+    return out.getvalue()
 
 
 @pytest.mark.skipif(not AUSTEN.is_dir(), reason="needs ../shared/data/austen")

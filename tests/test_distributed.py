@@ -1,7 +1,8 @@
 """Fine-tuning on two CPU processes (gloo) equals one process with the same global batch.
 
-Each run is a real launch of the CLI, as the README documents it: ``torchrun`` or
-``accelerate launch``. Dropout is off in these twins: it is the one random choice inside
+Each run on two processes is a real launch of the CLI, as the README documents it: ``torchrun`` or
+``accelerate launch``; the one-process runs they are compared with run in the test's process, through
+``posextend.finetune`` with the same options (built once a test process). Dropout is off in these twins: it is the one random choice inside
 the model, drawn per process, so with it two runs are alike in distribution, not to the bit.
 Every run computes in fp32 (``--mixed-precision no``): bf16 autocast, which ``auto`` picks on a CPU
 with bf16 instructions, rounds differently when the batch is split across processes.
@@ -19,6 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+
+import posextend
 
 from tiny import FAMILIES, build, sentence_transformer
 
@@ -45,11 +48,9 @@ def _env() -> dict[str, str]:
 def _launch(launcher: str, processes: int, args: list[str]) -> subprocess.CompletedProcess:
     if launcher == "torchrun":
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
-    elif launcher == "accelerate":
+    else:  # accelerate
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", f"--num_processes={processes}",
                "--num_machines=1", "--mixed_precision=no", "--dynamo_backend=no", "--main_process_port=0"]
-    else:
-        cmd = [sys.executable]
     result = subprocess.run([*cmd, "-m", "posextend.cli", *args], capture_output=True, text=True, env=_env(), timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result
@@ -59,6 +60,24 @@ def _finetune(launcher, processes, src, dst, corpus, batch_size, *extra):
     return _launch(launcher, processes, ["finetune", str(src), str(dst), "--data", str(corpus), "--length", "48",
                                          "--steps", str(STEPS), "--batch-size", str(batch_size), "--lr", "3e-3",
                                          "--seed", "0", "--mixed-precision", "no", *extra])
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, corpus):
+    """``one_process(kind)``: the twin of ``kind`` and its run on one process with the global batch of 2, built once
+    a test process (each run of two is compared with it), here: ``posextend.finetune`` with the CLI's options."""
+    made: dict[str, tuple[Path, Path]] = {}
+
+    def get(kind: str) -> tuple[Path, Path]:
+        if kind not in made:
+            root = tmp_path_factory.mktemp(f"one-{kind}")
+            src = _twin(kind, root)
+            posextend.finetune(src, root / "one", [corpus], length=48, steps=STEPS, batch_size=2, lr=3e-3, seed=0,
+                               mixed_precision="no")
+            made[kind] = src, root / "one"
+        return made[kind]
+
+    return get
 
 
 def _max_diff(a: Path, b: Path) -> float:
@@ -83,15 +102,14 @@ def _tokens(card: Path) -> int:
 
 
 @pytest.mark.parametrize("kind", ["causal", "masked"])
-def test_two_processes_equal_one_with_the_same_global_batch(tmp_path, corpus, kind):
-    src = _twin(kind, tmp_path)
-    _finetune("python", 1, src, tmp_path / "one", corpus, 2)
+def test_two_processes_equal_one_with_the_same_global_batch(tmp_path, corpus, one_process, kind):
+    src, one = one_process(kind)
     two = _finetune("torchrun", 2, src, tmp_path / "two", corpus, 1)
-    assert _max_diff(tmp_path / "one", tmp_path / "two") < TOLERANCE
+    assert _max_diff(one, tmp_path / "two") < TOLERANCE
     assert _max_diff(src, tmp_path / "two") > 1e-3  # it did train
     # one output, one report, every process's tokens counted
     assert two.stdout.count("Fine-tuned") == 1 and "on 2 processes" in two.stdout
-    assert _tokens(tmp_path / "two" / "README.md") == _tokens(tmp_path / "one" / "README.md") == STEPS * 2 * 48
+    assert _tokens(tmp_path / "two" / "README.md") == _tokens(one / "README.md") == STEPS * 2 * 48
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("two")) == ["two"]
 
 
@@ -106,43 +124,40 @@ def test_contrastive_two_processes_equal_one(tmp_path, corpus):
     src = sentence_transformer(tmp_path)
     args = ["--length", "160", "--steps", "3", "--lr", "1e-3", "--seed", "0", "--eval-every", "0",
             "--eval-sequences", "2", "--mixed-precision", "no"]
-    one = _launch("python", 1, ["finetune", str(src), str(tmp_path / "one"), "--data", str(corpus), "--batch-size", "2",
-                                *args])
+    one = posextend.finetune(src, tmp_path / "one", [corpus], batch_size=2, length=160, steps=3, lr=1e-3, seed=0,
+                             eval_every=0, eval_sequences=2, mixed_precision="no")
     two = _launch("torchrun", 2, ["finetune", str(src), str(tmp_path / "two"), "--data", str(corpus),
                                   "--batch-size", "1", *args])
-    assert "contrastive" in one.stdout and "on 2 processes" in two.stdout
+    assert one.objective == "contrastive" and "on 2 processes" in two.stdout
     assert _update_difference(src, tmp_path / "one", tmp_path / "two") < 1e-2
 
 
-def test_accelerate_launch_forms_a_cpu_group(tmp_path, corpus):
-    src = _twin("masked", tmp_path)
-    one = _finetune("python", 1, src, tmp_path / "one", corpus, 2)
+def test_accelerate_launch_forms_a_cpu_group(tmp_path, corpus, one_process):
+    src, one = one_process("masked")
     two = _finetune("accelerate", 2, src, tmp_path / "two", corpus, 1)
-    assert "on 2 processes" in two.stdout and one.stdout.count("Fine-tuned") == 1
-    assert _max_diff(tmp_path / "one", tmp_path / "two") < TOLERANCE
+    assert "on 2 processes" in two.stdout and two.stdout.count("Fine-tuned") == 1
+    assert _max_diff(one, tmp_path / "two") < TOLERANCE
 
 
-def test_fsdp_config_shipped_in_examples_trains_on_two_cpu_processes(tmp_path, corpus):
+def test_fsdp_config_shipped_in_examples_trains_on_two_cpu_processes(tmp_path, corpus, one_process):
     """examples/accelerate/fsdp.yaml (2 processes, fp32 here): sharded training, full weights written."""
     shipped = (Path(__file__).parent.parent / "examples" / "accelerate" / "fsdp.yaml").read_text()
     config = tmp_path / "fsdp.yaml"
     config.write_text(shipped.replace("num_processes: 8", "num_processes: 2").replace("mixed_precision: bf16",
                                                                                       "mixed_precision: 'no'"))
-    src = _twin("causal", tmp_path)
-    _finetune("python", 1, src, tmp_path / "one", corpus, 2)
+    src, one = one_process("causal")
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--main_process_port=0",
            "-m", "posextend.cli", "finetune", str(src), str(tmp_path / "two"), "--data", str(corpus), "--length", "48",
            "--steps", str(STEPS), "--batch-size", "1", "--lr", "3e-3", "--seed", "0", "--mixed-precision", "no"]
     result = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "on 2 processes" in result.stdout
-    assert _max_diff(tmp_path / "one", tmp_path / "two") < TOLERANCE
+    assert _max_diff(one, tmp_path / "two") < TOLERANCE
 
 
-def test_resume_on_one_process_continues_a_two_process_run(tmp_path, corpus):
+def test_resume_on_one_process_continues_a_two_process_run(tmp_path, corpus, one_process):
     """State saved by 2 processes, resumed by 1 with the same global batch: the same weights."""
-    src = _twin("masked", tmp_path)
-    _finetune("python", 1, src, tmp_path / "straight", corpus, 2)
+    src, straight = one_process("masked")
     driver = tmp_path / "interrupted.py"
     driver.write_text(
         "import sys, posextend\n"
@@ -160,8 +175,9 @@ def test_resume_on_one_process_continues_a_two_process_run(tmp_path, corpus):
                               str(driver)], capture_output=True, text=True, env=_env(), timeout=600)
     assert stopped.returncode == 0 and stopped.stdout.count("stopped:") == 2, stopped.stdout + stopped.stderr[-2000:]
     assert (tmp_path / "resumed.state" / "posextend.json").is_file() and not (tmp_path / "resumed").exists()
-    _finetune("python", 1, src, tmp_path / "resumed", corpus, 2, "--resume")
-    assert _max_diff(tmp_path / "straight", tmp_path / "resumed") < TOLERANCE
+    posextend.finetune(src, tmp_path / "resumed", [corpus], length=48, steps=STEPS, batch_size=2, lr=3e-3, seed=0,
+                       mixed_precision="no", resume=True)
+    assert _max_diff(straight, tmp_path / "resumed") < TOLERANCE
     assert not (tmp_path / "resumed.state").exists()
 
 

@@ -42,6 +42,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,6 +51,7 @@ import torch
 import transformers
 
 from tiny import bart as tiny_bart
+from tiny import in_process
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -186,31 +188,43 @@ def _env() -> dict[str, str]:
 
 
 def _shell(script: str, cwd: Path, where: Block) -> str:
+    """A script of plain ``posextend`` command lines runs through the CLI's app in this process (torch and
+    transformers are imported once per test process, not once a command); anything else in a shell."""
+    commands = _cli_lines(script)
+    if commands is not None:
+        return "".join(_cli(args, cwd, where) for args in commands)
     r = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=cwd, env=_env(), capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0, f"{where}: exit {r.returncode}\n$ {script}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     return r.stdout + r.stderr
 
 
+def _cli_lines(script: str) -> list[list[str]] | None:
+    """The arguments of each line of ``script`` when every line is ``posextend ARGS`` with nothing for a shell to
+    expand, redirect or join (else None)."""
+    lines = [shlex.split(line, comments=True) for line in _lines(script)]
+    plain = all(words[:1] == ["posextend"] and not re.search(r"[|&;<>$`*?~(){}]", " ".join(words[1:]))
+                for words in lines)
+    return [words[1:] for words in lines] if lines and plain else None
+
+
+def _cli(args: list[str], cwd: Path, where: Block) -> str:
+    from typer.testing import CliRunner
+
+    from posextend.cli import app
+
+    with in_process(cwd):
+        r = CliRunner(env={k: v for k, v in _env().items() if k != "PATH"}).invoke(app, args)
+    error = "".join(traceback.format_exception(r.exc_info[1])) if r.exit_code and r.exc_info else ""
+    assert r.exit_code == 0, f"{where}: exit {r.exit_code}\n$ posextend {shlex.join(args)}\n{r.output[-3000:]}{error}"
+    return r.output
+
+
 def _python(source: str, cwd: Path, where: Block) -> str:
     """Run a python block in this process (imports are paid once), leaving the registries as they were."""
-    from posextend.training.objectives import base as objectives
-    from posextend.tables import strategies
-
-    # the plug-ins first (once a registry has loaded them it never does again): a block that loads them would
-    # otherwise leave them out of the registry once it is restored (the CLI reference lists the objectives)
-    registries = [(r.items, dict(r.available())) for r in (strategies._REGISTRY, objectives._REGISTRY)]
     out = io.StringIO()
-    old = Path.cwd()
-    os.chdir(cwd)
-    try:
-        with contextlib.redirect_stdout(out):
-            exec(compile(source, str(where), "exec"), {"__name__": "__docs__"})
-    finally:
-        os.chdir(old)
-        for registry, saved in registries:
-            registry.clear()
-            registry.update(saved)
+    with in_process(cwd), contextlib.redirect_stdout(out):
+        exec(compile(source, str(where), "exec"), {"__name__": "__docs__"})
     return out.getvalue()
 
 

@@ -222,6 +222,26 @@ def test_label_free_reads_each_sample_with_seven_mates_moved_the_same_way_each_r
     assert not _tensor(tmp_path / "a", key).equal(_tensor(tmp_path / "c", key))
 
 
+def test_label_free_trains_its_whole_budget_where_supervised_stops_once_worth_it(digits):
+    """A label-free run's readings creep up from its teacher's by less than a check's noise, so its budget is not cut
+    short at the second "worth it"; a supervised run's is. A budget of steps given as steps is never cut short."""
+    from posextend.scoring.verdict import Reading
+    from posextend.training.images import read_images
+    from posextend.training.objectives.vision import Vision
+    from posextend.training.options import FinetuneConfig
+    from posextend.training.setup import _judge
+
+    baseline = Reading(0.3, 0.3, higher=True), "the source at its own 16x16 px"
+    early = {}
+    for name, folder in (("label-free", digits["plain"]), ("supervised", digits["labelled"])):
+        chosen = Vision().for_data(read_images([folder]))
+        for given in ({}, {"budget": "10min"}, {"steps": 30}):
+            judge = _judge(chosen, FinetuneConfig(**given), baseline, tokens_per_step=1, control={})
+            early[name, tuple(given)] = judge.early
+    assert early == {("label-free", ()): False, ("label-free", ("budget",)): False, ("label-free", ("steps",)): False,
+                     ("supervised", ()): True, ("supervised", ("budget",)): True, ("supervised", ("steps",)): False}
+
+
 def test_images_move_and_their_patch_features_move_back_to_the_nearest_patch():
     """An image moved 4 px down and 3 px left shows its own pixels there, its edge reflected in; the patches of the
     moved image (here each patch's mean pixel) moved back (one patch down, one left: the nearest whole patches) are

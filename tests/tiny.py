@@ -230,3 +230,29 @@ def loss_nan_at(step: int) -> Iterator[None]:
                 del cls.loss
             else:
                 cls.loss = loss
+
+
+@contextlib.contextmanager
+def in_process(cwd: Path) -> Iterator[None]:
+    """Within it, code runs as in a process of its own would, here (imports are paid once): in ``cwd``, with the
+    strategy and objective registries, torch's threads and the environment as they were when it returns. The
+    plug-ins are loaded first: once a registry has loaded them it never does again, so restored without them they
+    would be left out."""
+    import os
+
+    from posextend.tables import strategies
+    from posextend.training.objectives import base as objectives
+
+    registries = [(r.items, dict(r.available())) for r in (strategies._REGISTRY, objectives._REGISTRY)]
+    old, threads, environ = Path.cwd(), torch.get_num_threads(), dict(os.environ)
+    os.chdir(cwd)
+    try:
+        yield
+    finally:
+        os.chdir(old)
+        torch.set_num_threads(threads)
+        os.environ.clear()
+        os.environ.update(environ)
+        for registry, saved in registries:
+            registry.clear()
+            registry.update(saved)

@@ -113,7 +113,8 @@ class FinetuneConfig:
     budget: str | None = _option(
         None, "What training may spend until the extension is worth it: a time (15min, 1h), tokens (20M tokens) or "
         "steps (2000 steps). It stops earlier once the far positions read held-out text better than the source "
-        f"reading it in its own windows, twice in a row (default: {DEFAULT_BUDGET}).", metavar="SIZE", panel=MOST)
+        f"reading it in its own windows, twice in a row; label-free vision trains it whole (default: {DEFAULT_BUDGET}).",
+        metavar="SIZE", panel=MOST)
     train: TrainMode = _option(
         "all", "What learns: all (every weight; the best in our benchmarks), positions (the position table only), "
         "new-rows (only the positions past the old length; the rest stays exactly as it was) or lora (small adapters "

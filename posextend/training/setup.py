@@ -240,14 +240,15 @@ def _samples(chosen: Objective, processor: Any, documents: tuple[Sequence[Any], 
 def _judge(chosen: Objective, config: FinetuneConfig, baseline: tuple[Reading, str] | None, *,
            tokens_per_step: int, control: dict[str, Any]) -> Judge:
     """How long the run trains: exactly ``steps`` when given; else ``budget`` (default :data:`DEFAULT_BUDGET`
-    for a run with a baseline to beat), stopping early once worth it; else the objective's steps."""
+    for a run with a baseline to beat), stopping early once worth it (unless the objective trains its whole
+    budget); else the objective's steps."""
     from posextend.training.budget import parse_budget
     from posextend.training.options import DEFAULT_BUDGET
 
     if config.steps is not None:
         budget, early = Budget(f"{config.steps} steps", steps=config.steps), False
     elif config.budget is not None or baseline is not None:
-        budget, early = parse_budget(config.budget or DEFAULT_BUDGET), baseline is not None
+        budget, early = parse_budget(config.budget or DEFAULT_BUDGET), baseline is not None and chosen.early_stop
     else:
         budget, early = Budget(f"{chosen.steps} steps", steps=chosen.steps), False
     reading, name = baseline or (None, "")

@@ -162,9 +162,14 @@ def match(student: Features, teacher: Features) -> torch.Tensor:
             moved = F.adaptive_avg_pool2d(moved, size) if larger else F.interpolate(moved, size=size, mode="bilinear")
         loss = loss + (1 - F.cosine_similarity(moved, teacher.patches, dim=1)).mean()
     if student.logits is not None and teacher.logits is not None and student.logits.shape == teacher.logits.shape:
-        loss = loss + F.kl_div(student.logits.float().log_softmax(-1), teacher.logits.float().log_softmax(-1),
-                               log_target=True, reduction="batchmean")
+        loss = loss + divergence(student.logits, teacher.logits)
     return loss
+
+
+def divergence(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
+    """The KL divergence of a head's outputs ``student`` ``[B, C]`` from ``teacher``'s (per image)."""
+    return F.kl_div(student.float().log_softmax(-1), teacher.float().log_softmax(-1), log_target=True,
+                    reduction="batchmean")
 
 
 def information(logits: torch.Tensor) -> torch.Tensor:

@@ -106,6 +106,7 @@ class Objective:
     unused_parameters: ClassVar[bool] = False  # some trainable parameters get no gradient from the loss
     steps: ClassVar[int] = 200  # default number of optimizer steps
     eval_sequences: ClassVar[int] = 16  # held-out samples each check reads, unless the run sets them
+    early_stop: ClassVar[bool] = True  # a budget's run stops once worth it (False: it trains the whole budget)
     # its samples are consecutive windows of one stream of tokens (what :meth:`samples` cuts by default), so each
     # pass over the data after the first may cut them at another offset (:func:`posextend.training.batches.batch_rows`);
     # False for samples of another kind

@@ -5,10 +5,10 @@
   cross-entropy on the head. The data's class names map to the checkpoint's ``id2label`` by name (a label's
   comma-separated aliases count); only when they differ, or the checkpoint has no head, does the model get a new
   head for the data's classes, and the run says so.
-- **Label-free** otherwise: the source, frozen, reads each image at its own resolution and the extended model at
-  the new one, moved by up to a tenth of its side; the loss matches their pooled embeddings (cosine), the patch
-  features resampled to the source's grid (cosine) and, where the model has a classification head, its outputs
-  (KL), plus SHOT's information maximisation on those outputs (each sure, the batch spread over the classes).
+- **Label-free** otherwise: the source, frozen, reads each image at its own size and the model at the new one,
+  moved by up to a tenth of its side. A classifier matches the source's head outputs (KL), plus SHOT's information
+  maximisation (each output sure, the batch's spread); a tower without a head, its pooled embedding and patch
+  features resampled to the source's grid (cosine). It trains its whole budget.
 
 Judged on held-out images: the head's accuracy where it knows their classes, else the k-nearest-neighbour accuracy
 of the pooled embeddings (each held-out image against the others). The baseline is the source reading them at its
@@ -41,9 +41,9 @@ from posextend.training.context import RunContext
 from posextend.training.loading import Loaded, attention_kwargs, load_processor, loaded
 from posextend.training.objectives.base import (CheckpointFacts, Objective, draw_mates, register_objective,
                                                without_dropout)
-from posextend.training.towers import (NEW_HEAD, Features, NewHead, agreement, features, forward, knn_accuracy,
-                                       information, label_map, match, moved_back, output_size, random_moves,
-                                       replace_head, resized_copy, set_size, shifted)
+from posextend.training.towers import (NEW_HEAD, Features, NewHead, agreement, divergence, features, forward,
+                                       information, knn_accuracy, label_map, match, moved_back, output_size,
+                                       random_moves, replace_head, resized_copy, set_size, shifted)
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +133,8 @@ class Vision(Objective):
         if "anchor" in vars(self) and not self.anchor:
             raise TrainingError("Label-free training learns from the source model itself, which an anchor of 0 "
                                 "leaves out: leave the anchor unset, or give images with labels.")
-        self.anchor, self.mates = self.anchor or 1.0, 7  # SHOT's spread over the classes needs a batch's worth
+        # SHOT's spread needs a batch's worth; readings creep up from the teacher's by less than a check's noise
+        self.anchor, self.mates, self.early_stop = self.anchor or 1.0, 7, False
 
     def load_model(self, directory: Path, *, init_head: bool) -> Loaded:
         """Supervised: the family's image classifier, its head mapped to the data's classes by name, or a new one
@@ -229,15 +230,12 @@ class Vision(Objective):
         loss = F.cross_entropy(student.logits.float(), labels, ignore_index=-100) if (labels >= 0).any() else \
             student.logits.sum() * 0.0
         if run.reference is not None:  # the anchor: the head's outputs held to the source's at its own size
-            teacher = self._teacher(run, images)
-            loss = loss + self.anchor * match(Features(student.pooled, None, student.logits),
-                                              Features(student.pooled.detach(), None, teacher.logits))
+            loss = loss + self.anchor * divergence(student.logits, self._teacher(run, images).logits)
         return loss, len(batch)
 
     def _distilled(self, run: RunContext, positions: range, images: list[Any]) -> torch.Tensor:
-        """Label-free, on the samples and :attr:`mates` more each (see the module): alone, matching the source
-        learns its readings; made sure and steady under the move too, they settle on what the finer pixels tell
-        apart, which reads better than the teacher (benchmarks/vision.py)."""
+        """Label-free, on the samples and :attr:`mates` more each (see the module): matching the source learns its
+        readings; made sure and steady under the move too, they read better than it (benchmarks/vision.py)."""
         mates, generators = draw_mates(run, positions, self.mates)
         images = images + [item["image"] for item in mates]
         pixels = self._pixels(run, images, run.image_size).to(run.accelerator.device)
@@ -245,8 +243,11 @@ class Vision(Objective):
         moves = random_moves(generators, (round(height * self.shift), round(width * self.shift)), 1 + self.mates)
         out, base = forward(run.model, run.unwrapped, shifted(pixels, moves))
         student = moved_back(features(out, base, grid, len(images)), moves, (height // grid[0], width // grid[1]))
-        loss = match(student, self._teacher(run, images))
-        return loss if student.logits is None else loss + information(student.logits)
+        teacher = self._teacher(run, images)
+        if student.logits is None or teacher.logits is None:
+            return match(student, teacher)
+        # a classifier matches its head's outputs alone: its features held to the 16 px ones would keep it there
+        return divergence(student.logits, teacher.logits) + information(student.logits)
 
     def _train_ids(self, run: RunContext) -> list[int] | None:
         """The model's class id of each of the data's classes (supervised), or None (label-free: the source as the
