@@ -185,7 +185,8 @@ def test_label_free_without_labels_keeps_the_layout_and_gives_no_verdict(towers,
             "--eval-sequences", 8)
     assert r.exit_code == 0, r.output
     shown = _flat(r.output)
-    assert "vision: label-free, the source at 16x16 px as the teacher" in shown and "so no verdict" in shown
+    taught = "its pooled embedding and patch features" if name.endswith("bare") else "its head's outputs, made sure"
+    assert f"vision: label-free, the source at 16x16 px as the teacher ({taught}" in shown and "so no verdict" in shown
     assert "embedding agreement" in shown and "worth it" not in shown.lower()
     assert _keys(out) == _keys(towers[name])  # a bare file stays bare, a headed one headed
     _loads_at_the_new_size(out, cls)

@@ -246,7 +246,6 @@ class Vision(Objective):
         teacher = self._teacher(run, images)
         if student.logits is None or teacher.logits is None:
             return match(student, teacher)
-        # a classifier matches its head's outputs alone: its features held to the 16 px ones would keep it there
         return divergence(student.logits, teacher.logits) + information(student.logits)
 
     def _train_ids(self, run: RunContext) -> list[int] | None:
@@ -491,9 +490,10 @@ class Vision(Objective):
             head = getattr(run.unwrapped, NEW_HEAD, None) or "the head's own"
             return [f"vision: supervised on {len(self.classes)} classes, {head}"]
         h, w = self._source_size(run)
-        lines = [(f"vision: label-free, the source at {h}x{w} px as the teacher (pooled embedding, patch features, the "
-                  f"head's outputs where it has one, made sure and spread); {self.mates} mates a sample, each image "
-                  f"moved by up to {self.shift:.0%} of its side")]
+        taught = ("its head's outputs, made sure and spread" if "ForImageClassification" in type(run.unwrapped).__name__
+                  else "its pooled embedding and patch features")
+        lines = [f"vision: label-free, the source at {h}x{w} px as the teacher ({taught}); {self.mates} mates a "
+                 f"sample, each image moved by up to {self.shift:.0%} of its side"]
         if run.state.labels is not None and not self._labelled(run):
             lines.append("vision: no labels among the held-out images, so no verdict: give labelled held-out images "
                          "(a subfolder per class) for one")
