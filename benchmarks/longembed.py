@@ -95,7 +95,7 @@ def main() -> None:
         t0 = time.perf_counter()
         for name, kwargs in rows:
             t = time.perf_counter()
-            first = results[protocols[0]].get(name)  # the short-input cosine is the haystack's to none: read once
+            first = results[protocols[0]].get(name)  # the short-input cosine: the haystack does not change it
             given = {k: v for k, v in kwargs.items() if first is None or k != "reference"}
             reports = [evaluate_retrieval(data=args.data, lengths=lengths, n=args.documents, seed=args.seed + k,
                                           haystack=protocol, **given).to_dict() for k in range(args.seeds)]
