@@ -141,6 +141,8 @@ def print_verdict(console: Console, verdict: Any) -> None:
         return
     hint = (verdict.advice or ("give it a larger budget (--budget)" if verdict.budget
                                else "train longer (--budget, or more --steps)"))
+    if verdict.source_memorised:
+        hint += " (--eval-data)"
     console.print(f"[yellow]{verdict.text[:1].upper()}{verdict.text[1:]}[/]: {hint}.", highlight=False)
 
 

@@ -15,8 +15,8 @@ from posextend.errors import DataError, TrainingError
 from posextend.scoring.by_position import position_losses
 from posextend.scoring.text import pack, read_documents
 from posextend.scoring.verdict import Point, Reading, Verdict, beats, far_start, holds, plot_verdict
-from posextend.training.budget import Budget, Judge, Schedule, parse_budget
-from posextend.training.heldout import split_documents
+from posextend.training.budget import PATIENCE, Budget, Judge, Schedule, parse_budget
+from posextend.training.heldout import held_out_note, split_documents
 from posextend.training.loop import finetune
 
 QUICK = dict(batch_size=2, train="all", eval_sequences=4, buckets=2, seed=0)
@@ -94,7 +94,7 @@ def test_a_far_range_of_several_tasks_is_worth_it_only_when_no_task_is_worse_tha
     assert not Verdict(base, slightly, "chunks").worth_it  # 3.3% worse: past the 2% tolerance
     judge = Judge(parse_budget("100s"), early=True, baseline=base)
     assert not any(judge.record(step, mixed) for step in (1, 2, 3))  # never a win: the run goes on
-    assert not judge.record(4, both) and judge.record(5, both)
+    assert not judge.record(4, both) and judge.best.step == 4 and judge.wins == 1  # better, and worth it
     assert judge.curve[0].parts == mixed.parts and judge.curve[-1].parts == both.parts  # each task's curve, plotted
     assert plot_verdict(judge.verdict(both), tmp_path / "parts.png").stat().st_size > 10_000
     assert json.loads(json.dumps(Verdict(base, mixed, "x").to_dict()))["reading"]["parts"]["varied needle"] == 0.2
@@ -112,6 +112,16 @@ def test_held_out_documents_are_whole_seeded_and_never_trained_on():
     text = "\n\n".join(f"Paragraph {i}. " + "word " * 50 for i in range(200))
     (rest,), (tail,) = split_documents([text], share=0.05)
     assert rest + tail == text and tail.startswith("Paragraph") and 0.04 < len(tail) / len(text) < 0.07
+    # several documents too long for the share: the smallest is held out whole, never its tail (the tail of a
+    # document whose names and people the run trains on reads kinder than text the model never saw)
+    novels = [text, text[: len(text) // 2], text + text, text[: len(text) // 3]]
+    train, held = split_documents(novels, share=0.05)
+    assert held == [novels[3]] and sorted(map(len, train)) == sorted(map(len, novels[:3]))
+    assert held_out_note(novels, held).startswith("held out: 1 whole document(s) (")
+    # two documents: a whole one would be half the data, so the tail of one is held out, and the note says so
+    train, (tail,) = split_documents(novels[:2], share=0.05)
+    note = held_out_note(novels[:2], [tail])
+    assert any(n.endswith(tail) for n in novels[:2]) and note.startswith("held out: the tail of a document the run trains on")
     # records of pairs are held out whole: one record cannot be split
     assert split_documents([("a b", "c")] * 40, share=0.05)[1] == [("a b", "c")] * 2
     with pytest.raises(DataError, match="too little"):
@@ -244,7 +254,8 @@ def test_the_control_is_read_once_the_baseline_is_beaten_and_must_be_beaten_too(
     assert verdict.text == ("the fine-tune helped, the longer context did not: far range perplexity 95.0 with the whole "
                             "context against 95.5 for the same model through a 64-token window (100.0 for the source "
                             "model); original range 50.0 against 50.0 (+0.0%)")
-    assert not judge.record(4, Reading(90.0, 50.0), control(95.0)) and judge.record(5, Reading(90.0, 50.0), control(95.0))
+    assert not judge.record(4, Reading(90.0, 50.0), control(95.0)) and not judge.record(5, Reading(90.0, 50.0), control(95.0))
+    assert judge.wins == 2 and judge.best.step == 4  # worth it twice, and the run goes on while it improves
     assert [p.controls for p in judge.curve] == [{}, {name: 95.5}, {name: 95.5}, {name: 95.0}, {name: 95.0}]
     verdict = judge.verdict(Reading(90.0, 50.0))
     assert verdict.worth_it and verdict.advice is None
@@ -324,13 +335,22 @@ def test_a_time_budget_plans_its_steps_from_the_first_ones_and_checks_by_the_clo
     judge.checking = 0.0
     judge.start -= 90
     assert judge.spent(1)
-    # two wins in a row stop the run; a loss in between starts the count again
-    assert not judge.record(1, Reading(98.0, 50.5)) and not judge.record(2, Reading(99.5, 50.0))
-    assert not judge.record(3, Reading(98.0, 50.0)) and judge.record(4, Reading(97.0, 50.0))
-    # the reading before training does not count: a table worth it untrained still trains until two checks say so
+    # the run stops once PATIENCE checks in a row read no better than its best, whether worth it or not; a better
+    # reading (0.5% or more, with the original range held) starts the count again
+    readings = [(98.0, 50.5), (97.0, 53.0), (97.9, 50.0), (96.0, 50.0), (96.0, 50.0), (95.9, 50.0), (97.0, 50.0)]
+    assert not any(judge.record(step, Reading(*far_original)) for step, far_original in enumerate(readings, 1))
+    assert judge.best.step == 4 and judge.since_best == 3  # step 2's original range broke; 95.9 is no 0.5% better
+    assert not judge.record(8, Reading(96.5, 50.0)) and judge.record(9, Reading(96.5, 50.0))
+    assert judge.best_reading() == Reading(96.0, 50.0) and PATIENCE == 5
+    # the reading before training is never the best: a run writes a trained model, and a table worth it untrained
+    # trains too
     judge = Judge(parse_budget("100s"), early=True, baseline=Reading(100.0, 50.0))
-    assert not judge.record(0, Reading(90.0, 50.0)) and not judge.record(1, Reading(90.0, 50.0))
-    assert judge.record(2, Reading(90.0, 50.0)) and [p.step for p in judge.curve] == [0, 1, 2]
+    assert not judge.record(0, Reading(90.0, 50.0)) and judge.best is None
+    assert not any(judge.record(step, Reading(91.0, 50.0)) for step in range(1, 6)) and judge.best.step == 1
+    assert judge.record(6, Reading(91.0, 50.0)) and [p.step for p in judge.curve] == list(range(7))
+    # a run that trains its whole budget (label-free vision) keeps its best check but never stops early
+    judge = Judge(parse_budget("100s"), early=False, baseline=Reading(100.0, 50.0))
+    assert not any(judge.record(step, Reading(91.0, 50.0)) for step in range(1, 12)) and judge.best.step == 1
 
 
 def test_later_passes_cut_the_stream_at_another_offset():
@@ -351,3 +371,44 @@ def test_later_passes_cut_the_stream_at_another_offset():
     two = torch.cat([batch_rows(k, 1, seqs, 3, processes=2, process=r) for k in range(5) for r in range(2)])
     assert torch.equal(two, torch.cat([batch_rows(k, batch, seqs, 3) for k in range(5)]))
     assert torch.equal(batch_rows(7, batch, seqs, 3, stream=False), seqs[batch_indices(7, batch, n, 3)])
+
+
+def test_a_budgeted_run_writes_its_best_check_and_says_which(gpt, corpus, tmp_path, monkeypatch):
+    """The held-out readings are scripted (best at step 4 of 8): the run trains its budget (PATIENCE checks without
+    a better one have not passed), writes the weights step 4 had, evaluates those, and says so."""
+    from posextend.training.best import BestWeights
+    from posextend.training.objectives import get_objective
+
+    far = iter([120.0, 100.0, 90.0, 95.0, 97.0, 99.0])  # steps 0, 2, 4, 6 and the last step's reading
+    monkeypatch.setattr(type(get_objective("causal")), "reading", lambda self, run: Reading(next(far), 50.0))
+    taken = {}
+    keep = BestWeights.take
+    monkeypatch.setattr(BestWeights, "take", lambda self, step: taken.update(
+        {step: {n: p.detach().clone() for n, p in self.model.named_parameters()}}) or keep(self, step))
+    report = finetune(gpt, tmp_path / "out", [corpus], length=64, budget="8 steps", eval_every=2, lr=3e-3, **QUICK)
+    assert report.steps == 8 and report.written_step == 4 and sorted(taken) == [2, 4]
+    assert report.written == "the best check's, step 4 of 8" and report.verdict.reading.far == 90.0
+    written = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    for name, value in written.named_parameters():
+        assert torch.equal(value, taken[4][name]), name
+    assert not torch.equal(taken[2]["transformer.wpe.weight"], taken[4]["transformer.wpe.weight"])
+    assert "written: the best check's, step 4 of 8 weights" in (tmp_path / "out" / "README.md").read_text()
+    assert json.loads(json.dumps(report.to_dict()))["written_step"] == 4
+
+
+def test_a_source_that_reads_the_held_out_data_from_memory_is_named():
+    """Training improved the far range, but the source reads it far better than any check: the held-out data may be
+    what the source was trained on (a ViT fine-tuned at a new size on its own pretraining digits): the advice says
+    so and asks for data it never saw, not a larger budget."""
+    curve = [Point(0, 0.0, 0.4, math.nan), Point(10, 1.0, 0.9, math.nan), Point(20, 2.0, 0.938, math.nan)]
+    base, read = Reading(0.98, math.nan, "accuracy", True), Reading(0.938, math.nan, "accuracy", True)
+    verdict = Verdict(base, read, "the source at its own 10x10 px", budget="15min", curve=curve)
+    assert verdict.source_memorised and not verdict.worth_it
+    assert verdict.advice.startswith("the source reads this held-out data far better than any check of the run did "
+                                     "(0.980 against 0.938 at best)")
+    assert verdict.to_dict()["source_memorised"]
+    near = Verdict(Reading(0.95, math.nan, "accuracy", True), read, "x", budget="15min", curve=curve)
+    assert not near.source_memorised and near.advice is None  # within reach: a budget may still do it
+    untrained = Verdict(base, read, "x", budget="15min", curve=[Point(0, 0.0, 0.95, math.nan), curve[1]])
+    assert not untrained.source_memorised  # training did not improve it: no sign of memory
+

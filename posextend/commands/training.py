@@ -83,6 +83,8 @@ def finetune_cmd(
         f"({report.tokens_per_second:,.0f} tok/s{processes}), written to {report.dst}",
         highlight=False,
     )
+    if report.written_step is not None and report.written_step != report.steps:
+        console.print(f"  written: {report.written} weights (the held-out reading was best there)", highlight=False)
     if report.anchor_source:
         console.print(f"  anchor: held to the original model {report.anchor_source}", highlight=False)
     for note in report.notes:

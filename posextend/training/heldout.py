@@ -34,9 +34,12 @@ def _cut(text: str, keep: int) -> int:
 def split_documents(documents: Sequence[Any], *, least: int = 0, share: float = SHARE, seed: int = 0
                     ) -> tuple[list[Any], list[Any]]:
     """``(train, held_out)``: documents in a seeded order are held out whole until ``share`` of the
-    characters (at least ``least`` characters, at most :data:`MOST` of them) are; a text document that
-    would overshoot by more than half gives only its tail (cut at a paragraph), so one long document
-    splits too. Records of pairs are held out whole. Every document keeps its order in ``train``."""
+    characters (at least ``least`` characters, at most :data:`MOST` of them) are. Where that falls short and the
+    data has several documents, the smallest one that fits under :data:`MOST` is held out whole too: a model judged
+    on the tail of a document it trained on reads names and people it learned there, and a longer context helps it
+    there more than on text it never saw. Only where no whole document fits (one long document, or two) a text
+    document gives its tail (cut at a paragraph; :func:`held_out_note` says so). Records of pairs are held out whole.
+    Every document keeps its order in ``train``."""
     sizes = [_size(d) for d in documents]
     total = sum(sizes)
     want = min(max(share * total, least), MOST * total)
@@ -50,11 +53,17 @@ def split_documents(documents: Sequence[Any], *, least: int = 0, share: float = 
             break
         document = documents[i]
         if isinstance(document, str) and sizes[i] > 2 * need:
+            whole = _smallest_whole(documents, sizes, train, taken, total)
+            if whole is not None:
+                held.append(documents[whole])
+                train[whole] = None
+                taken += sizes[whole]
+                continue
             at = _cut(document, sizes[i] - int(need))
             train[i], tail = document[:at], document[at:]
             held.append(tail)
             taken += len(tail)
-        else:
+        elif train[i] is not None:
             held.append(document)
             train[i] = None
             taken += sizes[i]
@@ -64,3 +73,26 @@ def split_documents(documents: Sequence[Any], *, least: int = 0, share: float = 
                         "hold some out for judging the extension and train on the rest. Give more text, or "
                         "held-out text of its own.")
     return train, held
+
+
+def _smallest_whole(documents: Sequence[Any], sizes: list[int], train: list[Any], taken: int, total: int) -> int | None:
+    """The smallest text document still in ``train`` that can be held out whole: the held-out share stays within
+    :data:`MOST` of the data and another document is left to train on; None when none can."""
+    left = [i for i, d in enumerate(train) if d is not None]
+    fits = [i for i in left if isinstance(documents[i], str) and train[i] is documents[i]
+            and taken + sizes[i] <= MOST * total and len(left) > 1]
+    return min(fits, key=lambda i: sizes[i], default=None)
+
+
+def held_out_note(documents: Sequence[Any], held: Sequence[Any]) -> str:
+    """One line on what the verdict was judged on: whole documents the run never trains on, or the tail of a
+    document whose beginning it trains on (with what to give instead); empty for data other than text."""
+    if not all(isinstance(d, str) for d in documents):
+        return ""
+    tails = [h for h in held if isinstance(h, str) and any(d is not h and isinstance(d, str) and len(d) > len(h)
+                                                             and d.endswith(h) for d in documents)]
+    if tails:
+        return (f"held out: the tail of a document the run trains on the rest of (its last {sum(map(len, tails)):,} "
+                "characters: its names and people are in the training text, so the verdict may be kinder than on text "
+                "the model never saw): give held-out text of other documents to judge on text it never saw")
+    return f"held out: {len(held)} whole document(s) ({sum(_size(h) for h in held):,} characters), never trained on"

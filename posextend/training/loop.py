@@ -117,13 +117,15 @@ def _all_agree(run: Run, flag: bool) -> bool:
 
 
 def _check(run: Run, step: int, eval_losses: list[tuple[int, float]]) -> bool:
-    """The held-out check after ``step``: the loss curve with ``eval_every``, the judge's reading; True when
-    the run is worth it and may stop."""
+    """The held-out check after ``step``: the loss curve with ``eval_every``, the judge's reading (a better one's
+    weights kept, when the run writes its best check); True when the run has stopped improving and may stop."""
     if run.config.eval_every:
         mid = run.evaluate()
         eval_losses.append((step, mid.loss))
         log.info("step %d: held-out loss %.4f (perplexity %.2f)", step, mid.loss, mid.perplexity)
     stop = run.judge.check(step, lambda: run.objective.reading(run), lambda: run.objective.control(run))
+    if run.best_weights is not None and run.judge.best is not None and run.judge.best.step == step:
+        run.best_weights.take(step)
     if run.judge.curve and run.accelerator.is_main_process:
         point = run.judge.curve[-1]
         log.info("step %d: far range %.4g, original range %.4g", step, point.far, point.original)
@@ -179,20 +181,26 @@ def _resume_step(run: Run) -> int:
     return info["step"]
 
 
-def _final_reading(run: Run, steps: int) -> Reading | None:
-    """The reading the verdict is given on: the last check's when it was at the last step, else a new one; and the
-    model's own control beside it (:meth:`Objective.control`), read now unless that check read it."""
+def _final_reading(run: Run, steps: int) -> tuple[Reading | None, int]:
+    """The reading the verdict is given on, and the step whose weights the run writes: the best check's, its
+    weights put back, when the run keeps its best (a budget) and the last step is not it; else the last check's
+    when it was at the last step, or a new one. The model's own control (:meth:`Objective.control`) is read beside
+    it, now, unless the check it comes from read it."""
     judge, last = run.judge, run.judge.curve[-1] if run.judge.curve else None
     if judge.baseline is None:
-        return None
+        return None, steps
     if last is not None and last.step == steps:
         reading = dataclasses.replace(judge.baseline, far=last.far, original=last.original, parts=dict(last.parts))
     else:
         reading = run.objective.reading(run)
         judge.record(steps, reading)
-    if reading is not None and judge.controls_step != steps:
-        judge.read_controls(steps, lambda: run.objective.control(run))
-    return reading
+    written, best = steps, judge.best
+    if run.best_weights is not None and best is not None and best.step != steps and run.best_weights.step == best.step:
+        run.best_weights.restore()
+        reading, written = judge.best_reading(), best.step
+    if reading is not None and judge.controls_step != written:
+        judge.read_controls(written, lambda: run.objective.control(run))
+    return reading, written
 
 
 def _train_control(run: Run, checkpoint: Checkpoint, tokens: int,
@@ -228,16 +236,17 @@ def finetune(
     revision: str | None = None,
     **options: Any,
 ) -> FinetuneReport:
-    """Extend (optionally) and fine-tune ``src`` until the extension is worth it, evaluate before and after,
-    save to ``dst``.
+    """Extend (optionally) and fine-tune ``src`` while its held-out reading improves, evaluate before and after,
+    save its best check to ``dst``.
 
     A run that extends measures its baseline first: the source reading held-out text (a few percent of
-    ``data``, whole documents, never trained on; or ``eval_data``) its own way, through its own window
-    (:meth:`Objective.baseline <posextend.training.objectives.base.Objective.baseline>`). It then trains
-    until the far range beats that by ``margin`` and the original range is within ``tolerance`` at two
-    checks in a row, or its ``budget`` (a time, tokens or steps; default 15 minutes) is spent;
-    ``steps`` trains exactly that many. ``report.verdict`` says whether it is worth it
-    (:class:`~posextend.scoring.verdict.Verdict`).
+    ``data``, whole documents where it has several, never trained on; or ``eval_data``) its own way, through its
+    own window (:meth:`Objective.baseline <posextend.training.objectives.base.Objective.baseline>`). It then trains
+    until its held-out reading stops improving (:data:`~posextend.training.budget.PATIENCE` checks in a row without
+    a better one) or its ``budget`` (a time, tokens or steps; default 15 minutes) is spent, and writes the weights
+    of its best check; ``steps`` trains exactly that many and writes the last. ``report.verdict`` says whether it
+    is worth it: the far range beats the baseline and the controls by ``margin``, the original range within
+    ``tolerance`` (:class:`~posextend.scoring.verdict.Verdict`).
 
     Args:
         src: the checkpoint: a folder (transformers or sentence-transformers), or a Hugging Face Hub id
@@ -286,15 +295,15 @@ def finetune(
         run.judge.check(0, lambda: run.objective.reading(run))
     trained = fit_in_memory(run, loaded.hf_model, functools.partial(
         _loop, run, start_step, save_every=config.save_every, progress=progress))
-    after = run.evaluate()
     steps = start_step + len(trained.losses)
-    reading = _final_reading(run, steps)
+    reading, written = _final_reading(run, steps)  # the best check's weights put back, when it is not the last step
+    after = run.evaluate()
     if config.train_control and reading is not None:
         _train_control(run, checkpoint, trained.tokens, progress)
     verdict = run.judge.verdict(reading)
     run.accelerator.wait_for_everyone()
     run.config = dataclasses.replace(run.config, steps=steps)  # the steps it trained
-    report = finetune_report(run, dst, (before, after), trained, verdict)
+    report = finetune_report(run, dst, (before, after), trained, verdict, written_step=written)
     state_dict = run.accelerator.get_state_dict(run.model)  # every process takes part (sharded weights)
     if run.accelerator.is_main_process:
         save(run, dst, report, checkpoint, loaded, state_dict)

@@ -58,10 +58,11 @@ class FinetuneConfig:
     - ``strategy``: how ``length`` fills the new rows (objective's default: ``interpolate`` for causal LMs
       with ``train="all"`` or ``"lora"``, else ``tile``).
     - ``steps``: exactly this many optimizer steps; ``budget``: what a run may spend (``15min``, ``20M tokens``,
-      ``2000 steps``) until the extension is worth it (:mod:`posextend.training.budget`); neither: a run that
-      extends spends :data:`DEFAULT_BUDGET`, one that does not trains the objective's steps (200 for language
-      models, 60 for ``contrastive``).
-    - ``eval_data``: held-out text (default: a few percent of the data, whole documents, never trained on);
+      ``2000 steps``) while its held-out reading improves, writing its best check (:mod:`posextend.training.budget`);
+      neither: a run that extends spends :data:`DEFAULT_BUDGET`, one that does not trains the objective's steps
+      (200 for language models, 60 for ``contrastive``).
+    - ``eval_data``: held-out data of the kinds ``data`` takes (default: a few percent of the data, whole documents
+      where it has several, never trained on); give data the source never saw when ``data`` is what it was trained on;
       ``train_control``: also fine-tune the source at its own length on the same text and tokens (the exact
       control: what not extending gives), which the far range must beat too; ``margin`` / ``tolerance``: how
       much the far range must beat the baseline by, and how much the original range may lose
@@ -111,9 +112,10 @@ class FinetuneConfig:
         None, "Train exactly this many steps (default: train until the extension is worth it, within --budget).",
         panel=MOST)
     budget: str | None = _option(
-        None, "What training may spend until the extension is worth it: a time (15min, 1h), tokens (20M tokens) or "
-        "steps (2000 steps). It stops earlier once the far positions read held-out text better than the source "
-        f"reading it in its own windows, twice in a row; label-free vision trains it whole (default: {DEFAULT_BUDGET}).",
+        None, "What training may spend: a time (15min, 1h), tokens (20M tokens) or steps (2000 steps). It stops "
+        "earlier once the held-out reading stops improving (5 checks in a row without a better one; label-free vision "
+        "trains it whole) and writes the weights of its best check; then it says whether the extension is worth it "
+        f"(default: {DEFAULT_BUDGET}).",
         metavar="SIZE", panel=MOST)
     train: TrainMode = _option(
         "all", "What learns: all (every weight; the best in our benchmarks), positions (the position table only), "
@@ -140,8 +142,11 @@ class FinetuneConfig:
     eval_every: int = _option(0, "Evaluate on held-out data every N steps (0: as the budget needs, about 20 times "
                                  "a run).", panel=EVALUATION)
     eval_data: list[str] | None = _option(
-        None, {"finetune": "Held-out text to judge the extension on (default: a few percent of --data, whole "
-                           "documents, never trained on)."}, cli_type=list[Path], metavar="PATH",
+        None, {"finetune": "Held-out data to judge the extension on, of the kinds --data takes (text files or "
+                           "folders, JSON Lines, image folders, image-caption tables or datasets; default: a few percent "
+                           "of --data, whole documents where it has several, never trained on). Give data the source "
+                           "never saw when --data is what it was trained on: it reads that from memory."},
+        cli_type=list[Path], metavar="PATH",
         panel={"finetune": EVALUATION})
     train_control: bool = _option(
         False, "Also fine-tune SRC at its own length on the same training text and as many tokens, and read it as the "

@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 # the report's keys as plain data (:meth:`FinetuneReport.to_dict`), its options among its own fields
 _KEYS = ("dst", "train", "objective", "steps", "old_length", "new_length", "lr", "batch_size", "grad_accum", "precision",
          "items", "tokens", "seconds", "tokens_per_second", "losses", "eval_losses", "before", "after", "processes", "main_process",
-         "strategy", "anchor", "schedule", "anchor_source", "anchor_note", "notes", "verdict")
+         "strategy", "anchor", "schedule", "anchor_source", "anchor_note", "notes", "verdict", "written_step")
 
 
 @dataclass
@@ -77,6 +77,14 @@ class FinetuneReport:
     notes: list[str] = field(default_factory=list)  # the objective's lines about the run (Objective.notes)
     verdict: Verdict | None = None  # the far range against the source's own reading of it (None: no baseline)
     precision: str = "no"  # what the steps computed in, ``auto`` resolved for the device: no (fp32), bf16 or fp16
+    written_step: int | None = None  # the step whose weights were written (the best check's; None: the last step)
+
+    @property
+    def written(self) -> str:
+        """Which weights were written, in words: the best check's, when it was not the last step."""
+        if self.written_step is None or self.written_step == self.steps:
+            return f"the last step's ({self.steps})"
+        return f"the best check's, step {self.written_step} of {self.steps}"
 
     train = property(lambda self: self.config.train)
     objective = property(lambda self: self.config.objective)
@@ -98,9 +106,9 @@ class FinetuneReport:
 
 
 def finetune_report(run: Run, dst: Path, evaluations: tuple[EvalReport | None, EvalReport], trained: Trained,
-                    verdict: Verdict | None = None) -> FinetuneReport:
+                    verdict: Verdict | None = None, *, written_step: int | None = None) -> FinetuneReport:
     """The fine-tune's report: its options, throughput, losses (held-out ones at steps 0 and the last
-    included), the before/after evaluations and the verdict."""
+    included), the before/after evaluations (after: of the weights written), the verdict and the step written."""
     (before, after), config = evaluations, run.config
     return FinetuneReport(
         dst=str(dst.resolve()), config=config, old_length=run.old_length, new_length=run.length, tokens=trained.tokens,
@@ -111,7 +119,8 @@ def finetune_report(run: Run, dst: Path, evaluations: tuple[EvalReport | None, E
         main_process=run.accelerator.is_main_process, strategy=config.strategy if run.extended else None,
         anchor_source=run.anchor_original.original.name if run.anchor_original.original else None,
         anchor_note=run.anchor_original.note,
-        notes=run.objective.notes(run), verdict=verdict, precision=run.accelerator.mixed_precision,
+        notes=[*([run.held_out_note] if run.held_out_note else []), *run.objective.notes(run)], verdict=verdict,
+        precision=run.accelerator.mixed_precision, written_step=written_step,
     )
 
 
@@ -195,7 +204,7 @@ def _card(report: FinetuneReport, resize: ResizeReport | None, directory: Path) 
     lines = [head, "", "## Fine-tune", "",
              f"- Trained: `{report.train}` for {report.steps} steps ({report.tokens} tokens, lr {report.lr}"
              f"{report.precision_note}) "
-             f"at {report.new_length} positions (old length {report.old_length})"]
+             f"at {report.new_length} positions (old length {report.old_length}); written: {report.written} weights"]
     for label, ev in (("before", report.before), ("after", report.after)):
         if ev is not None and math.isfinite(getattr(ev, ev.score)):
             lines.append(f"- Held-out {ev.metric} {label}: {getattr(ev, ev.score):.3f}")

@@ -24,8 +24,10 @@ from posextend.scoring.by_position import EvalReport
 from posextend.scoring.verdict import Reading
 from posextend.training.adapters import add_lora, param_groups
 from posextend.training.batches import batch_rows
+from posextend.training.best import BestWeights
 from posextend.training.budget import Budget, Judge, Schedule
 from posextend.training.context import RunContext
+from posextend.training.heldout import held_out_note
 from posextend.training.loading import AnchorOriginal, Loaded, anchor_original, image_grid, image_size
 from posextend.training.objectives.base import Objective
 from posextend.training.options import FinetuneConfig
@@ -55,6 +57,8 @@ class Run(RunContext):
     schedule: Schedule = field(default_factory=lambda: Schedule(1, "constant"))  # the lr factor by step
     adapter: Any = None  # train="lora": the adapter on the model (:class:`posextend.training.adapters.Lora`)
     train_documents: Sequence[Any] = ()  # the documents the training samples were cut from (a control trains on them)
+    held_out_note: str = ""  # what the verdict is judged on (:func:`posextend.training.heldout.held_out_note`)
+    best_weights: BestWeights | None = None  # the best check's weights, when the run writes them (a budget)
 
     def evaluate(self) -> EvalReport:  # through the prepared model: sharded weights need every process
         return self.objective.evaluate(self)
@@ -169,6 +173,7 @@ def setup(checkpoint: Checkpoint, dst: Path, data: Sequence[str | Path], config:
     chosen.size_processor(loaded.processor, length=sizes.length, image_size=sizes.image_size)
     train_docs, held_docs = ((docs, given_held_out) if given_held_out else
                              chosen.split(docs, processor=loaded.processor, length=sizes.length, config=config))
+    held_out = "" if given_held_out else held_out_note(docs, held_docs)
     train_seqs, eval_seqs = _samples(chosen, loaded.processor, (train_docs, held_docs), sizes.length)
     accelerator = make_accelerator(config.mixed_precision, config.grad_accum, unused_parameters=chosen.unused_parameters)
     tables, keep = _trained_tables(loaded, sizes, decoder_length)
@@ -189,13 +194,17 @@ def setup(checkpoint: Checkpoint, dst: Path, data: Sequence[str | Path], config:
               state=chosen.State(), optimizer=optimizer, scheduler=scheduler, tables=tables, saved_rows=saved_rows,
               decoder_length=decoder_length, state_dir=dst.with_name(dst.name + ".state"), fingerprint=fingerprint,
               extended=sizes.extended or sizes.image_extended, anchor_original=anchor, schedule=schedule,
-              adapter=adapter, train_documents=train_docs)
+              adapter=adapter, train_documents=train_docs, held_out_note=held_out)
     baseline = _baseline(run, source)
     del source
     _, tokens = chosen.count(batch_rows(0, config.batch_size, train_seqs, config.seed, stream=chosen.stream))
     run.judge = _judge(chosen, config, baseline, tokens_per_step=tokens * config.grad_accum * accelerator.num_processes,
                        control=dict(control_name=chosen.control_name(run), old_length=sizes.old_length))
     schedule.steps = run.judge.steps or chosen.steps
+    if run.judge.keep_best:
+        run.best_weights = BestWeights(prepared, run.state_dir)
+    if accelerator.is_main_process and held_out and baseline is not None:
+        (log.warning if "tail" in held_out else log.info)("The verdict's %s", held_out)
     return run, loaded
 
 
@@ -253,7 +262,8 @@ def _judge(chosen: Objective, config: FinetuneConfig, baseline: tuple[Reading, s
         budget, early = Budget(f"{chosen.steps} steps", steps=chosen.steps), False
     reading, name = baseline or (None, "")
     return Judge(budget, early, baseline=reading, baseline_name=name, margin=config.margin, tolerance=config.tolerance,
-                 eval_every=config.eval_every, tokens_per_step=tokens_per_step, **control)
+                 eval_every=config.eval_every, tokens_per_step=tokens_per_step,
+                 keep_best=config.steps is None and reading is not None, **control)
 
 
 def _baseline(run: Run, source: torch.nn.Module | None) -> tuple[Reading, str] | None:
