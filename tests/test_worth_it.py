@@ -348,6 +348,15 @@ def test_a_time_budget_plans_its_steps_from_the_first_ones_and_checks_by_the_clo
     assert not judge.record(0, Reading(90.0, 50.0)) and judge.best is None
     assert not any(judge.record(step, Reading(91.0, 50.0)) for step in range(1, 6)) and judge.best.step == 1
     assert judge.record(6, Reading(91.0, 50.0)) and [p.step for p in judge.curve] == list(range(7))
+    # the budget is the whole run's: it is spent once what is left would not hold the last reading and the evaluation
+    # after (each about as long as a check has been)
+    judge = Judge(parse_budget("100s"), early=True, baseline=Reading(100.0, 50.0))
+    judge.start = time.perf_counter() - 90
+    judge.record(0, Reading(101.0, 50.0))
+    judge.checking = 4.0
+    assert judge.ending() == 8.0 and not judge.spent(1) and judge.planned(1, 1.0) < 1 + 0.9 * 2 + 1
+    judge.checking = 6.0
+    assert judge.spent(1)
     # a run that trains its whole budget (label-free vision) keeps its best check but never stops early
     judge = Judge(parse_budget("100s"), early=False, baseline=Reading(100.0, 50.0))
     assert not any(judge.record(step, Reading(91.0, 50.0)) for step in range(1, 12)) and judge.best.step == 1
@@ -394,6 +403,8 @@ def test_a_budgeted_run_writes_its_best_check_and_says_which(gpt, corpus, tmp_pa
     assert not torch.equal(taken[2]["transformer.wpe.weight"], taken[4]["transformer.wpe.weight"])
     assert "written: the best check's, step 4 of 8 weights" in (tmp_path / "out" / "README.md").read_text()
     assert json.loads(json.dumps(report.to_dict()))["written_step"] == 4
+    assert report.held_out.startswith("held out: the tail of a document the run trains on")  # one document: its tail
+    assert f"- Judged on: {report.held_out}" in (tmp_path / "out" / "README.md").read_text()
 
 
 def test_a_source_that_reads_the_held_out_data_from_memory_is_named():

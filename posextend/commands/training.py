@@ -90,6 +90,8 @@ def finetune_cmd(
     for note in report.notes:
         console.print(f"  {note}", highlight=False)
     print_verdict(console, report.verdict)
+    if report.verdict is not None and report.held_out:
+        console.print(f"  {report.held_out}", highlight=False, style="yellow" if "tail" in report.held_out else None)
     if report.verdict is None:
         far_range_advice(console, report)
     if plot:

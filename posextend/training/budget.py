@@ -116,15 +116,21 @@ class Judge:
 
     def planned(self, done: int, seconds: float) -> int:
         """The steps a time budget allows, from ``done`` steps that took ``seconds``: what is left of it, less
-        a tenth for the held-out checks, at that pace."""
-        left = max(0.0, self.budget.seconds - self.elapsed())
+        a tenth for the held-out checks and the run's ending (:meth:`ending`), at that pace."""
+        left = max(0.0, self.budget.seconds - self.elapsed() - self.ending())
         return done + max(1, int(0.9 * left / max(seconds / max(done, 1), 1e-9)))
 
     def spent(self, step: int) -> bool:
-        """The budget is spent after ``step`` steps."""
+        """The budget is spent after ``step`` steps: a time budget once what is left would not hold the run's
+        last reading and evaluation (:meth:`ending`), so that the whole run, loading to writing, keeps to it."""
         if self.budget.seconds is not None:
-            return self.elapsed() >= self.budget.seconds
+            return self.elapsed() + self.ending() >= self.budget.seconds
         return step >= (self.steps or 0)
+
+    def ending(self) -> float:
+        """The seconds a run needs after its last step: its last reading and its evaluation after, each about as
+        long as a check has been (0 before any check)."""
+        return 2 * self.checking / len(self.curve) if self.curve else 0.0
 
     def check_due(self, step: int, planned: int) -> bool:
         """A held-out check is due after ``step`` of ``planned`` steps: every ``eval_every`` steps when set;

@@ -277,6 +277,7 @@ def finetune(
         ...                             ["corpus/"], length=2048)
         >>> report.before.perplexity, report.after.perplexity
     """
+    started = time.perf_counter()  # a time budget is the whole run's: loading, the baseline and the checks count
     checkpoint = Checkpoint.resolve(src, revision=revision)  # the one resolution of src: passed down, its facts read once
     given = FinetuneConfig.of(options)
     chosen = get_objective(given.objective or default_objective(checkpoint))
@@ -289,6 +290,7 @@ def finetune(
         check_extension_size(checkpoint, dst, config.length, decoder_length=config.decoder_length)
     run, loaded = setup(checkpoint, dst, data, config, chosen)
     config = run.config  # with its lr
+    run.judge.start = started
     before = None if config.resume else run.evaluate()
     start_step = _resume_step(run) if config.resume else 0
     if not config.resume:

@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 # the report's keys as plain data (:meth:`FinetuneReport.to_dict`), its options among its own fields
 _KEYS = ("dst", "train", "objective", "steps", "old_length", "new_length", "lr", "batch_size", "grad_accum", "precision",
          "items", "tokens", "seconds", "tokens_per_second", "losses", "eval_losses", "before", "after", "processes", "main_process",
-         "strategy", "anchor", "schedule", "anchor_source", "anchor_note", "notes", "verdict", "written_step")
+         "strategy", "anchor", "schedule", "anchor_source", "anchor_note", "notes", "verdict", "written_step", "held_out")
 
 
 @dataclass
@@ -78,6 +78,7 @@ class FinetuneReport:
     verdict: Verdict | None = None  # the far range against the source's own reading of it (None: no baseline)
     precision: str = "no"  # what the steps computed in, ``auto`` resolved for the device: no (fp32), bf16 or fp16
     written_step: int | None = None  # the step whose weights were written (the best check's; None: the last step)
+    held_out: str = ""  # what the verdict was judged on (:func:`posextend.training.heldout.held_out_note`)
 
     @property
     def written(self) -> str:
@@ -119,8 +120,8 @@ def finetune_report(run: Run, dst: Path, evaluations: tuple[EvalReport | None, E
         main_process=run.accelerator.is_main_process, strategy=config.strategy if run.extended else None,
         anchor_source=run.anchor_original.original.name if run.anchor_original.original else None,
         anchor_note=run.anchor_original.note,
-        notes=[*([run.held_out_note] if run.held_out_note else []), *run.objective.notes(run)], verdict=verdict,
-        precision=run.accelerator.mixed_precision, written_step=written_step,
+        notes=run.objective.notes(run), verdict=verdict, precision=run.accelerator.mixed_precision,
+        written_step=written_step, held_out=run.held_out_note,
     )
 
 
@@ -211,5 +212,7 @@ def _card(report: FinetuneReport, resize: ResizeReport | None, directory: Path) 
     if report.verdict is not None:
         advice = f": {report.verdict.advice}" if report.verdict.advice else ""
         lines.append(f"- Verdict: {report.verdict.text}{advice}")
+        if report.held_out:
+            lines.append(f"- Judged on: {report.held_out}")
     lines += [f"- {note}" for note in report.notes]
     return "\n".join(lines) + "\n"
