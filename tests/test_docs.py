@@ -361,3 +361,18 @@ def test_readme_fits_on_a_few_screens_and_keeps_the_quick_start():
     assert len(readme.splitlines()) <= 250
     assert 'pip install torch==2.13.0 && pip install -e ".[test]" && python -m pytest' in readme
     assert "mkdocs serve" in readme
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/guides/vision.md", "docs/guides/clip.md"])
+def test_the_images_extra_is_named_before_the_first_image_command(page):
+    """Reading images needs the images extra (datasets, Pillow): the README's install section names it, and each image
+    guide names it before its first command."""
+    text = (ROOT / page).read_text(encoding="utf-8")
+    extra = text.find('pip install -e ".[images]"')
+    if page == "README.md":
+        install = text.index("## Install")
+        assert install < extra < text.index("\n## ", install + 1), "README's install section names no images extra"
+        first = text.index("--image-size")
+    else:
+        first = text.index("```bash")
+    assert -1 < extra < first, f"{page} names the images extra after its first image command (or not at all)"

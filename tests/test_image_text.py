@@ -12,11 +12,13 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from safetensors import safe_open
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 import posextend
 from posextend.cli import app
+from posextend.tables.strategies import kps_keep
 from posextend.training.objectives import default_objective, get_objective, objectives_help
 from posextend.training.objectives.image_text import FAMILIES, first_sentence, pca
 
@@ -26,6 +28,7 @@ PLACES = ["top left", "top right", "bottom left", "bottom right"]
 WORDS = sorted({w for p in PLACES for w in p.split()} | set(DIGITS) | {"a", ":", "."})
 OLD, NEW, IMAGE, BIGGER = 24, 40, 16, 24
 TEXT = "text_model.embeddings.position_embedding.weight"
+KEPT = kps_keep(OLD)  # the rows kps keeps exact (and the run frozen) by default: 6 of 24
 runner = CliRunner()
 
 
@@ -125,7 +128,7 @@ def test_first_sentence_and_pca():
 
 def test_length_only(clip, data, tmp_path):
     out = finetune_cli(clip, tmp_path / "long", data, "--length", NEW)
-    assert "Text positions 0-19 kept frozen" in out and "R@1" in out
+    assert f"Text positions 0-{KEPT - 1} kept frozen" in out and "R@1" in out
     model = transformers.CLIPModel.from_pretrained(tmp_path / "long")
     assert model.config.text_config.max_position_embeddings == NEW and model.config.vision_config.image_size == IMAGE
     processor = transformers.AutoProcessor.from_pretrained(tmp_path / "long")
@@ -137,7 +140,7 @@ def test_length_only(clip, data, tmp_path):
         assert ids["input_ids"].shape[1] == NEW
         assert model.get_text_features(**ids).pooler_output.shape == (1, 8)
     before, after = load_file(clip / "model.safetensors"), load_file(tmp_path / "long" / "model.safetensors")
-    assert torch.equal(after[TEXT][:20], before[TEXT][:20])  # kps keeps them; the hook keeps them frozen
+    assert torch.equal(after[TEXT][:KEPT], before[TEXT][:KEPT])  # kps keeps them; the hook keeps them frozen
     card = (tmp_path / "long" / "README.md").read_text()
     assert "- Verdict: " in card and "R@1" in card
     written = json.loads((tmp_path / "long" / "posextend_eval.json").read_text())
@@ -145,7 +148,9 @@ def test_length_only(clip, data, tmp_path):
 
 
 def test_image_size_only(clip, data, tmp_path):
-    finetune_cli(clip, tmp_path / "big", data, "--image-size", BIGGER, "--strategy", "bicubic")
+    finetune_cli(clip, tmp_path / "big", data, "--image-size", BIGGER, "--strategy", "nearest")
+    with safe_open(tmp_path / "big" / "model.safetensors", "pt") as f:
+        assert f.metadata()["posextend.strategy"] == "nearest"  # a grid strategy named: kept
     model = transformers.CLIPModel.from_pretrained(tmp_path / "big")
     assert model.config.vision_config.image_size == BIGGER and model.config.text_config.max_position_embeddings == OLD
     processor = transformers.AutoProcessor.from_pretrained(tmp_path / "big")
@@ -163,14 +168,41 @@ def test_image_size_only_without_naming_a_strategy(clip, data, tmp_path):
     trained, resized = (load_file(tmp_path / d / "model.safetensors")[grid] for d in ("big", "resized"))
     assert trained.shape == resized.shape and json.loads((tmp_path / "big" / "config.json").read_text())[
         "vision_config"]["image_size"] == BIGGER
-    from safetensors import safe_open
-
     recorded = []
     for d in ("big", "resized"):
         with safe_open(tmp_path / d / "model.safetensors", "pt") as f:
             recorded.append(f.metadata().get("posextend.strategy"))
     assert recorded[0] == recorded[1] != "kps"  # the provenance names the strategy the grid grew by
 
+
+
+def test_a_text_strategy_named_for_an_image_only_run_is_refused(clip, data, tmp_path):
+    r = runner.invoke(app, ["finetune", str(clip), str(tmp_path / "big"), "--data", str(data["train"]), "--image-size",
+                            BIGGER, "--strategy", "kps", "--steps", "1"])
+    assert r.exit_code == 1 and len(r.output.strip().splitlines()) == 1, r.output
+    assert "Strategy 'kps' resizes positions, but this run resizes only image grids: name one that does" in r.output
+    assert not (tmp_path / "big").exists()
+
+
+def test_kps_fits_a_16_row_text_table_with_nothing_but_the_length(data, tmp_path):
+    """OWL-ViT's and small CLIPs' 16 text positions: the default kps keeps 4 of them (20 of 77, scaled)."""
+    src = tiny_clip(tmp_path / "src", 16)
+    out = finetune_cli(src, tmp_path / "out", data, "--length", 48)
+    assert "Text positions 0-3 kept frozen" in out
+    before, after = load_file(src / "model.safetensors")[TEXT], load_file(tmp_path / "out" / "model.safetensors")[TEXT]
+    assert after.shape[0] == 48 and torch.equal(after[:4], before[:4]) and not torch.equal(after[4:16], before[4:])
+    with safe_open(tmp_path / "out" / "model.safetensors", "pt") as f:
+        assert f.metadata()["posextend.strategy"] == "kps"
+
+
+def test_a_strategy_parameter_reaches_the_resize(clip, data, tmp_path):
+    report = posextend.finetune(clip, tmp_path / "out", [data["train"]], eval_data=[str(data["held"])], length=NEW,
+                                steps=1, params={"keep": 10})
+    before, after = load_file(clip / "model.safetensors")[TEXT], load_file(tmp_path / "out" / "model.safetensors")[TEXT]
+    assert torch.equal(after[:10], before[:10]) and not torch.equal(after[10:OLD], before[10:])
+    assert any(n.startswith("Text positions 0-9 kept frozen") for n in report.notes), report.notes
+    with safe_open(tmp_path / "out" / "model.safetensors", "pt") as f:
+        assert json.loads(f.metadata()["posextend.params"]) == {"keep": 10}
 
 def test_length_and_image_size_in_one_run(clip, data, tmp_path):
     finetune_cli(clip, tmp_path / "both", data, "--length", NEW, "--image-size", BIGGER)
@@ -188,8 +220,8 @@ def test_lora(clip, data, tmp_path):
     out = finetune_cli(clip, tmp_path / "lora", data, "--length", NEW, "--train", "lora")
     assert "lora" in out
     before, after = load_file(clip / "model.safetensors"), load_file(tmp_path / "lora" / "model.safetensors")
-    assert after[TEXT].shape[0] == NEW and torch.equal(after[TEXT][:20], before[TEXT][:20])
-    assert not torch.equal(after[TEXT][20:], before[TEXT][20:24])
+    assert after[TEXT].shape[0] == NEW and torch.equal(after[TEXT][:KEPT], before[TEXT][:KEPT])
+    assert not torch.equal(after[TEXT][KEPT:OLD], before[TEXT][KEPT:])
     model, info = transformers.CLIPModel.from_pretrained(tmp_path / "lora", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
 
@@ -202,12 +234,12 @@ def test_kps_rows_stay_exact_at_load_and_after_training(clip, data, tmp_path):
     report = posextend.finetune(clip, tmp_path / "out", [data["train"]], eval_data=[str(data["held"])], length=NEW,
                                 steps=4, lr=1e-2)
     trained = load_file(tmp_path / "out" / "model.safetensors")[TEXT]
-    assert report.strategy == "kps" and torch.equal(trained[:20], source[:20])
+    assert report.strategy == "kps" and torch.equal(trained[:KEPT], source[:KEPT])
     resized = tmp_path / "kps"
     posextend.resize_checkpoint(clip, resized, NEW, "kps")
     untrained = load_file(resized / "model.safetensors")[TEXT]
-    assert torch.equal(untrained[:20], source[:20])  # at load: the first 20 rows are the source's
-    assert not torch.equal(trained[20:], untrained[20:])  # the rest trained
+    assert torch.equal(untrained[:KEPT], source[:KEPT])  # at load: the first rows are the source's
+    assert not torch.equal(trained[KEPT:], untrained[KEPT:])  # the rest trained
     other = posextend.finetune(clip, tmp_path / "interp", [data["train"]], eval_data=[str(data["held"])], length=NEW,
                                steps=2, strategy="interpolate", lr=1e-2)
     assert not any("kept frozen" in n for n in other.notes)
@@ -296,7 +328,7 @@ def test_bad_image_data_gives_one_line_and_writes_nothing(clip, tmp_path, name, 
 VISION = dict(image_size=IMAGE, patch_size=4, hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2)
 TOWER = dict(hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2)
 NO_GRID = {"siglip2": "NaFlex: its grid follows each image", "align": "EfficientNet: no position grid"}
-SHORT = {"owlvit": 16, "owlv2": 16}  # their text tables hold 16 positions: kps keeps 20, so they are given interpolate
+SHORT = {"owlvit": 16, "owlv2": 16}  # their text tables hold 16 positions: kps (the default) keeps 4
 
 
 def dual_encoder(model_type: str, length: int) -> transformers.PretrainedConfig:
@@ -347,8 +379,7 @@ def test_every_dual_encoder_through_the_command_line(model_type, data, tmp_path)
     model = transformers.AutoModel.from_config(dual_encoder(model_type, old))
     src = save(model, tmp_path / "src", old, image_processor(model_type))
     sizes = [] if model_type in NO_GRID else ["--image-size", BIGGER]
-    strategy = ["--strategy", "interpolate"] if model_type in SHORT else []
-    finetune_cli(src, tmp_path / "out", data, "--length", old + 16, *sizes, *strategy, "--steps", 1)
+    finetune_cli(src, tmp_path / "out", data, "--length", old + 16, *sizes, "--steps", 1)
     out, shapes = tmp_path / "out", {k: v.shape for k, v in load_file(src / "model.safetensors").items()}
     back, info = transformers.AutoModel.from_pretrained(out, output_loading_info=True)
     assert type(back) is type(model) and not info["missing_keys"] and not info["unexpected_keys"]

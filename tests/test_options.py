@@ -21,10 +21,11 @@ def test_unknown_options_are_refused_with_the_valid_ones(gpt, corpus, tmp_path):
 def test_resolved_fills_the_objectives_defaults_once():
     causal, contrastive = get_objective("causal"), get_objective("contrastive")
     c = FinetuneConfig().resolved(causal)
-    assert (c.objective, c.steps, c.schedule, c.strategy, c.anchor, c.lr) == ("causal", None, "cosine", "interpolate", 1.0, None)
+    assert (c.objective, c.steps, c.schedule, c.strategy, c.anchor, c.lr) == ("causal", None, "cosine", None, 1.0, None)
     assert c.with_lr(causal, 768).lr == pytest.approx(1e-3 * 192 / 768) and c.with_lr(causal, 64).lr == 1e-3
+    assert c.with_strategy(causal, {1}).strategy == "interpolate"  # once the tables that grow are known
     e = FinetuneConfig(train="positions", steps=7).resolved(contrastive)
-    assert (e.steps, e.schedule, e.strategy, e.anchor) == (7, "constant", "tile", 2.0)
+    assert (e.steps, e.schedule, e.with_strategy(contrastive, {1}).strategy, e.anchor) == (7, "constant", "tile", 2.0)
     assert FinetuneConfig(lr=5e-4).resolved(causal).with_lr(causal, 768).lr == 5e-4  # a given lr stays
     with pytest.raises(FrozenInstanceError):
         c.steps = 3  # type: ignore[misc]
@@ -44,6 +45,28 @@ def test_resolved_fills_the_objectives_defaults_once():
 def test_bad_values_are_refused_in_one_place(options, message):
     with pytest.raises(posextend.TrainingError, match=message):
         FinetuneConfig(**options).resolved(get_objective("causal"))
+
+
+def test_a_named_strategy_is_kept_or_refused_the_default_gives_way():
+    """The default gives way to the grid's own where it resizes none of the tables that grow; a strategy the user
+    named is kept where it resizes one of them, and refused in one line (no flag named) where it resizes none."""
+    image_text, vision = get_objective("image-text"), get_objective("vision")
+    default = FinetuneConfig().resolved(image_text)
+    assert [default.with_strategy(image_text, g).strategy for g in ({1}, {2}, {1, 2}, set())] == ["kps", None, "kps", "kps"]
+    for named, grows in (("bicubic", {2}), ("nearest", {1, 2}), ("interpolate", {1}), ("kps", set())):
+        assert FinetuneConfig(strategy=named).resolved(image_text).with_strategy(image_text, grows).strategy == named
+    with pytest.raises(posextend.TrainingError) as refused:
+        FinetuneConfig(strategy="interpolate").resolved(vision).with_strategy(vision, {2})
+    message = str(refused.value)
+    assert message.startswith("Strategy 'interpolate' resizes positions, but this run resizes only image grids: name one "
+                              "that does (bicubic, bilinear, nearest)") and "--" not in message and "\n" not in message
+
+
+def test_strategy_parameters_are_checked_against_the_strategy_named():
+    config = FinetuneConfig(strategy="kps", params={"keep": 4}).resolved(get_objective("image-text"))
+    assert config.params == {"keep": 4}
+    with pytest.raises(posextend.StrategyError, match="does not take parameter.* std; it accepts: keep"):
+        FinetuneConfig(strategy="kps", params={"std": 1}).resolved(get_objective("image-text"))
 
 
 def test_the_fingerprint_follows_what_is_computed_not_how_it_runs():
@@ -119,6 +142,8 @@ def test_the_commands_hand_the_generated_options_to_the_library(monkeypatch, tmp
     expected = {f.name: f.default for f in fields(FinetuneConfig)}
     assert options == expected | {"length": 96, "anchor": 0.0, "train": "positions", "gradient_checkpointing": True,
                                   "source": "orig"}
+    runner.invoke(app, ["finetune", "src", str(tmp_path / "dst"), "-d", "x", "-s", "kps", "-p", "keep=4", "--param", "x=a"])
+    assert seen["finetune"]["params"] == {"keep": 4, "x": "a"}  # read as resize-model reads them
     runner.invoke(app, ["eval", "m", "-d", "x", "--batch-size", "2", "--objective", "masked"])
     assert seen["eval"] == {"length": None, "batch_size": 2, "objective": "masked", "buckets": 8,
                             "max_sequences": 64, "json_path": None, "plot_path": None}

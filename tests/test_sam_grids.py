@@ -22,7 +22,8 @@ import posextend
 from posextend.families import configs
 from posextend.cli import app
 from posextend.families.grid_probe import observe_grids
-from posextend.tables.strategies import resize_grid, resize_relative
+from posextend.tables.relative import resize_relative
+from posextend.tables.strategies import resize_grid
 
 GLOBAL, WINDOWED = (1, 3), (0, 2)
 VISION = dict(hidden_size=32, num_hidden_layers=4, num_attention_heads=2, image_size=64, patch_size=16,

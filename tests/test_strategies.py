@@ -5,8 +5,10 @@ import textwrap
 
 import pytest
 import torch
+from typer.testing import CliRunner
 
 import posextend
+from posextend.cli import app
 from posextend.tables import strategies as S
 from posextend.errors import StrategyError
 
@@ -129,6 +131,23 @@ def test_kps_reproduces_long_clip_77_to_248():
     with pytest.raises(StrategyError, match="keep must be an integer between 0 and 75"):
         S.resize_table(pre, 248, "kps", params={"keep": 80})
 
+
+
+def test_kps_default_keep_follows_the_old_length_and_fits_every_table():
+    """Long-CLIP's 20 of 77 rows, scaled: exactly 20 for CLIP's 77 (above: its table bit for bit), 4 of OWL-ViT's 16,
+    and always what kps takes (at most the old length less 2)."""
+    assert [S.kps_keep(n) for n in (77, 16, 24, 248, 3, 2)] == [20, 4, 6, 64, 1, 0]
+    for old in range(2, 120):
+        pre = torch.randn(old, 4)
+        out = S.resize_table(pre, old * 3, "kps")  # no keep given: never refused
+        keep = S.kps_keep(old)
+        assert keep == min(round(old * 20 / 77), old - 2) and torch.equal(out[:keep], pre[:keep])
+    shown = S.get_strategy("kps").defaults, S.get_strategy("random").defaults, S.get_strategy("bicubic").defaults
+    assert shown == ({"keep": "old length × 20/77, rounded"}, {"std": "initializer_range"}, {"antialias": "when shrinking"})
+    r = CliRunner().invoke(app, ["strategies"], env={"COLUMNS": "400"})
+    assert "keep=old length × 20/77, rounded" in r.output and "std=initializer_range" in r.output and "None" not in r.output
+    with pytest.raises(StrategyError, match="defaults must name its parameters"):
+        S.register_strategy("wrongdefault", defaults={"nope": "x"})(lambda t, n, *, generator: t)
 
 @pytest.mark.parametrize("name", ONE_D)
 def test_reserved_rows_are_never_seen_or_changed(name, table):

@@ -339,6 +339,41 @@ def test_bad_image_data_is_one_red_line_and_nothing_is_written(towers, tmp_path,
     assert not list(tmp_path.glob(".out.posextend-*"))
 
 
+
+def test_loading_an_image_processor_says_nothing_without_torchvision(tmp_path, monkeypatch, request):
+    """transformers 5 warns ("`ViTImageProcessor` requires torchvision (not installed); falling back to
+    `ViTImageProcessorPil`") when its base class name is looked up without torchvision, which nothing a user of
+    posextend can act on: posextend's loading (the auto class, which takes the PIL backend itself) never looks it up."""
+    import importlib.util
+    import logging
+
+    from posextend.training.loading import load_processor
+
+    if importlib.util.find_spec("torchvision") is not None:
+        pytest.skip("torchvision is installed: transformers has nothing to fall back from")
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(PROCESSOR))
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("transformers")
+    monkeypatch.setattr(logger, "handlers", [*logger.handlers, handler])
+    verbosity = transformers.logging.get_verbosity()  # the tests' conftest keeps transformers' warnings off
+    transformers.logging.set_verbosity_warning()
+    request.addfinalizer(lambda: transformers.logging.set_verbosity(verbosity))
+
+    def fresh() -> None:  # as a new process finds it: the name not looked up yet, the warning not given yet
+        vars(transformers).pop("ViTImageProcessor", None)
+        logging.Logger.warning_once.cache_clear()
+
+    fresh()
+    assert transformers.ViTImageProcessor is transformers.ViTImageProcessorPil  # the lookup that warns
+    assert any("requires torchvision" in m for m in seen), seen  # this test can see the warning
+    fresh()
+    seen.clear()
+    processor = load_processor(tmp_path)
+    assert type(processor).__name__ == "ViTImageProcessorPil" and processor.size == {"height": IMAGE, "width": IMAGE}
+    assert not [m for m in seen if "torchvision" in m], seen
+
 def test_the_default_objective_of_a_vision_tower_is_vision(towers, tmp_path):
     for name in TOWERS:
         assert objectives.default_objective(towers[name]) == "vision"

@@ -194,8 +194,8 @@ def strategies_cmd() -> None:
 
     table = Table("strategy", "description", "parameters", "keeps old rows", "tables")
     for s in available_strategies().values():
-        params = ", ".join(
-            f"{n}={p.default!r}" for n, p in s.params.items() if n not in CONTEXT_PARAMS
+        params = ", ".join(  # a default that follows the table, as the strategy says it
+            f"{n}={s.defaults.get(n, repr(p.default))}" for n, p in s.params.items() if n not in CONTEXT_PARAMS
         )
         kinds = ", ".join({1: "positions", 2: "image grids"}[r] for r in s.ranks)
         table.add_row(s.name, s.description, params or "-", "yes" if s.keeps_rows else "no", kinds)

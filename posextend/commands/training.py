@@ -11,7 +11,7 @@ from typing import Annotated, Any
 import typer
 
 from posextend.commands import app, console, err_console, handle_errors, with_options
-from posextend.resize.options import REVISION_HELP
+from posextend.resize.options import REVISION_HELP, parse_params
 from posextend.terminal import (
     Command,
     eval_table,
@@ -61,6 +61,7 @@ def finetune_cmd(
 
     from posextend.training.loop import finetune
 
+    options = {**options, "params": parse_params(options["params"]) or None}  # as resize-model reads them
     main_process = os.environ.get("RANK", "0") == "0"  # under torchrun / accelerate launch: only rank 0 shows
     progress = progress_bar(
         err_console, TextColumn("[progress.description]{task.description}"), BarColumn(),

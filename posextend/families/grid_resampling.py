@@ -70,7 +70,8 @@ class ResamplingProbe:
 
     def resized(self, size: tuple[int, int], strategy: str, antialias: bool) -> nn.Module:
         """A twin built at ``size`` holding the source's weights, its tables resized by the candidate."""
-        from posextend.tables.strategies import resize_grid, resize_relative
+        from posextend.tables.relative import resize_relative
+        from posextend.tables.strategies import resize_grid
 
         model = self.built.get(size)
         if model is None:

@@ -138,7 +138,7 @@ class GridSpec:
       ``patches + extra`` (LLaVA's ``image_seq_length``) and follows the new grid.
     - ``relative``: relative-position tables ``[2 * side - 1, head_dim]`` that follow the grid's side (SAM's
       global-attention ``rel_pos_h`` / ``rel_pos_w``; names relative to the base model), resized linearly as the
-      family resamples them at run time (:func:`posextend.tables.strategies.resize_relative`); square grids only.
+      family resamples them at run time (:func:`posextend.tables.relative.resize_relative`); square grids only.
     - ``follow``: other config fields that follow the image, ``(field, "image" | "side")``: the field holds the
       image size (SAM's ``prompt_encoder_config.image_size``) or the grid's side (``image_embedding_size``).
     """

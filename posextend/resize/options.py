@@ -39,6 +39,7 @@ def parse_params(items: list[str] | None) -> dict[str, Any]:
 
 _option = functools.partial(option, commands=("resize-model",))
 REVISION_HELP = "For a Hugging Face Hub id: the branch, tag or commit to download (default: main)."  # every command
+PARAM_HELP = "A parameter of the strategy (repeatable), e.g. std=matched."  # resize-model's and finetune's --param
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,7 @@ class ResizeOptions:
         "positions, bicubic for image grids).", short="-s", metavar="NAME")
     seed: int | None = _option(None, "Seed for strategies that draw random numbers.")
     params: Mapping[str, Any] | None = _option(
-        None, "A parameter of the strategy (repeatable), e.g. std=matched.", flag="--param", short="-p",
+        None, PARAM_HELP, flag="--param", short="-p",
         metavar="KEY=VALUE", cli_type=list[str])  # the command reads them (parse_params)
     overwrite: bool = _option(False, "Replace DST if it exists.")
     allow_shrink: bool = _option(False, "Allow a length below the current one (cuts positions).", flag="--shrink")

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any
 from posextend.errors import InvalidLengthError, StrategyError, UnsupportedArchitectureError
 from posextend.families.lookup import spec_for
 from posextend.families.specs import ArchitectureSpec, Layout
-from posextend.tables.strategies import DEFAULTS, check_params, check_rank, get_strategy, resize_grid, resize_relative
+from posextend.tables.relative import resize_relative
+from posextend.tables.strategies import DEFAULTS, check_params, check_rank, get_strategy, resize_grid
 
 if TYPE_CHECKING:
     import torch

@@ -44,7 +44,7 @@ from __future__ import annotations
 import inspect
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from posextend.errors import CorruptCheckpointError, StrategyError
@@ -70,6 +70,7 @@ class Strategy:
     rows: Callable[[int, int], list[int]] | None = None  # old row of each new row, for row strategies
     ranks: tuple[int, ...] = (1,)  # the grid ranks it resizes: 1 (positions), 2 (image patches)
     random: bool = False  # whether it draws from its generator (its seed is then reported)
+    defaults: Mapping[str, str] = field(default_factory=dict)  # a default that follows the table: what it is
 
     @property
     def params(self) -> dict[str, inspect.Parameter]:
@@ -92,6 +93,7 @@ def register_strategy(
     rows: Callable[[int, int], list[int]] | None = None,
     ranks: tuple[int, ...] = (1,),
     random: bool = False,
+    defaults: Mapping[str, str] | None = None,
 ) -> Callable[[StrategyFn], StrategyFn]:
     """Decorator registering ``fn(table, new_len, *, generator, **params)`` (see the module doc) as strategy
     ``name``; returns ``fn`` unchanged. Refuses (:class:`StrategyError`) a name invalid or taken, and an ``fn``
@@ -105,6 +107,8 @@ def register_strategy(
             agree with ``fn`` (``fn(table, n)`` is ``table[rows(len(table), n)]``).
         ranks: the grid ranks ``fn`` handles: ``(1,)`` positions (the default), ``(2,)`` image-patch grids.
         random: ``fn`` draws from ``generator``: its result depends on the seed, which is then shown with it.
+        defaults: parameters whose default follows the table or the model (``None`` in ``fn``'s signature, worked
+            out by ``fn``), each with what it is, as ``posextend strategies`` shows it.
 
     Examples:
         >>> @register_strategy("zeros", description="New rows are 0.", keeps_rows=True)
@@ -130,7 +134,9 @@ def register_strategy(
         ):
             raise StrategyError(f"Strategy {name!r}: a row strategy (rows=...) takes no parameters.")
         doc = description or (inspect.getdoc(fn) or "").split("\n")[0]
-        _REGISTRY.add(name, Strategy(name, fn, doc, keeps_rows, rows, tuple(ranks), random))
+        if set(defaults or {}) - set(params):
+            raise StrategyError(f"Strategy {name!r}: defaults must name its parameters, got {sorted(defaults)}.")
+        _REGISTRY.add(name, Strategy(name, fn, doc, keeps_rows, rows, tuple(ranks), random, dict(defaults or {})))
         return fn
 
     return decorator
@@ -307,32 +313,6 @@ def _grid_rows(table: torch.Tensor, grid: tuple[int, ...], new_grid: tuple[int, 
     return flat
 
 
-def resize_relative(table: torch.Tensor, new_len: int) -> torch.Tensor:
-    """A relative-position table ``[2 * side - 1, head_dim]`` (SAM's ``rel_pos_h`` / ``rel_pos_w``) resampled to
-    ``new_len`` rows exactly as SAM's ``get_rel_pos`` resamples it at run time (linear, ``align_corners=False``,
-    no antialias), in float32 and cast back: a model holding the result computes what the source computes on
-    inputs of the new size.
-
-    Examples:
-        >>> resize_relative(torch.randn(127, 64), 159).shape  # 64x64 -> 80x80
-        torch.Size([159, 64])
-    """
-    import torch
-    import torch.nn.functional as F
-
-    if table.dim() != 2 or table.shape[0] < 1 or not isinstance(new_len, int) or new_len < 1:
-        raise StrategyError(f"Expected a [rows, dim] relative-position table and a positive length, got shape "
-                            f"{tuple(table.shape)} and {new_len!r}.")
-    if not torch.isfinite(table.detach().float()).all():
-        raise CorruptCheckpointError("A relative-position table already holds NaN/Inf values: the source model is "
-                                     "damaged. Re-download or re-save it; nothing was changed.")
-    x = table.detach().to("cpu", torch.float32)
-    with torch.no_grad():
-        out = F.interpolate(x.reshape(1, x.shape[0], -1).transpose(1, 2), size=new_len, mode="linear")
-    out = out.reshape(-1, new_len).permute(1, 0)
-    return out.to(device=table.device, dtype=table.dtype).contiguous()
-
-
 # ---------------------------------------------------------------------------- built-ins
 
 
@@ -384,6 +364,7 @@ def interpolate(table: torch.Tensor, new_len: int, *, generator: torch.Generator
     description="Old rows kept bit-exact; new rows ~ N(0, std), std = initializer_range or 'matched'.",
     keeps_rows=True,
     random=True,
+    defaults={"std": "initializer_range"},
 )
 def random(
     table: torch.Tensor,
@@ -412,14 +393,25 @@ def random(
     return torch.cat([table[:new_len], fill])
 
 
+KPS_KEEP, KPS_OF = 20, 77  # Long-CLIP keeps 20 of CLIP's 77 text positions
+
+
+def kps_keep(old_len: int) -> int:
+    """``kps``'s default ``keep`` for a table of ``old_len`` rows: Long-CLIP's 20 of 77, scaled (``round(old_len *
+    20 / 77)``: 20 for CLIP's 77, 4 for OWL-ViT's 16), at most ``old_len - 2`` (what ``kps`` takes)."""
+    return max(0, min(round(old_len * KPS_KEEP / KPS_OF), old_len - 2))
+
+
 @register_strategy(
     "kps",
     description="Knowledge-preserved stretching (Long-CLIP): first `keep` rows bit-exact, the rest stretched.",
+    defaults={"keep": f"old length × {KPS_KEEP}/{KPS_OF}, rounded"},
 )
-def kps(table: torch.Tensor, new_len: int, *, generator: torch.Generator, keep: int = 20) -> torch.Tensor:
+def kps(table: torch.Tensor, new_len: int, *, generator: torch.Generator, keep: int | None = None) -> torch.Tensor:
     """Long-CLIP's knowledge-preserved stretching (arXiv 2403.15378).
 
-    Rows ``0 .. keep-1`` are copied. The rest stretch by ``ratio = (new_len - keep) / (L - keep)``:
+    Rows ``0 .. keep-1`` are copied; ``keep`` defaults to :func:`kps_keep` of the old length (Long-CLIP's 20 of
+    77 rows, scaled: 20 for CLIP, 4 for a 16-row table). The rest stretch by ``ratio = (new_len - keep) / (L - keep)``:
     new row ``keep + j`` samples the old table at ``x = keep + j / ratio``, linear between
     ``floor(x)`` and ``floor(x) + 1``; past the last old row it extrapolates with the last
     slope. For CLIP's 77 → 248 (ratio 4) that is Long-CLIP's table exactly: rows ``20+4k ..
@@ -429,6 +421,7 @@ def kps(table: torch.Tensor, new_len: int, *, generator: torch.Generator, keep: 
     import torch
 
     old_len = table.shape[0]
+    keep = kps_keep(old_len) if keep is None else keep
     if not isinstance(keep, int) or not 0 <= keep < old_len - 1:
         raise ValueError(f"keep must be an integer between 0 and {old_len - 2} (the old length less 2), got {keep!r}")
     if new_len <= keep:
@@ -460,6 +453,7 @@ def _resample(grid: torch.Tensor, new_size: tuple[int, int], mode: str, antialia
     "bicubic",
     description="Image grids: bicubic resampling, as transformers' interpolate_pos_encoding (antialias when shrinking).",
     ranks=(2,),
+    defaults={"antialias": "when shrinking"},
 )
 def bicubic(grid: torch.Tensor, new_size: tuple[int, int], *, generator: torch.Generator,
             antialias: bool | None = None) -> torch.Tensor:
@@ -469,7 +463,8 @@ def bicubic(grid: torch.Tensor, new_size: tuple[int, int], *, generator: torch.G
     return _resample(grid, new_size, "bicubic", antialias)
 
 
-@register_strategy("bilinear", description="Image grids: bilinear resampling (antialias when shrinking).", ranks=(2,))
+@register_strategy("bilinear", description="Image grids: bilinear resampling (antialias when shrinking).", ranks=(2,),
+                   defaults={"antialias": "when shrinking"})
 def bilinear(grid: torch.Tensor, new_size: tuple[int, int], *, generator: torch.Generator,
              antialias: bool | None = None) -> torch.Tensor:
     """Bilinear, ``align_corners=False``, in float32; smoother than bicubic, never overshoots."""

@@ -11,12 +11,14 @@ import dataclasses
 import functools
 import hashlib
 import json
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Literal, Protocol, get_args
 
 from posextend.errors import TrainingError
 from posextend.options import option
+from posextend.resize.options import PARAM_HELP
 from posextend.scoring.verdict import MARGIN, TOLERANCE
 
 TrainMode = Literal["new-rows", "positions", "all", "lora"]
@@ -56,7 +58,9 @@ class FinetuneConfig:
     - ``decoder_length``: an encoder-decoder with a length per stack (LED): extend the decoder's table to
       this many positions too (None: as it is; ``length`` sizes the encoder's).
     - ``strategy``: how ``length`` fills the new rows (objective's default: ``interpolate`` for causal LMs
-      with ``train="all"`` or ``"lora"``, else ``tile``).
+      with ``train="all"`` or ``"lora"``, ``kps`` for image-text, ``bicubic`` for vision, else ``tile``); one
+      named is kept where it resizes a table that grows, and refused where it resizes none (:meth:`with_strategy`).
+      ``params``: its parameters (``{"keep": 4}`` for ``kps``), as ``resize_checkpoint`` takes them.
     - ``steps``: exactly this many optimizer steps; ``budget``: what a run may spend (``15min``, ``20M tokens``,
       ``2000 steps``) while its held-out reading improves, writing its best check (:mod:`posextend.training.budget`);
       neither: a run that extends spends :data:`DEFAULT_BUDGET`, one that does not trains the objective's steps
@@ -105,9 +109,12 @@ class FinetuneConfig:
         None, "Encoder-decoders with a length per stack (LED): extend the decoder's table to this many positions "
         "too (--length sizes the encoder's).")
     strategy: str | None = _option(
-        None, "How --length fills the new positions, listed by `posextend strategies` (default: the best in our "
-        "benchmarks, interpolate for causal LMs with --train all or lora, else tile; see docs/concepts/strategies.md).",
+        None, "How --length (or --image-size) fills the new positions, listed by `posextend strategies` (default: the "
+        "best in our benchmarks, interpolate for causal LMs with --train all or lora, kps for image-text models, bicubic "
+        "for image grids, else tile; see docs/concepts/strategies.md).",
         short="-s", metavar="NAME", panel=MOST)
+    params: Mapping[str, Any] | None = _option(
+        None, PARAM_HELP, flag="--param", short="-p", metavar="KEY=VALUE", cli_type=list[str])  # parse_params reads them
     steps: int | None = _option(
         None, "Train exactly this many steps (default: train until the extension is worth it, within --budget).",
         panel=MOST)
@@ -196,18 +203,39 @@ class FinetuneConfig:
         return cls(**options)
 
     def resolved(self, objective: Defaults) -> FinetuneConfig:
-        """The options with ``objective``'s defaults filled in (objective, anchor, schedule, strategy), checked.
-        ``steps`` stays None unless given: the run's budget decides them (:mod:`posextend.training.budget`). ``lr`` stays None until the table's width is known (:meth:`with_lr`)."""
+        """The options with ``objective``'s defaults filled in (objective, anchor, schedule), checked.
+        ``steps`` stays None unless given: the run's budget decides them (:mod:`posextend.training.budget`). ``lr``
+        stays None until the table's width is known (:meth:`with_lr`), ``strategy`` (None: not named) until the
+        tables that grow are (:meth:`with_strategy`)."""
         self._check_train()
         anchor = objective.anchor if self.anchor is None else self.anchor
         config = replace(
             self, objective=objective.name, anchor=anchor,
             schedule=self.schedule or objective.schedule.get(self.train, "constant"),
             eval_sequences=self.eval_sequences or objective.eval_sequences,
-            strategy=self.strategy or objective.strategy.get(self.train, "tile"),
         )
         config.check()
         return config
+
+    def with_strategy(self, objective: Defaults, grows: Collection[int]) -> FinetuneConfig:
+        """The config with the run's strategy, given the grid ranks of the tables that grow (1: positions, 2: an
+        image grid; none: the run resizes nothing): the one named, where it resizes one of them (refused where it
+        resizes none); none named, ``objective``'s default where it resizes one of them, else None (each table's
+        own default: ``bicubic`` for an image grid)."""
+        from posextend.tables.strategies import available_strategies, get_strategy
+
+        if self.strategy is None:
+            default = objective.strategy.get(self.train, "tile")
+            fits = not grows or set(get_strategy(default).ranks) & set(grows)
+            return replace(self, strategy=default if fits else None)
+        if grows and not set(get_strategy(self.strategy).ranks) & set(grows):
+            what = {1: "positions", 2: "image grids"}
+            fitting = ", ".join(n for n, s in available_strategies().items() if set(s.ranks) & set(grows))
+            raise TrainingError(
+                f"Strategy {self.strategy!r} resizes {' and '.join(what[r] for r in get_strategy(self.strategy).ranks)}"
+                f", but this run resizes only {' and '.join(what[r] for r in sorted(grows))}: name one that does "
+                f"({fitting}), or none for the default.")
+        return self
 
     def with_lr(self, objective: Defaults, width: int) -> FinetuneConfig:
         """The config with ``lr`` set: the given one, else ``objective``'s for the train mode and ``width``."""
@@ -227,6 +255,10 @@ class FinetuneConfig:
                                 "source itself, which the verdict reads already: leave train_control off.")
         if self.save_adapter and self.train != "lora":
             raise TrainingError("Only a LoRA run has an adapter to save; train with lora, or leave save_adapter off.")
+        if self.strategy is not None:
+            from posextend.tables.strategies import check_params
+
+            check_params(self.strategy, self.params)  # its name, and its parameters' names
         if self.mixed_precision not in PRECISIONS:
             raise TrainingError(f"Mixed precision must be one of {', '.join(PRECISIONS)}, got {self.mixed_precision!r}.")
         if self.image_size is not None and self.train == "new-rows":

@@ -164,6 +164,11 @@ def setup(checkpoint: Checkpoint, dst: Path, data: Sequence[str | Path], config:
                       chosen.documents(config.eval_data) if config.eval_data else None)
     chosen = chosen.for_data(docs)
     loaded, sizes, anchor, source = _load(chosen, checkpoint, config)
+    config = config.with_strategy(chosen, sizes.grows_ranks | ({1} if config.decoder_length else set()))
+    if sizes.extended or sizes.image_extended:
+        _resize(loaded, Request(sizes.length if sizes.extended else None, strategy=config.strategy, params=config.params,
+                                image_size=sizes.image_size if sizes.image_extended else None,
+                                group=loaded.spec.group if loaded.decoder else None), config.seed)
     decoder_length = _resize_decoder(loaded, config)  # None: the decoder shares the run's length
     if config.train == "new-rows" and sizes.old_length >= sizes.length:
         raise TrainingError(
@@ -301,6 +306,11 @@ class Sizes:
     image_extended: bool = False
 
     @property
+    def grows_ranks(self) -> set[int]:
+        """The grid ranks of the tables the run resizes: 1 (a longer length), 2 (an image grid)."""
+        return {r for r, grows in ((1, self.extended), (2, self.image_extended)) if grows}
+
+    @property
     def grows(self) -> bool:
         """The run gives the model more than the source read: a longer length (beyond its old one) or an image size."""
         return self.old_length < self.length or self.image_extended
@@ -326,8 +336,8 @@ def _sizes(loaded: Loaded, config: FinetuneConfig) -> Sizes:
 
 def _load(chosen: Objective, checkpoint: Checkpoint, config: FinetuneConfig
           ) -> tuple[Loaded, Sizes, AnchorOriginal, torch.nn.Module | None]:
-    """Load through the objective, settle what its anchor holds to while the table is as loaded, then
-    extend it when ``config.length`` (or ``config.image_size``) asks. Returns the loaded model, the run's
+    """Load through the objective and settle what its anchor holds to, while the table is as loaded (the run
+    extends it next, when ``config.length`` or ``config.image_size`` asks). Returns the loaded model, the run's
     :class:`Sizes`, the anchor's reference, and the source a baseline reads (:func:`_baseline_source`)."""
     init_head, source = config.init_head, config.source
     if source is not None and chosen.anchor is None:
@@ -346,10 +356,6 @@ def _load(chosen: Objective, checkpoint: Checkpoint, config: FinetuneConfig
         loaded.reference = chosen.copy_reference(loaded)
     loaded.files = _file_names(loaded, checkpoint)  # as loaded: before the table is extended or trained
     source = _baseline_source(chosen, checkpoint, loaded, config, sizes)
-    if sizes.extended or sizes.image_extended:
-        _resize(loaded, Request(sizes.length if sizes.extended else None, strategy=_strategy(config, sizes),
-                                image_size=sizes.image_size if sizes.image_extended else None,
-                                group=loaded.spec.group if loaded.decoder else None), config.seed)
     return loaded, sizes, anchor, source
 
 
@@ -374,16 +380,6 @@ def _file_names(loaded: Loaded, checkpoint: Checkpoint) -> FileNames:
 
     with Checkpoint.open(checkpoint) as source:
         return file_names(loaded.model, loaded.hf_model, source.reader, source.config)
-
-
-def _strategy(config: FinetuneConfig, sizes: Sizes) -> str | None:
-    """The strategy of the run's resize: the config's, but where only an image grid grows and the config's is a text
-    strategy (an image-text objective's default ``kps``), none: the grid's own default (``bicubic``)."""
-    from posextend.tables.strategies import get_strategy
-
-    if not sizes.extended and 2 not in get_strategy(config.strategy).ranks:
-        return None
-    return config.strategy
 
 
 def _resize(loaded: Loaded, request: Request, seed: int) -> None:
@@ -432,7 +428,8 @@ def _resize_decoder(loaded: Loaded, config: FinetuneConfig) -> int | None:
                 "or it has one stack): leave the decoder's length unset; length=N sizes every table.")
         return None
     if want is not None and want != decoder.usable:
-        _resize(loaded, Request(want, strategy=config.strategy, group=decoder.spec.group), config.seed)
+        _resize(loaded, Request(want, strategy=config.strategy, params=config.params, group=decoder.spec.group),
+                config.seed)
     return want or decoder.usable
 
 

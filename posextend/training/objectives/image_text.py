@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from posextend.errors import DataError, TrainingError
 from posextend.scoring.by_position import Bucket, EvalReport, bucket_edges
 from posextend.scoring.verdict import Reading
+from posextend.tables.strategies import kps_keep
 from posextend.training.context import RunContext
 from posextend.training.loading import Loaded, load_headed_model, load_processor
 from posextend.training.objectives.base import (CheckpointFacts, Objective, draw_mates, register_objective,
@@ -37,7 +38,6 @@ from posextend.training.objectives.base import (CheckpointFacts, Objective, draw
 FAMILIES = ("clip", "siglip", "siglip2", "chinese_clip", "altclip", "metaclip_2", "aimv2", "align", "blip", "owlvit",
             "owlv2", "groupvit", "clipseg", "vision-text-dual-encoder")
 SIGMOID = ("siglip", "siglip2")
-KEEP = 20  # Long-CLIP keeps text positions 0-19 (kps's default keep) exact and frozen
 SMOOTHING = 0.1  # Long-CLIP's label smoothing, both terms
 PCA_MOST, PCA_SHARE = 32, 4  # Long-CLIP: 32 principal components of each GPU's 128 image features (a quarter)
 SENTENCE = re.compile(r"(?<=[.!?])\s+")  # where a caption's sentences part
@@ -302,13 +302,15 @@ def _evaluating(model: torch.nn.Module) -> Iterator[None]:
 
 
 def _start(run: RunContext) -> None:
-    """Once per run: the text table's first :data:`KEEP` rows frozen (a gradient hook) where ``kps`` kept them. The
-    logit scale stays the model's (Long-CLIP's reset to 100 is CLIP's own value; the benchmark's CLIP, at 25, lost
-    0.17 of far R@1 at 300 steps with it: benchmarks/image_text.py)."""
+    """Once per run: the text table's rows ``kps`` kept exact (its ``keep``: Long-CLIP's 0-19 of CLIP's 77) frozen
+    by a gradient hook. The logit scale stays the model's (Long-CLIP's reset to 100 is CLIP's own value; the
+    benchmark's CLIP, at 25, lost 0.17 of far R@1 at 300 steps with it: benchmarks/image_text.py)."""
     state: Held = run.state
     state.started = True
     model = run.unwrapped
-    keep = KEEP if run.config.strategy == "kps" and run.old_length >= KEEP + 2 and not run.short_inputs_fixed else 0
+    given = (run.config.params or {}).get("keep")  # kps's, else its default
+    kept = run.config.strategy == "kps" and not run.short_inputs_fixed
+    keep = (kps_keep(run.old_length) if given is None else given) if kept else 0
     if keep and run.spec is not None:
         # by name without peft's wrappers (LoRA's base_model.model. and modules_to_save.default.)
         plain = {n.removeprefix("base_model.model.").replace(".modules_to_save.default.", "."): p
