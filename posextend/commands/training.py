@@ -17,6 +17,7 @@ from posextend.terminal import (
     eval_table,
     far_range_advice,
     plot_run,
+    print_context_use,
     print_verdict,
     progress_bar,
     without_library_bars,
@@ -88,6 +89,7 @@ def finetune_cmd(
     for note in report.notes:
         console.print(f"  {note}", highlight=False)
     print_verdict(console, report.verdict)
+    print_context_use(console, report.context_use)
     if report.verdict is None:
         far_range_advice(console, report)
     if plot:
@@ -130,6 +132,7 @@ def eval_cmd(
                           plot_path=plot)
     console.print(f"{model}: {report}", highlight=False, markup=False)
     print_verdict(console, report.verdict)
+    print_context_use(console, report.context_use)
 
 
 def _retrieval(model: str, data: list[Path], tasks: str, lengths: str, documents: int, mode: str,
