@@ -21,7 +21,7 @@ old window copies the passage and falls far below that (a tenth or less); one th
 ways (ratio about 1).
 
 Examples:
-    >>> probe = context_use(model, tokenizer, old_length=1024, length=2048, text=held_out_windows)
+    >>> probe = context_use(model, tokenizer, old_length=1024, length=2048)
     >>> print(probe.text)
 """
 
@@ -175,19 +175,32 @@ def _answers(model: torch.nn.Module, sequences: torch.Tensor, answers: list[int]
 def context_use(model: torch.nn.Module, tokenizer, *, old_length: int, length: int, text: torch.Tensor | None = None,
                 sequences: int = 4, keys: int = 8, seed: int = 0, batch_size: int = 4,
                 device: torch.device | str | None = None) -> ContextUse:
-    """Read the repeated passage and the pass keys with the whole context and through the old window.
+    """Whether a causal LM uses its positions past ``old_length``: a passage repeated and pass keys planted past
+    the old window, each read with the whole context and through a sliding window of ``old_length`` tokens.
 
     Args:
-        model: a causal LM that reads ``length`` positions; ``tokenizer``: its tokenizer.
-        old_length: the window before the extension; ``length``: the positions read (at least
-            2 x :data:`MIN_PASSAGE` more).
+        model: a causal LM that reads ``length`` positions (its outputs have ``.logits``).
+        tokenizer: its tokenizer (the pass keys' text, and the random tokens without ``text``).
+        old_length: the window before the extension.
+        length: the positions read: at least 2 x :data:`MIN_PASSAGE` more than ``old_length``, and room for a
+            pass key's sentence past it.
         text: held-out token ids, ``[n, >= length]`` (a fine-tune's held-out windows): the passages are their first
-            rows. None: random tokens from the vocabulary (``seed``).
-        sequences: repeated passages read; ``keys``: pass keys read.
-        batch_size: sequences per forward pass. ``device``: where to read (default: the model's).
+            ``sequences`` rows. None: random tokens from the vocabulary (``seed``).
+        sequences: repeated passages read.
+        keys: pass keys read (spread evenly over the part of the haystack the old window does not see).
+        seed: draws the keys, and the random tokens without ``text``.
+        batch_size: sequences per forward pass.
+        device: where to read (default: where the model is).
 
     Returns:
-        A :class:`ContextUse`; ``.text`` says in one line whether the model uses its context.
+        A :class:`ContextUse`; ``.uses`` applies the one rule (:func:`uses_context`) and ``.text`` says it in a line.
+
+    Raises:
+        DataError: ``length`` leaves too little room past ``old_length`` for the probe.
+
+    Examples:
+        >>> probe = posextend.context_use(model, tokenizer, old_length=1024, length=2048)
+        >>> probe.uses, probe.repeat_whole, probe.repeat_window
     """
     from posextend.scoring.by_position import position_losses
 
