@@ -32,9 +32,9 @@ class Copier(torch.nn.Module):
         for b, row in enumerate(input_ids.tolist()):
             run = [0] * len(row)  # run[j]: tokens that match, ending at j and at the current position
             for t, token in enumerate(row):
-                run = [(1 + (run[j - 1] if j else 0)) if row[j] == token else 0 for j in range(t)] + [0] * (len(row) - t)
-                best = max(range(t), key=lambda j: (run[j], j), default=None)
-                if best is not None and run[best]:
+                run = [1 + (run[j - 1] if j else 0) if row[j] == token else 0 for j in range(t)] + [0] * (len(row) - t)
+                matched, best = max(((run[j], j) for j in range(t)), default=(0, 0))  # the longest, then the latest
+                if matched:
                     logits[b, t, row[best + 1]] = 30.0
         return SimpleNamespace(logits=logits)
 

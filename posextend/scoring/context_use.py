@@ -10,15 +10,15 @@ length (:func:`~posextend.scoring.by_position.position_losses` with ``window``: 
   through the old window sees any of the first copy from it. Its perplexity (but its first token): a model that
   reads its whole context copies the passage and reads it almost for free; through the window it reads it as new.
 * **Pass key.** LongEmbed's shared haystack (:data:`~posextend.scoring.retrieval.PASSKEY_FILLER`) with
-  "The pass key is 48151. Remember it. 48151 is the pass key." planted more than ``old_length`` tokens before
+  "The pass key is 48151. Remember it. 48151 is the pass key." planted at least ``old_length`` tokens before
   the end, which asks "What is the pass key? The pass key is" and gives the key. Accuracy: the keys whose every
   token the model predicts greedily (what greedy decoding would answer), whole and through the old window (the
   last ``old_length`` tokens: the question, without the key); and the perplexity of the key's tokens.
 
-The model **uses its context** when the repeated passage reads at most :data:`USES_RATIO` of its perplexity
-through the old window with the whole context (:func:`uses_context`, the one rule). A model that reads past its
-old window copies the passage and falls far below that (a tenth or less); one that does not reads it alike both
-ways (ratio about 1).
+The model **uses its positions past the old length** when the repeated passage reads at most
+:data:`USES_RATIO` of its perplexity through the old window with the whole context (:func:`uses_context`, the one
+rule). A model that reads past its old window copies the passage and falls far below that (a tenth or less); one
+that does not reads it alike both ways (ratio about 1).
 
 Examples:
     >>> probe = context_use(model, tokenizer, old_length=1024, length=2048)
@@ -99,17 +99,12 @@ def uses_context(whole: float, window: float) -> bool:
     return whole <= USES_RATIO * window
 
 
-def applies(old_length: int, length: int) -> bool:
-    """Whether ``length`` leaves room for the probe past ``old_length``: two passages of :data:`MIN_PASSAGE`."""
-    return length - old_length >= 2 * MIN_PASSAGE
-
-
-def repeated_passages(old_length: int, length: int, *, text: torch.Tensor | None = None, tokenizer=None,
+def repeated_passages(old_length: int, length: int, *, text: torch.Tensor | None = None, tokenizer: Any = None,
                       sequences: int = 4, seed: int = 0) -> tuple[torch.Tensor, int]:
     """``(sequences, passage)``: ``[n, length]`` token ids, each a span of ``length - P`` tokens of ``text`` (rows
     of held-out token ids, the first ``n`` used) or of random tokens of ``tokenizer`` (none of its special
     tokens), then the span's first ``P`` tokens again (``P = passage``)."""
-    if not applies(old_length, length):
+    if length - old_length < 2 * MIN_PASSAGE:
         raise DataError(f"The probe needs at least {2 * MIN_PASSAGE} positions past the old length of {old_length}; "
                         f"the model reads {length}.")
     passage = (length - old_length) // 2
@@ -125,7 +120,7 @@ def repeated_passages(old_length: int, length: int, *, text: torch.Tensor | None
     return torch.cat([spans, spans[:, :passage]], 1), passage
 
 
-def passkey_sequences(tokenizer, old_length: int, length: int, *, keys: int = 8,
+def passkey_sequences(tokenizer: Any, old_length: int, length: int, *, keys: int = 8,
                       seed: int = 0) -> tuple[torch.Tensor, list[int], list[int], list[int]]:
     """``(sequences, answers, distances, numbers)``: ``[keys, length]`` token ids, each the haystack with key
     sentence ``i`` planted (spread evenly over the part no old window that holds the question sees), then the
@@ -162,18 +157,18 @@ def _answers(model: torch.nn.Module, sequences: torch.Tensor, answers: list[int]
     from posextend.scoring.by_position import token_losses
 
     reads = sequences[:, -window:] if window else sequences
-    hits, losses, n = [], [], reads.shape[1]
+    hits, losses, tail = [], [], max(answers) + 1  # the logits kept: those that predict the longest answer
     for first in range(0, len(reads), batch_size):
-        logits = model(input_ids=reads[first:first + batch_size].to(device)).logits.float().cpu()
+        logits = model(input_ids=reads[first:first + batch_size].to(device)).logits[:, -tail:].float().cpu()
         for row, answer in zip(range(first, first + len(logits)), answers[first:first + batch_size]):
-            predicted, target = logits[row - first, n - answer - 1:n - 1], reads[row, n - answer:]
+            predicted, target = logits[row - first, tail - answer - 1:tail - 1], reads[row, -answer:]
             hits.append(bool((predicted.argmax(-1) == target).all()))
             losses += token_losses(predicted[None], target[None])[0].tolist()
     return sum(hits) / len(hits), math.exp(min(sum(losses) / len(losses), 50))
 
 
-def context_use(model: torch.nn.Module, tokenizer, *, old_length: int, length: int, text: torch.Tensor | None = None,
-                sequences: int = 4, keys: int = 8, seed: int = 0, batch_size: int = 4,
+def context_use(model: torch.nn.Module, tokenizer: Any, *, old_length: int, length: int,
+                text: torch.Tensor | None = None, sequences: int = 4, keys: int = 8, seed: int = 0, batch_size: int = 4,
                 device: torch.device | str | None = None) -> ContextUse:
     """Whether a causal LM uses its positions past ``old_length``: a passage repeated and pass keys planted past
     the old window, each read with the whole context and through a sliding window of ``old_length`` tokens.
@@ -215,7 +210,8 @@ def context_use(model: torch.nn.Module, tokenizer, *, old_length: int, length: i
         second = slice(length - passage + 1, length)  # the second copy but its first token
 
         def repeat(window: int | None) -> float:
-            total, count = position_losses(model, repeats, "causal", batch_size=batch_size, device=device, window=window)
+            total, count = position_losses(model, repeats, "causal", batch_size=batch_size, device=device,
+                                           window=window)
             return math.exp(min(float(total[second].sum() / count[second].sum()), 50))
 
         whole, windowed = repeat(None), repeat(old_length)
