@@ -28,6 +28,8 @@ _LAZY = {
     "FinetuneConfig": "training.options",
     "evaluate": "training.evaluate",
     "EvalReport": "scoring.by_position",
+    "context_use": "scoring.context_use",
+    "ContextUse": "scoring.context_use",
     "ArchitectureSpec": "families.specs",
     "SPECS": "families.catalogue",
     "GRID_SPECS": "families.catalogue",
@@ -45,6 +47,7 @@ if TYPE_CHECKING:
     from .resize.on_disk import resize_checkpoint
     from .resize.report import ResizeReport
     from .scoring.by_position import EvalReport
+    from .scoring.context_use import ContextUse, context_use
     from .training.evaluate import evaluate
     from .families.lookup import all_specs, spec_for
     from .training.objectives import available_objectives, register_objective

@@ -146,6 +146,14 @@ def print_verdict(console: Console, verdict: Any) -> None:
     console.print(f"[yellow]{verdict.text[:1].upper()}{verdict.text[1:]}[/]: {hint}.", highlight=False)
 
 
+def print_context_use(console: Console, probe: Any) -> None:
+    """Whether a causal LM uses its new positions (a ContextUse), one line: green when it does, yellow when not."""
+    if probe is None:
+        return
+    colour = "green" if probe.uses else "yellow"
+    console.print(f"[{colour}]Context: {probe.text}[/]", highlight=False)
+
+
 def plot_run(console: Console, reports: dict[str, Any], verdict: Any, path: Path) -> None:
     """The score by position; with a verdict, beside the far and original ranges along the run."""
     if verdict is not None and verdict.curve:

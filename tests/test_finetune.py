@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
@@ -55,6 +56,12 @@ def test_new_rows_trains_only_the_new_rows(gpt, corpus, tmp_path):
     assert transformers.AutoTokenizer.from_pretrained(tmp_path / "out").model_max_length == 64
     info = posextend.inspect_checkpoint(tmp_path / "out")
     assert info.usable == 64
+    # the fine-tuned model's context-use probe, in the report, its JSON, the written evaluation and the model card
+    probe = report.context_use
+    assert (probe.old_length, probe.length, probe.distance, probe.source) == (32, 64, 48, "held-out text")
+    assert report.to_dict()["context_use"]["repeat_window"] == probe.repeat_window > 1
+    assert json.loads((tmp_path / "out" / "posextend_eval.json").read_text())["context_use"]["text"] == probe.text
+    assert f"- Context: {probe.text}" in (tmp_path / "out" / "README.md").read_text()
 
 
 def test_masked_lm_positions_mode(bert, corpus, tmp_path):
@@ -175,6 +182,7 @@ def test_eval_cli_json_and_plot(gpt, corpus, tmp_path):
 
     data = json.loads((tmp_path / "e.json").read_text())
     assert [b["start"] for b in data["buckets"]] == [0, 8, 16, 24] and data["objective"] == "causal"
+    assert data["context_use"] is None and "Context:" not in r.output  # not extended: no old length to read past
     assert (tmp_path / "e.png").read_bytes()[:4] == b"\x89PNG"
 
 

@@ -17,6 +17,7 @@ from posextend.terminal import (
     eval_table,
     far_range_advice,
     plot_run,
+    print_context_use,
     print_verdict,
     progress_bar,
     without_library_bars,
@@ -93,6 +94,7 @@ def finetune_cmd(
     print_verdict(console, report.verdict)
     if report.verdict is not None and report.held_out:
         console.print(f"  {report.held_out}", highlight=False, style="yellow" if "tail" in report.held_out else None)
+    print_context_use(console, report.context_use)
     if report.verdict is None:
         far_range_advice(console, report)
     if plot:
@@ -135,6 +137,7 @@ def eval_cmd(
                           plot_path=plot)
     console.print(f"{model}: {report}", highlight=False, markup=False)
     print_verdict(console, report.verdict)
+    print_context_use(console, report.context_use)
 
 
 def _retrieval(model: str, data: list[Path], tasks: str, lengths: str, documents: int, mode: str,

@@ -50,6 +50,9 @@ class EvalReport:
         old_length: the length before an extension, when known: the positions from it on are new.
         accuracy: contrastive objectives: mean retrieval accuracy@1 (its numbers, in place of perplexity).
         metric: what its numbers are, as reports print it (``"perplexity"``, ``"masked-LM perplexity"`` …).
+        verdict: whether the extension is worth it on this data (``posextend eval`` of an extended checkpoint).
+        context_use: causal LMs read past their old length: whether the model uses its new positions
+            (:class:`~posextend.scoring.context_use.ContextUse`; None otherwise).
     """
 
     objective: str
@@ -63,6 +66,7 @@ class EvalReport:
     accuracy: float | None = None  # contrastive: mean retrieval accuracy@1
     metric: str = "perplexity"  # what its numbers are, as every report prints it (set by whoever scores)
     verdict: Any = None  # a Verdict (posextend.scoring.verdict): the far range against the source's own reading
+    context_use: Any = None  # causal LMs: a ContextUse (posextend.scoring.context_use): are the new positions used?
 
     @property
     def score(self) -> str:
@@ -76,7 +80,7 @@ class EvalReport:
 
     def to_dict(self) -> dict[str, Any]:
         """The report as plain data (JSON-ready)."""
-        return asdict(self)
+        return {**asdict(self), "context_use": self.context_use and self.context_use.to_dict()}
 
     def __str__(self) -> str:
         """The table ``posextend eval`` prints: its score per position bucket (the new range marked), then overall."""

@@ -77,6 +77,9 @@ def evaluate(
     provenance records the original it was extended from, ``report.verdict`` says whether the extension is
     worth it on this data: its far range against the original reading the text its own way, and against the
     checkpoint itself reading it so (its control: what the longer context adds).
+    A causal LM read past its old length also gets ``report.context_use``: a passage repeated and a pass key
+    planted beyond the old window, read with the whole context and through the old window
+    (:mod:`posextend.scoring.context_use`): whether the model uses its new positions at all.
 
     Args:
         model_path: the checkpoint folder, or a Hugging Face Hub id (downloaded into its cache).
@@ -129,7 +132,8 @@ def evaluate(
         image_size=image_size(loaded), old_image_size=image_size(loaded),
         decoder_length=loaded.decoder.usable if loaded.decoder else None,
     )
-    report = dataclasses.replace(chosen.evaluate(run), verdict=_verdict(chosen, checkpoint, run))
+    report = dataclasses.replace(chosen.evaluate(run), verdict=_verdict(chosen, checkpoint, run),
+                                 context_use=chosen.context_use(run))
     if json_path:
         from posextend.files.atomic import write_file
 

@@ -21,6 +21,7 @@ from posextend.resize.report import ResizeReport, model_card, resize_report, sou
 from posextend.resize.options import ResizeOptions
 from posextend.resize.plan import plan_resize
 from posextend.scoring.by_position import EvalReport
+from posextend.scoring.context_use import ContextUse
 from posextend.scoring.verdict import Verdict
 from posextend.training.loading import Loaded
 from posextend.training.options import FinetuneConfig
@@ -36,7 +37,8 @@ log = logging.getLogger(__name__)
 # the report's keys as plain data (:meth:`FinetuneReport.to_dict`), its options among its own fields
 _KEYS = ("dst", "train", "objective", "steps", "old_length", "new_length", "lr", "batch_size", "grad_accum", "precision",
          "items", "tokens", "seconds", "tokens_per_second", "losses", "eval_losses", "before", "after", "processes", "main_process",
-         "strategy", "anchor", "schedule", "anchor_source", "anchor_note", "notes", "verdict", "written_step", "held_out")
+         "strategy", "anchor", "schedule", "anchor_source", "anchor_note", "notes", "verdict", "written_step", "held_out",
+         "context_use")
 
 
 @dataclass
@@ -77,6 +79,7 @@ class FinetuneReport:
     notes: list[str] = field(default_factory=list)  # the objective's lines about the run (Objective.notes)
     verdict: Verdict | None = None  # the far range against the source's own reading of it (None: no baseline)
     precision: str = "no"  # what the steps computed in, ``auto`` resolved for the device: no (fp32), bf16 or fp16
+    context_use: ContextUse | None = None  # causal LMs that extend: does the fine-tuned model use its new positions?
     written_step: int | None = None  # the step whose weights were written (the best check's; None: the last step)
     held_out: str = ""  # what the verdict was judged on (:func:`posextend.training.heldout.held_out_note`)
 
@@ -103,13 +106,16 @@ class FinetuneReport:
         ``config``, not the rest of them."""
         own = asdict(self)
         own["verdict"] = self.verdict.to_dict() if self.verdict else None
+        own["context_use"] = self.context_use.to_dict() if self.context_use else None
         return {key: own[key] if key in own else getattr(self, key) for key in _KEYS}
 
 
 def finetune_report(run: Run, dst: Path, evaluations: tuple[EvalReport | None, EvalReport], trained: Trained,
                     verdict: Verdict | None = None, *, written_step: int | None = None) -> FinetuneReport:
     """The fine-tune's report: its options, throughput, losses (held-out ones at steps 0 and the last
-    included), the before/after evaluations (after: of the weights written), the verdict and the step written."""
+    included), the before/after evaluations (after: of the weights written), the verdict, the step written and
+    whether the model uses its new positions (the objective's
+    :meth:`~posextend.training.objectives.base.Objective.context_use`, read here on the trained model)."""
     (before, after), config = evaluations, run.config
     return FinetuneReport(
         dst=str(dst.resolve()), config=config, old_length=run.old_length, new_length=run.length, tokens=trained.tokens,
@@ -122,6 +128,7 @@ def finetune_report(run: Run, dst: Path, evaluations: tuple[EvalReport | None, E
         anchor_note=run.anchor_original.note,
         notes=run.objective.notes(run), verdict=verdict, precision=run.accelerator.mixed_precision,
         written_step=written_step, held_out=run.held_out_note,
+        context_use=run.objective.context_use(run),  # read once, on the fine-tuned model
     )
 
 
@@ -160,7 +167,8 @@ def save(run: Run, dst: Path, report: FinetuneReport, checkpoint: Checkpoint, lo
             if report.before or report.after:
                 (tmp / "posextend_eval.json").write_text(json.dumps(
                     {"before": report.before and report.before.to_dict(), "after": report.after.to_dict(),
-                     "verdict": report.verdict and report.verdict.to_dict()}, indent=2))
+                     "verdict": report.verdict and report.verdict.to_dict(),
+                     "context_use": report.context_use and report.context_use.to_dict()}, indent=2))
     log.info("Saved %s: %d tensors trained, %d added, the rest copied from %s", dst, len(trained), len(added), directory)
 
 
@@ -214,5 +222,7 @@ def _card(report: FinetuneReport, resize: ResizeReport | None, directory: Path) 
         lines.append(f"- Verdict: {report.verdict.text}{advice}")
         if report.held_out:
             lines.append(f"- Judged on: {report.held_out}")
+    if report.context_use is not None:
+        lines.append(f"- Context: {report.context_use.text}")
     lines += [f"- {note}" for note in report.notes]
     return "\n".join(lines) + "\n"

@@ -53,6 +53,7 @@ from posextend.training.loading import Loaded, load_headed_model, stack_specs
 if TYPE_CHECKING:
     from posextend.families.specs import ArchitectureSpec
     from posextend.scoring.by_position import EvalReport
+    from posextend.scoring.context_use import ContextUse
     from posextend.scoring.verdict import Reading
 
 ENTRY_POINT_GROUP = "posextend.objectives"
@@ -271,6 +272,12 @@ class Objective:
     def control_name(self, run: RunContext) -> str:
         """How :meth:`control` reads the text, as the verdict says it ("the same model through a 64-token window")."""
         return "the same model read as the source is"
+
+    def context_use(self, run: RunContext) -> ContextUse | None:
+        """Whether the model being read (``run.model``) uses its positions past ``run.old_length``: the probe of
+        :mod:`posextend.scoring.context_use`, read on the run's held-out data. None: this objective reads no such
+        probe (the default), or the run adds too few positions to hold it."""
+        return None
 
     def written_config(self, run: RunContext) -> dict[str, Any]:
         """Fields of the written ``config.json`` (dotted for nested configs) that the run sets beyond its sizes: a new

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
+from posextend.errors import DataError
 from posextend.training.context import RunContext
 from posextend.training.objectives.base import CheckpointFacts, LanguageModel, register_objective
+
+if TYPE_CHECKING:
+    from posextend.scoring.context_use import ContextUse
 
 
 @register_objective("causal", description="Next-token prediction (GPT-style models).")
@@ -42,3 +48,15 @@ class CausalLM(LanguageModel):
         if run.reference is not None and not run.short_inputs_fixed and old < run.length:
             loss = loss + self.anchor * self.reference_kl(run, batch[:, :old], out.logits[:, :old])
         return loss, batch.shape[0] * (batch.shape[1] - 1)
+
+    def context_use(self, run: RunContext) -> ContextUse | None:
+        """A passage repeated and a pass key planted past the old window, read whole and through it, on the run's
+        held-out windows (:func:`~posextend.scoring.context_use.context_use`)."""
+        from posextend.scoring.context_use import context_use
+
+        try:
+            return context_use(run.model, run.tokenizer, old_length=run.old_length, length=run.length,
+                               text=run.eval_seqs, seed=run.config.seed, batch_size=run.config.batch_size,
+                               device=run.accelerator.device)
+        except DataError:  # no extension, or too few new positions to plant the probe in
+            return None
