@@ -271,7 +271,6 @@ def test_baseline_and_verdict_recomputed_by_hand(clip, data, tmp_path):
     images = [PIL.Image.open(data["held"] / r["file_name"]).convert("RGB") for r in rows]
     processor = transformers.AutoProcessor.from_pretrained(clip)
     long = [i for i, r in enumerate(rows) if len(processor.tokenizer(r["text"])["input_ids"]) > OLD]
-    short = [i for i in range(len(rows)) if i not in long]
     source = transformers.CLIPModel.from_pretrained(clip).eval()
     text, image = _features(source, processor, [rows[i]["text"] for i in long], [images[i] for i in long], OLD)
     cut = _r1(text, image)
@@ -285,12 +284,59 @@ def test_baseline_and_verdict_recomputed_by_hand(clip, data, tmp_path):
     assert verdict.baseline.far == pytest.approx(sum(best) / 2, abs=1e-6)
     assert verdict.baseline.parts == pytest.approx({"text→image": best[0], "image→text": best[1]}, abs=1e-6)
     assert ("chunks" in verdict.baseline_name) == (best == chunked and best != cut)
-    text, image = _features(source, processor, [rows[i]["text"] for i in short], [images[i] for i in short], OLD)
+    # the original range: each caption's first sentence, among the images whose first sentences differ (one each)
+    firsts = {}
+    for i, r in enumerate(rows):
+        firsts.setdefault(first_sentence(r["text"]), i)
+    assert 1 < len(firsts) < len(rows)  # the held-out pairs share first sentences
+    kept = sorted(firsts.values())
+    text, image = _features(source, processor, [first_sentence(rows[i]["text"]) for i in kept],
+                            [images[i] for i in kept], OLD)
     assert verdict.baseline.original == pytest.approx(sum(_r1(text, image)) / 2, abs=1e-6)
     trained = transformers.CLIPModel.from_pretrained(tmp_path / "out").eval()
     text, image = _features(trained, processor, [rows[i]["text"] for i in long], [images[i] for i in long], NEW)
     assert verdict.reading.far == pytest.approx(sum(_r1(text, image)) / 2, abs=1e-6)
     assert verdict.worth_it == (verdict.far_wins and verdict.context_loses_to is None and verdict.original_holds)
+
+
+class ShortReader(torch.nn.Module):
+    """A dual encoder that reads the top-left quarter alone, perfectly: a caption's digit there (its 6th token: "<s> top
+    left : a seven") and an image's (from that quarter's red, 25 per digit), one-hot; digits in ``lost`` it reads as
+    zero (a model that lost part of its short-caption skill)."""
+
+    def __init__(self, processor, lost=()):
+        super().__init__()
+        self.config = transformers.PretrainedConfig(model_type="clip")
+        self.ids, self.lost = processor.tokenizer.convert_tokens_to_ids(DIGITS), set(lost)
+        self.mean, self.std = processor.image_processor.image_mean[0], processor.image_processor.image_std[0]
+
+    def get_text_features(self, input_ids, attention_mask=None):
+        digits = [self.ids.index(int(i)) for i in input_ids[:, 5]]
+        return torch.nn.functional.one_hot(torch.tensor([0 if d in self.lost else d for d in digits]), 10).float()
+
+    def get_image_features(self, pixel_values):
+        red = (pixel_values[:, 0, 0, 0] * self.std + self.mean) * 255 / 25
+        return torch.nn.functional.one_hot(red.round().long(), 10).float()
+
+
+def test_the_original_range_reads_distinct_first_sentences_and_sees_a_short_caption_loss(clip, data):
+    """Held-out pairs that share first sentences: the original range reads one image for each distinct first sentence
+    (more than one candidate), where a perfect short-caption reader reads 1.0 and one that lost half its digits less."""
+    from types import SimpleNamespace
+
+    from posextend.training.images import read_images
+    from posextend.training.objectives.image_text import Held, ImageText
+
+    objective, processor = ImageText(), transformers.AutoProcessor.from_pretrained(clip)
+    held = objective.samples(processor, read_images([data["held"]], need="text"), NEW)
+    run = SimpleNamespace(eval_seqs=held, old_length=OLD, length=NEW, processor=processor, state=Held(),
+                          accelerator=SimpleNamespace(device=torch.device("cpu")))
+    texts = [held[i]["text"] for i in range(len(held))]
+    distinct = {first_sentence(t) for t in texts}
+    assert 1 < len(distinct) < len(held)  # shared: images with one first sentence cannot be told apart by it
+    perfect = objective.read(run, ShortReader(processor), None, "whole")
+    lost = objective.read(run, ShortReader(processor, lost=range(5, 10)), None, "whole")
+    assert perfect.original == 1.0 and lost.original < 0.8  # half its digits lost: about half its R@1
 
 
 # ----------------------------------------------------------------------------- bad data: one line, nothing written

@@ -179,18 +179,67 @@ def test_a_new_head_for_the_datas_classes_is_said_and_written(towers, digits, tm
 @pytest.mark.parametrize("name, cls", [("vit", transformers.ViTForImageClassification),
                                        ("dinov2-bare", transformers.Dinov2Model),
                                        ("deit", transformers.DeiTForImageClassificationWithTeacher)])
-def test_label_free_without_labels_keeps_the_layout_and_gives_no_verdict(towers, digits, tmp_path, name, cls):
+def test_label_free_without_labels_keeps_the_layout_and_is_judged_where_the_teacher_has_a_head(towers, digits, tmp_path,
+                                                                                               name, cls):
     out = tmp_path / "out"
     r = run("finetune", towers[name], out, "--data", digits["plain"], "--image-size", NEW, "--steps", 3,
             "--eval-sequences", 8)
     assert r.exit_code == 0, r.output
     shown = _flat(r.output)
-    taught = "its pooled embedding and patch features" if name.endswith("bare") else "its head's outputs, made sure"
-    assert f"vision: label-free, the source at 16x16 px as the teacher ({taught}" in shown and "so no verdict" in shown
-    assert "embedding agreement" in shown and "worth it" not in shown.lower()
+    bare = name.endswith("bare")
+    taught = "its pooled embedding and patch features" if bare else "its head's outputs, made sure"
+    assert f"vision: label-free, the source at 16x16 px as the teacher ({taught}" in shown
+    if bare:  # no head to label the held-out images: no verdict
+        assert "so no verdict" in shown and "embedding agreement" in shown and "worth it" not in shown.lower()
+    else:
+        assert "judged by the teacher's labels (the source's predictions at its own 16x16 px)" in shown
+        assert "before teacher agreement after teacher agreement" in shown and "so no verdict" not in shown
+        assert "far range teacher agreement" in shown and "for the source at 24x24 px untrained" in shown
     assert _keys(out) == _keys(towers[name])  # a bare file stays bare, a headed one headed
     _loads_at_the_new_size(out, cls)
     assert not any(_tensor(out, k).equal(_tensor(towers[name], k)) for k in _keys(out) if "attention.query.weight" in k)
+
+
+def test_label_free_without_labels_reads_agreement_with_the_teachers_labels(towers, digits, tmp_path, monkeypatch):
+    """Held-out images without labels: the teacher's labels are the source's predictions at its own 16 px (the argmax
+    of its logits), and every reading is the share of them a model predicts: the trained model at 24 px against the
+    source read there untrained (the baseline) and the trained model at 16 px (the control), recomputed by hand."""
+    import posextend
+    from posextend.training.images import read_images, split_images
+    from posextend.training.objectives.label_free import LabelFree
+
+    seen, own = {}, LabelFree._teacher_baseline
+
+    def spy(self, run, source, read):
+        found = own(self, run, source, read)
+        seen["teacher"] = run.state.teacher.tolist()
+        return found
+
+    monkeypatch.setattr(LabelFree, "_teacher_baseline", spy)
+    src = tmp_path / "src"  # a source that tells the digits apart: trained on their labels at its own size
+    posextend.finetune(towers["vit"], src, [digits["labelled"]], steps=60, batch_size=8, eval_sequences=12, lr=1e-3)
+    report = posextend.finetune(src, tmp_path / "out", [digits["plain"]], image_size=NEW, steps=4,
+                                eval_sequences=12, lr=3e-3, seed=1)
+    held = split_images(read_images([digits["plain"]]), least=12, seed=1)[1]
+    images = [held[i]["image"] for i in range(12)]
+    assert all(held[i]["label"] is None for i in range(12))
+    processor = transformers.AutoImageProcessor.from_pretrained(src)
+    source = transformers.ViTForImageClassification.from_pretrained(src).eval()
+    trained = transformers.ViTForImageClassification.from_pretrained(tmp_path / "out")
+    with torch.no_grad():
+        teacher = source(pixel_values=processor(images=images, return_tensors="pt")["pixel_values"]).logits.argmax(1)
+    assert seen["teacher"] == teacher.tolist() and len(set(seen["teacher"])) > 1  # a teacher that tells images apart
+    verdict, labels = report.verdict, teacher.tolist()
+    assert verdict.baseline.metric == verdict.reading.metric == "teacher agreement" and verdict.baseline.higher
+    assert verdict.baseline_name == ("the source at 24x24 px untrained (the teacher's labels: the source's at its own "
+                                     "16x16 px)")
+    assert verdict.baseline.far == pytest.approx(_accuracy(source, processor, images, labels, NEW,
+                                                           interpolate_pos_encoding=True))
+    assert verdict.reading.far == pytest.approx(_accuracy(trained, processor, images, labels, NEW))
+    assert verdict.controls["the same model at 16x16 px"].far == pytest.approx(
+        _accuracy(trained, processor, images, labels, IMAGE, interpolate_pos_encoding=True))
+    assert report.after.metric == "teacher agreement" and report.after.accuracy == pytest.approx(verdict.reading.far)
+    assert _accuracy(source, processor, images, labels, IMAGE) == 1.0  # the teacher at its own size agrees with itself
 
 
 def test_label_free_judged_on_labelled_images_apart_by_knn(towers, digits, tmp_path):

@@ -7,8 +7,11 @@ source's, frozen. A run extends the text length, the image size, or both.
 
 Worth it (:meth:`ImageText.reading`): R@1 (text→image, image→text) on held-out pairs whose caption is longer than the
 old length beats the source reading them cut at its old length or averaging its embeddings of their chunks (the
-better: the baseline), and pairs whose caption fits keep the source's R@1. Registered through the
-``posextend.objectives`` entry point, as a third-party objective is.
+better: the baseline), and the short captions keep the source's R@1: each held-out caption's first sentence (Long-CLIP's
+short caption), read among the images whose first sentences differ (one image for each), where a loss of short-caption
+skill shows (images that share a short caption cannot be told apart by it). Registered through the
+``posextend.objectives`` entry point, as a third-party objective is. How it reads pairs:
+:mod:`posextend.training.objectives.captions`.
 """
 
 from __future__ import annotations
@@ -16,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
-import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,32 +35,17 @@ from posextend.training.context import RunContext
 from posextend.training.loading import Loaded, load_headed_model, load_processor
 from posextend.training.objectives.base import (CheckpointFacts, Objective, draw_mates, register_objective,
                                                without_dropout)
+from posextend.training.objectives.captions import (Pairs, by_length, caption_texts, chunk_ids, cut_ids,
+                                                   directions, distinct_shorts, first_sentence, image_inputs,
+                                                   in_slices, inner_model, is_sigmoid, mask_kwargs, padded,
+                                                   pooled_output, retrieval, sized, text_features)
 
 # the dual encoders whose base class gives image and text features (tests/test_image_text.py trains each's tiny twin)
 FAMILIES = ("clip", "siglip", "siglip2", "chinese_clip", "altclip", "metaclip_2", "aimv2", "align", "blip", "owlvit",
             "owlv2", "groupvit", "clipseg", "vision-text-dual-encoder")
-SIGMOID = ("siglip", "siglip2")
 SMOOTHING = 0.1  # Long-CLIP's label smoothing, both terms
 PCA_MOST, PCA_SHARE = 32, 4  # Long-CLIP: 32 principal components of each GPU's 128 image features (a quarter)
-SENTENCE = re.compile(r"(?<=[.!?])\s+")  # where a caption's sentences part
 MODES = ("cut", "chunks")  # how a caption longer than the old length is read without the extension
-
-
-class Pairs(Sequence):
-    """Image-caption pairs as a run trains on them: item ``i`` is the data's item with ``tokens``, its caption's
-    token count (specials included, at most the run's length)."""
-
-    def __init__(self, data: Sequence[dict[str, Any]], tokens: list[int]):
-        self.data, self.tokens = data, tokens
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-    def __getitem__(self, index):
-        if isinstance(index, slice):
-            picked = range(len(self))[index]
-            return Pairs(self.data[picked.start:picked.stop:picked.step], self.tokens[index])
-        return {**self.data[index], "tokens": self.tokens[index]}
 
 
 @dataclass
@@ -149,7 +136,7 @@ class ImageText(Objective):
     def samples(self, processor: Any, documents: Any, length: int) -> Pairs:
         if len(documents) < 2:
             raise DataError(f"Image-text training needs at least 2 image-caption pairs, got {len(documents)}.")
-        ids = _cut(processor.tokenizer, _texts(Pairs(documents, [])), length)
+        ids = cut_ids(processor.tokenizer, caption_texts(Pairs(documents, [])), length)
         return Pairs(documents, [len(row) for row in ids])
 
     def count(self, batch: Sequence[dict[str, Any]]) -> tuple[int, int]:
@@ -164,18 +151,18 @@ class ImageText(Objective):
             _start(run)
         items = list(batch) + draw_mates(run, positions, self.batch_mates)[0]
         tokenizer, n = run.processor.tokenizer, len(items)
-        pixels = _image_inputs(run.processor.image_processor, [i["image"] for i in items])
+        pixels = image_inputs(run.processor.image_processor, [i["image"] for i in items])
         shorts = [first_sentence(i["text"]) for i in items]
-        rows = (_cut(tokenizer, [i["text"] for i in items], run.length)
-                + _cut(tokenizer, shorts, min(run.length, run.old_length)))
-        ids, mask = _padded(tokenizer, rows, run.length if _sigmoid(run.unwrapped) else max(map(len, rows)))
+        rows = (cut_ids(tokenizer, [i["text"] for i in items], run.length)
+                + cut_ids(tokenizer, shorts, min(run.length, run.old_length)))
+        ids, mask = padded(tokenizer, rows, run.length if is_sigmoid(run.unwrapped) else max(map(len, rows)))
         device = run.accelerator.device
         # one forward through the prepared model (under DDP its reducer sees every output): both captions, the images
         out = run.model(input_ids=ids.to(device), **{k: v.to(device) for k, v in pixels.items()},
-                        **_masked(tokenizer, mask.to(device)))
+                        **mask_kwargs(tokenizer, mask.to(device)))
         image, text = F.normalize(out.image_embeds, dim=-1), F.normalize(out.text_embeds, dim=-1)
         reduced = F.normalize(pca(image, max(1, min(PCA_MOST, n // PCA_SHARE))), dim=-1)
-        sigmoid = _sigmoid(run.unwrapped)
+        sigmoid = is_sigmoid(run.unwrapped)
         loss = (_pair_loss(run.unwrapped, image, text[:n], sigmoid)
                 + self.short_weight * _pair_loss(run.unwrapped, reduced, text[n:], sigmoid))
         if self.anchor and run.reference is not None and not run.short_inputs_fixed:
@@ -189,11 +176,11 @@ class ImageText(Objective):
         pairs, length, old = run.eval_seqs, run.length, run.old_length
         with _evaluating(run.model):
             image = self._images(run, run.model, run.image_size)
-            text = _text_features(run, run.model, _cut(run.processor.tokenizer, _texts(pairs), length), length)
+            text = text_features(run, run.model, cut_ids(run.processor.tokenizer, caption_texts(pairs), length), length)
         hits, losses = torch.zeros(len(pairs)), torch.zeros(len(pairs))
-        for pool in _pools(pairs, old, length):
+        for pool in by_length(pairs, old, length):
             if pool:
-                hits[pool], losses[pool] = _retrieval(text[pool], image[pool])
+                hits[pool], losses[pool] = retrieval(text[pool], image[pool])
         edges = bucket_edges(length + 1, run.config.buckets, old_length=old + 1 if old < length else None)
         lengths = torch.tensor(pairs.tokens)
         buckets = []
@@ -231,16 +218,17 @@ class ImageText(Objective):
         return self.read(run, run.model, run.image_size, "whole")
 
     def notes(self, run: RunContext) -> list[str]:
-        short, long = _pools(run.eval_seqs, run.old_length, run.length)
-        loss = "sigmoid (SigLIP's)" if _sigmoid(run.unwrapped) else "InfoNCE"
+        long = by_length(run.eval_seqs, run.old_length, run.length)[1]
+        loss = "sigmoid (SigLIP's)" if is_sigmoid(run.unwrapped) else "InfoNCE"
         lines = [f"Long-CLIP's loss: {loss}, whole captions and first sentences against the images' principal "
                  f"components; each sample with {self.batch_mates} batch-mates"]
         if run.state.frozen:
             lines.append(f"Text positions 0-{run.state.frozen - 1} kept frozen (Long-CLIP; kps copied them exactly)")
         if run.old_length < run.length:
-            lines.append(f"Held-out pairs: {len(long)} captions longer than {run.old_length} tokens (the far range), "
-                         f"{len(short)} within it (the original range" + ("" if short else ": none, so the long "
-                                                                            "ones cut at the old length") + ")")
+            shorts = len(distinct_shorts(run.processor.tokenizer, caption_texts(run.eval_seqs), run.old_length)[0])
+            lines.append(f"Held-out pairs: {len(long)} captions longer than {run.old_length} tokens (the far range); "
+                         f"the original range, their first sentences: {shorts} distinct of {len(run.eval_seqs)}, one "
+                         "image each")
         else:
             lines.append("No verdict: the text length is not extended (an image size alone is read before and after)")
         return lines
@@ -252,10 +240,10 @@ class ImageText(Objective):
         if key not in state.pixels:
             processor = sized(run.processor.image_processor, size) if size else run.processor.image_processor
             images = [run.eval_seqs.data[i]["image"] for i in range(len(run.eval_seqs))]
-            parts = [_image_inputs(processor, images[i:i + 64]) for i in range(0, len(images), 64)]
+            parts = [image_inputs(processor, images[i:i + 64]) for i in range(0, len(images), 64)]
             state.pixels[key] = {k: torch.cat([part[k] for part in parts]) for k in parts[0]}
-        inner, inputs = _unwrapped(model), state.pixels[key]
-        return F.normalize(_sliced(run, lambda **x: _pooled(inner.get_image_features(**x)), inputs), dim=-1)
+        inner, inputs = inner_model(model), state.pixels[key]
+        return F.normalize(in_slices(run, lambda **x: pooled_output(inner.get_image_features(**x)), inputs), dim=-1)
 
     def _without_context(self, run: RunContext, model: torch.nn.Module, size: tuple[int, int] | None
                          ) -> tuple[Reading | None, str]:
@@ -269,22 +257,23 @@ class ImageText(Objective):
     @torch.no_grad()
     def read(self, run: RunContext, model: torch.nn.Module, size: tuple[int, int] | None, mode: str) -> Reading | None:
         """R@1 of ``model`` (images at ``size``): ``far`` on the long pairs, their captions read by ``mode``
-        (``whole``, ``cut`` at the old length, ``chunks`` of it averaged); ``original`` on the short pairs (or, with
-        none, the long captions cut); ``parts``: the far range's text→image and image→text. None when the run
-        does not extend the text, or no held-out caption is longer than the old length."""
+        (``whole``, ``cut`` at the old length, ``chunks`` of it averaged); ``original`` on the short captions, one
+        image for each distinct one (:func:`~posextend.training.objectives.captions.distinct_shorts`: NaN with fewer
+        than two); ``parts``: the far range's text→image and image→text. None when the run does not extend the text,
+        or no held-out caption is longer than the old length."""
         pairs, old, length = run.eval_seqs, run.old_length, run.length
-        short, long = _pools(pairs, old, length)
+        long = by_length(pairs, old, length)[1]
         if old >= length or not long:
             return None
         with _evaluating(model):
-            image, texts, tokenizer = self._images(run, model, size), _texts(pairs), run.processor.tokenizer
-            rows, owner = (_chunks(tokenizer, [texts[i] for i in long], old) if mode == "chunks" else
-                           (_cut(tokenizer, [texts[i] for i in long], length if mode == "whole" else old), None))
-            text = _text_features(run, model, rows, length if mode == "whole" else old, owner=owner)
-            t2i, i2t = _directions(text, image[long])
-            pool = short or long  # with no short caption, the long ones cut at the old length
-            cut = _cut(tokenizer, [texts[i] for i in pool], old)
-            original = _retrieval(_text_features(run, model, cut, old), image[pool])[0].mean()
+            image, texts, tokenizer = self._images(run, model, size), caption_texts(pairs), run.processor.tokenizer
+            rows, owner = (chunk_ids(tokenizer, [texts[i] for i in long], old) if mode == "chunks" else
+                           (cut_ids(tokenizer, [texts[i] for i in long], length if mode == "whole" else old), None))
+            text = text_features(run, model, rows, length if mode == "whole" else old, owner=owner)
+            t2i, i2t = directions(text, image[long])
+            pool, shorts = distinct_shorts(tokenizer, texts, old)
+            original = (retrieval(text_features(run, model, shorts, old), image[pool])[0].mean() if len(pool) > 1
+                        else math.nan)
         far = float((t2i.mean() + i2t.mean()) / 2)
         return Reading(far=far, original=float(original), metric="R@1", higher=True,
                        parts={"text→image": float(t2i.mean()), "image→text": float(i2t.mean())})
@@ -321,22 +310,6 @@ def _start(run: RunContext) -> None:
                 state.frozen = keep
 
 
-def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
-    """The model whose ``get_text_features`` and ``get_image_features`` a forward calls (DDP's or peft's inside)."""
-    inner = getattr(model, "module", model)
-    base = getattr(inner, "base_model", None)
-    return getattr(base, "model", inner) if base is not None and base is not inner else inner
-
-
-def _sigmoid(model: torch.nn.Module) -> bool:  # a SigLIP: the sigmoid loss, its text padded to its length
-    return getattr(getattr(_unwrapped(model), "config", None), "model_type", None) in SIGMOID
-
-
-def first_sentence(caption: str) -> str:
-    """Long-CLIP's short caption: the caption's first sentence."""
-    return SENTENCE.split(caption.strip(), maxsplit=1)[0]
-
-
 def pca(x: torch.Tensor, k: int) -> torch.Tensor:
     """``x`` (rows of features) reduced to its ``k`` principal components and mapped back (Long-CLIP's ``PCA``). The
     components are found without gradient (an SVD's backward divides by gaps between singular values, which a small
@@ -350,7 +323,7 @@ def pca(x: torch.Tensor, k: int) -> torch.Tensor:
 
 def _pair_loss(model: torch.nn.Module, image: torch.Tensor, text: torch.Tensor, sigmoid: bool) -> torch.Tensor:
     """Symmetric InfoNCE (label smoothing 0.1, scale clamped at 100) or, for SigLIP, its sigmoid loss."""
-    inner = _unwrapped(model)
+    inner = inner_model(model)
     if sigmoid:
         logits = text @ image.T * inner.logit_scale.exp() + inner.logit_bias
         signs = 2 * torch.eye(len(text), device=text.device) - 1
@@ -366,134 +339,6 @@ def _anchor(run: RunContext, rows: list[list[int]], features: torch.Tensor) -> t
     """The cosine distance between ``features`` (the model's, of the short captions ``rows``) and the frozen
     source's features of them, at its own length."""
     with torch.no_grad():
-        target = _text_features(run, run.reference.to(run.accelerator.device), rows, min(run.old_length, run.length))
+        target = text_features(run, run.reference.to(run.accelerator.device), rows, min(run.old_length, run.length))
     return (1 - (features * target).sum(-1)).mean()
 
-
-def _pooled(out: Any) -> torch.Tensor:
-    """Features from ``get_*_features``: a tensor, or (transformers 5) an output's ``pooler_output``."""
-    return out if isinstance(out, torch.Tensor) else out.pooler_output
-
-
-def _texts(pairs: Pairs) -> list[str]:  # the captions alone (ImageData's column: no image decoded)
-    return list(pairs.data.dataset["text"]) if hasattr(pairs.data, "dataset") else [d["text"] for d in pairs.data]
-
-
-def _pools(pairs: Pairs, old: int, length: int) -> tuple[list[int], list[int]]:
-    """The held-out pairs whose caption fits the old length, and those longer (all in one pool when not extended)."""
-    if old >= length:
-        return list(range(len(pairs))), []
-    return [i for i, n in enumerate(pairs.tokens) if n <= old], [i for i, n in enumerate(pairs.tokens) if n > old]
-
-
-def _cut(tokenizer: Any, texts: list[str], length: int) -> list[list[int]]:
-    """Each caption's token ids (its special tokens included), cut at ``length``."""
-    return tokenizer(texts, truncation=True, max_length=length)["input_ids"]
-
-
-def _chunks(tokenizer: Any, texts: list[str], length: int) -> tuple[list[list[int]], list[int]]:
-    """Each caption in chunks of whole sentences of at most ``length`` tokens (a longer sentence cut in windows),
-    each framed by the tokenizer's special tokens; and the caption each chunk belongs to."""
-    full, bare = tokenizer("a")["input_ids"], tokenizer("a", add_special_tokens=False)["input_ids"]
-    at = next(i for i in range(len(full)) if full[i:i + len(bare)] == bare)
-    head, tail = full[:at], full[at + len(bare):]
-    room = max(1, length - len(head) - len(tail))
-    rows, owner = [], []
-    for k, text in enumerate(texts):
-        current: list[int] = []
-        for sentence in SENTENCE.split(text.strip()):
-            ids = tokenizer((" " if current else "") + sentence, add_special_tokens=False)["input_ids"]
-            if current and len(current) + len(ids) > room:
-                rows.append(current)
-                current = []
-            current += ids
-            while len(current) > room:
-                rows.append(current[:room])
-                current = current[room:]
-        rows += [current] if current else []
-        owner += [k] * (len(rows) - len(owner))
-    return [head + row + tail for row in rows], owner
-
-
-def _padded(tokenizer: Any, rows: list[list[int]], width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token rows padded (with the tokenizer's pad id) to ``width``, and their attention mask."""
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, row in enumerate(rows):
-        ids[i, :len(row)], mask[i, :len(row)] = torch.as_tensor(row[:width]), 1
-    return ids, mask
-
-
-def _masked(tokenizer: Any, mask: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The attention mask as a keyword, where the tokenizer makes one (SigLIP's reads its padding unmasked)."""
-    return {"attention_mask": mask} if "attention_mask" in getattr(tokenizer, "model_input_names", ()) else {}
-
-
-def _text_features(run: RunContext, model: torch.nn.Module, rows: list[list[int]], length: int,
-                   owner: list[int] | None = None) -> torch.Tensor:
-    """Normalised text features of token rows (padded as the family reads them: SigLIP to ``length``); with
-    ``owner``, the mean of each caption's chunks, normalised (chunk-and-average)."""
-    tokenizer, inner = run.processor.tokenizer, _unwrapped(model)
-    ids, mask = _padded(tokenizer, rows, length if _sigmoid(model) else max(len(r) for r in rows))
-
-    def features(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-        return _pooled(inner.get_text_features(input_ids=x, **_masked(tokenizer, m)))
-
-    text = F.normalize(_sliced(run, features, {"x": ids, "m": mask}), dim=-1)
-    if owner is None:
-        return text
-    index = torch.as_tensor(owner, device=text.device)
-    summed = torch.zeros(int(index.max()) + 1, text.shape[1], device=text.device).index_add_(0, index, text.float())
-    return F.normalize(summed, dim=-1)
-
-
-def _image_inputs(image_processor: Any, images: list[Any]) -> dict[str, torch.Tensor]:
-    """What the image processor makes of ``images`` for the model (pixels; SigLIP2's masks and patch grids too)."""
-    return {k: v for k, v in image_processor(images, return_tensors="pt").items() if isinstance(v, torch.Tensor)}
-
-
-def _sliced(run: RunContext, fn: Any, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-    """``fn(**inputs)`` on the run's device, in slices of 64 rows (all at once when training: one graph)."""
-    device, n = run.accelerator.device, len(next(iter(inputs.values())))
-    step = n if torch.is_grad_enabled() else 64
-    return torch.cat([fn(**{k: v[i:i + step].to(device) for k, v in inputs.items()}) for i in range(0, n, step)])
-
-
-def _directions(text: torch.Tensor, image: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each pair's R@1 text→image and image→text; a tie at the top shares the hit (ties of identical inputs)."""
-    sim = (text.float() @ image.float().T).cpu()
-    top = [s >= s.max(1, keepdim=True).values for s in (sim, sim.T)]
-    return tuple(t.diagonal().float() / t.sum(1) for t in top)
-
-
-def _retrieval(text: torch.Tensor, image: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each pair's R@1 (text→image and image→text averaged) and its InfoNCE loss at scale 100, in this pool."""
-    t2i, i2t = _directions(text, image)
-    logits = 100 * (text.float() @ image.float().T).cpu()
-    target = torch.arange(len(text))
-    loss = (F.cross_entropy(logits, target, reduction="none") + F.cross_entropy(logits.T, target, reduction="none")) / 2
-    return (t2i + i2t) / 2, loss
-
-
-def image_pixels(image_processor: Any) -> tuple[int, int] | None:
-    """The (height, width) of the images ``image_processor`` makes: its crop, else its size (a shortest edge: square)."""
-    data = image_processor.to_dict()
-    size = data.get("crop_size") if data.get("do_center_crop") and data.get("crop_size") else data.get("size")
-    size = {"height": size, "width": size} if isinstance(size, int) else size or {}
-    side = size.get("shortest_edge")
-    return (int(size["height"]), int(size["width"])) if size.get("height") and size.get("width") else \
-        (int(side), int(side)) if side else None
-
-
-def sized(image_processor: Any, size: tuple[int, int]) -> Any:
-    """A copy of ``image_processor`` making images of ``size`` (height, width), its settings changed as ``resize-model``
-    writes them (:func:`posextend.resize.writer.processor_config`)."""
-    from posextend.resize.writer import processor_config
-
-    current = image_pixels(image_processor)
-    if current is None or tuple(current) == tuple(size):
-        return image_processor
-    data = image_processor.to_dict()
-    changed = processor_config({k: data[k] for k in ("size", "crop_size") if data.get(k)}, current, tuple(size))
-    return type(image_processor).from_dict({**data, **changed})

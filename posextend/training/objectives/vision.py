@@ -5,16 +5,14 @@
   cross-entropy on the head. The data's class names map to the checkpoint's ``id2label`` by name (a label's
   comma-separated aliases count); only when they differ, or the checkpoint has no head, does the model get a new
   head for the data's classes, and the run says so.
-- **Label-free** otherwise: the source, frozen, reads each image at its own size and the model at the new one,
-  moved by up to a tenth of its side. A classifier matches the source's head outputs (KL), plus SHOT's information
-  maximisation (each output sure, the batch's spread); a tower without a head, its pooled embedding and patch
-  features resampled to the source's grid (cosine). It trains its whole budget.
+- **Label-free** otherwise (:mod:`posextend.training.objectives.label_free`): the source, frozen, is the teacher at its
+  own size. It trains its whole budget.
 
 Judged on held-out images: the head's accuracy where it knows their classes, else the k-nearest-neighbour accuracy
 of the pooled embeddings (each held-out image against the others). The baseline is the source reading them at its
-own resolution; the control, the trained model reading them there too (what the new resolution itself adds). Images
-without labels give no verdict (nothing says which reading is better): the run reports how closely the model's
-embeddings agree with the source's.
+own resolution; the control, the trained model reading them there too (what the new resolution itself adds). Held-out
+images without labels are labelled by the teacher (the source's head at its own size), and read as the share the model
+predicts as it does: the baseline is then the source at the new size untrained (see the label-free module).
 
 One file, registered through the ``posextend.objectives`` entry point, as a third-party objective is.
 """
@@ -39,11 +37,10 @@ from posextend.scoring.by_position import Bucket, EvalReport
 from posextend.scoring.verdict import Reading
 from posextend.training.context import RunContext
 from posextend.training.loading import Loaded, attention_kwargs, load_processor, loaded
-from posextend.training.objectives.base import (CheckpointFacts, Objective, draw_mates, register_objective,
-                                               without_dropout)
+from posextend.training.objectives.base import CheckpointFacts, Objective, register_objective, without_dropout
+from posextend.training.objectives.label_free import TEACHER, LabelFree
 from posextend.training.towers import (NEW_HEAD, Features, NewHead, agreement, divergence, features, forward,
-                                       information, knn_accuracy, label_map, match, moved_back, output_size,
-                                       random_moves, replace_head, resized_copy, set_size, shifted)
+                                       knn_accuracy, label_map, output_size, replace_head, resized_copy, set_size)
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +59,9 @@ class Seen:
     labels: list[int | None] | None = None
     source_size: tuple[int, int] | None = None
     source_pooled: torch.Tensor | None = None  # the source's held-out embeddings, for the agreement
+    teacher: torch.Tensor | None = None  # the teacher's labels of unlabelled held-out images (its head's argmax)
     at_old: tuple[Any, float | None] | None = None
-    baseline_metric: str = ACCURACY  # how the baseline read the source: its head, or the k-NN of its embeddings
+    baseline_metric: str = ACCURACY  # how the baseline read the source: its head, the k-NN, or the teacher's labels
     warned: set[str] = field(default_factory=set)
 
 
@@ -73,7 +71,7 @@ class Seen:
                 "head, cross-entropy), label-free otherwise (the source at its own size as the teacher); judged by "
                 "held-out accuracy against the source at its own size.",
 )
-class Vision(Objective):
+class Vision(LabelFree, Objective):
     """A vision tower at a new resolution; see the module."""
 
     model_class = "AutoModelForImageClassification"
@@ -83,7 +81,7 @@ class Vision(Objective):
     State = Seen
     stream = False
     eval_sequences = 256  # held-out images each check reads
-    steps = 300  # without labels (no verdict): the steps trained when no budget is given
+    steps = 300  # without a verdict (no labels, no head to label them): the steps trained when no budget is given
     # what benchmarks/vision.py reads with them (a 2-layer, 128-wide ViT, 16 -> 32 px): docs/reference/benchmarks.md
     lr = {"new-rows": 1e-3, "positions": 1e-3, "all": 1e-4, "lora": 1e-3}
     schedule = {"new-rows": "constant", "positions": "constant", "all": "cosine", "lora": "cosine"}
@@ -128,13 +126,6 @@ class Vision(Objective):
         if chosen.classes is None:
             chosen._label_free()
         return chosen
-
-    def _label_free(self) -> None:
-        if "anchor" in vars(self) and not self.anchor:
-            raise TrainingError("Label-free training learns from the source model itself, which an anchor of 0 "
-                                "leaves out: leave the anchor unset, or give images with labels.")
-        # SHOT's spread needs a batch's worth; readings creep up from the teacher's by less than a check's noise
-        self.anchor, self.mates, self.early_stop = self.anchor or 1.0, 7, False
 
     def load_model(self, directory: Path, *, init_head: bool) -> Loaded:
         """Supervised: the family's image classifier, its head mapped to the data's classes by name, or a new one
@@ -233,21 +224,6 @@ class Vision(Objective):
             loss = loss + self.anchor * divergence(student.logits, self._teacher(run, images).logits)
         return loss, len(batch)
 
-    def _distilled(self, run: RunContext, positions: range, images: list[Any]) -> torch.Tensor:
-        """Label-free, on the samples and :attr:`mates` more each (see the module): matching the source learns its
-        readings; made sure and steady under the move too, they read better than it (benchmarks/vision.py)."""
-        mates, generators = draw_mates(run, positions, self.mates)
-        images = images + [item["image"] for item in mates]
-        pixels = self._pixels(run, images, run.image_size).to(run.accelerator.device)
-        (height, width), grid = pixels.shape[-2:], self._grid(run, run.image_size)
-        moves = random_moves(generators, (round(height * self.shift), round(width * self.shift)), 1 + self.mates)
-        out, base = forward(run.model, run.unwrapped, shifted(pixels, moves))
-        student = moved_back(features(out, base, grid, len(images)), moves, (height // grid[0], width // grid[1]))
-        teacher = self._teacher(run, images)
-        if student.logits is None or teacher.logits is None:
-            return match(student, teacher)
-        return divergence(student.logits, teacher.logits) + information(student.logits)
-
     def _train_ids(self, run: RunContext) -> list[int] | None:
         """The model's class id of each of the data's classes (supervised), or None (label-free: the source as the
         teacher, which must be there). Checked once: a new head trains; an anchor has the source's head to hold to."""
@@ -265,14 +241,6 @@ class Vision(Objective):
             raise TrainingError("The new head for the data's classes would not train with only the positions: train "
                                 "every parameter or lora.")
         return ids
-
-    @torch.no_grad()
-    def _teacher(self, run: RunContext, images: list[Any]) -> Features:
-        source = run.reference.to(run.accelerator.device)
-        size = self._source_size(run)
-        pixels = self._pixels(run, images, size).to(run.accelerator.device)
-        out, base = forward(source, source, pixels)
-        return features(out, base, self._grid(run, size), len(images))
 
     # ------------------------------------------------------------------ reading held-out images
 
@@ -364,9 +332,11 @@ class Vision(Objective):
 
     def _score(self, run: RunContext, read: Features, config: Any, *, head: bool = True) -> tuple[str, float, float]:
         """``(metric, score, loss)`` of a reading: the head's accuracy (and cross-entropy) where it knows the
-        held-out classes (and ``head``), else the k-NN accuracy; without labels, the cosine agreement with the
-        source's embeddings at its own size."""
+        held-out classes (and ``head``), else the k-NN accuracy; without labels, the share read as the teacher
+        labels them (a source with a head), else how closely the embeddings find the source's at its own size."""
         if not self._labelled(run):
+            if run.state.teacher is not None and read.logits is not None:
+                return self._agreed(run, read)
             if run.state.source_pooled is None:
                 raise DataError("Scoring a vision model needs labelled held-out images (a subfolder per class), or "
                                 "a fine-tune's source to compare with.")
@@ -379,6 +349,14 @@ class Vision(Objective):
             return ACCURACY, float((read.logits.argmax(1) == target).float().mean()), loss
         accuracy = knn_accuracy(read.pooled, labels)
         return KNN, accuracy, 1 - accuracy
+
+    def _metric(self, run: RunContext) -> str:
+        """What the verdict's readings are: the accuracy on the held-out labels, or on the teacher's."""
+        return ACCURACY if run.state.teacher is None else TEACHER
+
+    def _judged(self, run: RunContext) -> bool:
+        """The held-out images have labels (:meth:`_labelled`), or the teacher's."""
+        return self._labelled(run) or run.state.teacher is not None
 
     def _labelled(self, run: RunContext) -> bool:
         """The held-out images all have labels, of two classes or more."""
@@ -409,20 +387,22 @@ class Vision(Objective):
 
     def baseline(self, run: RunContext, source: torch.nn.Module) -> Reading | None:
         """The source reading the held-out images at its own size: the accuracy of its head where it knows their
-        classes (not a head made for them), else the k-NN accuracy of its embeddings. None without labels (no
-        verdict)."""
+        classes (not a head made for them), else the k-NN accuracy of its embeddings. Without labels, the source
+        read at the run's size untrained against its own labels at its own size (:meth:`_teacher_baseline`)."""
         source = source.to(run.accelerator.device)
         state: Seen = run.state
         state.source_size = self._own_size(run, source)
         read = self._read(run, source, source, state.source_size)
         state.source_pooled = read.pooled
         if not self._labelled(run):
-            return None
+            return self._teacher_baseline(run, source, read)
         own_head = not getattr(source, NEW_HEAD, None)  # a head made for the data's classes has learned nothing yet
         state.baseline_metric, accuracy, _ = self._score(run, read, source.config, head=own_head)
         return Reading(far=accuracy, original=math.nan, metric=ACCURACY, higher=True)  # one size read: no old range
 
     def baseline_name(self, run: RunContext) -> str:
+        if run.state.baseline_metric == TEACHER:
+            return self._teacher_baseline_name(run)
         h, w = self._source_size(run)
         knn = " (the k-NN accuracy of its embeddings)" if run.state.baseline_metric == KNN else ""
         return f"the source at its own {h}x{w} px{knn}"
@@ -430,17 +410,18 @@ class Vision(Objective):
     def reading(self, run: RunContext) -> Reading | None:
         """The trained model's held-out accuracy at the run's size (``far``). No original range: the model is read at
         its new size, so its accuracy at the source's is its control (what the new size adds), not a range to keep."""
-        if tuple(run.image_size) == self._source_size(run) or not self._labelled(run):
+        if tuple(run.image_size) == self._source_size(run) or not self._judged(run):
             return None
         far = self._accuracy(run, run.model, run.unwrapped, tuple(run.image_size))
-        return None if far is None else Reading(far=far, original=math.nan, metric=ACCURACY, higher=True)
+        return None if far is None else Reading(far=far, original=math.nan, metric=self._metric(run), higher=True)
 
     def control(self, run: RunContext) -> Reading | None:
         """The same trained model reading the held-out images at the source's size: what the new size itself adds."""
-        if tuple(run.image_size) == self._source_size(run) or not self._labelled(run):
+        if tuple(run.image_size) == self._source_size(run) or not self._judged(run):
             return None
         accuracy = self._at_old(run)
-        return None if accuracy is None else Reading(far=accuracy, original=accuracy, metric=ACCURACY, higher=True)
+        return None if accuracy is None else Reading(far=accuracy, original=accuracy, metric=self._metric(run),
+                                                     higher=True)
 
     def control_name(self, run: RunContext) -> str:
         h, w = self._source_size(run)
@@ -489,12 +470,4 @@ class Vision(Objective):
         if self.classes and label_map(self.classes, run.unwrapped.config) is not None:
             head = getattr(run.unwrapped, NEW_HEAD, None) or "the head's own"
             return [f"vision: supervised on {len(self.classes)} classes, {head}"]
-        h, w = self._source_size(run)
-        taught = ("its head's outputs, made sure and spread" if "ForImageClassification" in type(run.unwrapped).__name__
-                  else "its pooled embedding and patch features")
-        lines = [f"vision: label-free, the source at {h}x{w} px as the teacher ({taught}); {self.mates} mates a "
-                 f"sample, each image moved by up to {self.shift:.0%} of its side"]
-        if run.state.labels is not None and not self._labelled(run):
-            lines.append("vision: no labels among the held-out images, so no verdict: give labelled held-out images "
-                         "(a subfolder per class) for one")
-        return lines
+        return self._free_notes(run, self._labelled(run))
