@@ -422,4 +422,11 @@ def test_a_source_that_reads_the_held_out_data_from_memory_is_named():
     assert not near.source_memorised and near.advice is None  # within reach: a budget may still do it
     untrained = Verdict(base, read, "x", budget="15min", curve=[Point(0, 0.0, 0.95, math.nan), curve[1]])
     assert not untrained.source_memorised  # training did not improve it: no sign of memory
+    # an image size is named as what it is, not as a longer context
+    image = Verdict(Reading(0.3, math.nan, "accuracy", True), Reading(0.6, math.nan, "accuracy", True), "the source",
+                    controls={"the same model at 16x16 px": Reading(0.62, math.nan, "accuracy", True)},
+                    extension="the larger image", whole="at the new size")
+    assert image.text == ("the fine-tune helped, the larger image did not: far range accuracy 0.600 at the new size "
+                          "against 0.620 for the same model at 16x16 px (0.300 for the source)")
+    assert image.advice == "fine-tune at the old size instead, or train longer: the larger image has not paid yet"
 

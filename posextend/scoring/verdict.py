@@ -80,6 +80,8 @@ class Verdict:
     curve: list[Point] = field(default_factory=list)
     controls: dict[str, Reading] = field(default_factory=dict)
     old_length: int | None = None
+    extension: str = "the longer context"  # what the run gives the model, as the verdict names it ("the larger image")
+    whole: str = "with the whole context"  # how the reading reads the far range ("at the new size")
 
     @property
     def far_ratio(self) -> float:
@@ -127,8 +129,8 @@ class Verdict:
         original = f"; original range {_num(r.original)} against {_num(b.original)} ({change})" if self.has_original else ""
         controls = " and ".join(f"{_num(c.far)} for {name}" for name, c in self.controls.items())
         if self.far_wins and self.context_loses_to is not None:
-            return (f"the fine-tune helped, the longer context did not: far range {unit} {_num(r.far)} with the whole "
-                    f"context against {controls} ({_num(b.far)} for {self.baseline_name}){original}")
+            return (f"the fine-tune helped, {self.extension} did not: far range {unit} {_num(r.far)} {self.whole} "
+                    f"against {controls} ({_num(b.far)} for {self.baseline_name}){original}")
         head = "worth it" if self.worth_it else ("not yet worth it" + (" within the budget" if self.budget else ""))
         short = shortfalls(r, b, self.tolerance)
         behind = ", ".join(f"{k} {_num(r.parts[k])} against {_num(b.parts[k])}" for k in short)
@@ -158,6 +160,8 @@ class Verdict:
         """What to do when the longer context is what fails, or when the held-out data may be the source's own
         training data (None otherwise): the words follow the verdict's line."""
         if self.far_wins and self.context_loses_to:
+            if self.extension != Verdict.extension:  # not a length of tokens: an image size
+                return f"fine-tune at the old size instead, or train longer: {self.extension} has not paid yet"
             longer = f"longer than {self.old_length} tokens" if self.old_length else "longer than the old length"
             return f"fine-tune at the old length instead, or train longer on documents {longer}"
         if self.source_memorised:
@@ -247,7 +251,7 @@ def plot_verdict(verdict: Verdict, path: Any, reports: dict[str, Any] | None = N
     b, r = verdict.baseline, verdict.reading
     far = (f"far {r.far - b.far:+.3f} over the baseline" if b.higher  # an accuracy: a ratio of them means little
            else f"far x{verdict.far_ratio:.3f} of the baseline")
-    head = ("worth it" if verdict.worth_it else "the longer context did not help" if verdict.context_loses_to
+    head = ("worth it" if verdict.worth_it else f"{verdict.extension} did not help" if verdict.context_loses_to
             and verdict.far_wins else "not yet worth it")
     original = f", original {100 * verdict.original_change:+.1f}%" if verdict.has_original else ""
     ax.set_title(f"{head}: {far}{original}", fontsize=10)

@@ -91,6 +91,8 @@ class Judge:
     tokens_per_step: int = 1
     control_name: str = ""  # how the model's own control reads the text ("the same model through a 64-token window")
     old_length: int | None = None  # the positions without the extension (the verdict's advice names them)
+    extension: str = Verdict.extension  # what the run gives the model, as the verdict names it
+    whole: str = Verdict.whole  # how the verdict says the far range was read
     controls: dict[str, Reading] = field(default_factory=dict)  # the controls read last, by name (the verdict's)
     controls_step: int | None = None  # the step they were read at
     start: float = field(default_factory=time.perf_counter)
@@ -212,7 +214,8 @@ class Judge:
 
     def _verdict(self, reading: Reading, controls: dict[str, Reading], **more) -> Verdict:
         return Verdict(self.baseline, reading, self.baseline_name, margin=self.margin, tolerance=self.tolerance,
-                       controls=controls, old_length=self.old_length, **more)
+                       controls=controls, old_length=self.old_length, extension=self.extension, whole=self.whole,
+                       **more)
 
     def verdict(self, reading: Reading | None, controls: dict[str, Reading] | None = None) -> Verdict | None:
         """The final reading against the baseline and the controls read with it (None without a baseline)."""

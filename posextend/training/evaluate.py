@@ -54,7 +54,8 @@ def _verdict(chosen: Objective, checkpoint: Checkpoint, run: RunContext) -> Verd
         return None
     control = chosen.control(run)  # the checkpoint itself without its longer context
     controls = {chosen.control_name(run): control} if control is not None else {}
-    return Verdict(baseline, reading, chosen.baseline_name(run), controls=controls, old_length=run.old_length)
+    return Verdict(baseline, reading, chosen.baseline_name(run), controls=controls, old_length=run.old_length,
+                   extension=chosen.extension, whole=chosen.whole)
 
 
 def evaluate(

@@ -204,7 +204,8 @@ def setup(checkpoint: Checkpoint, dst: Path, data: Sequence[str | Path], config:
     del source
     _, tokens = chosen.count(batch_rows(0, config.batch_size, train_seqs, config.seed, stream=chosen.stream))
     run.judge = _judge(chosen, config, baseline, tokens_per_step=tokens * config.grad_accum * accelerator.num_processes,
-                       control=dict(control_name=chosen.control_name(run), old_length=sizes.old_length))
+                       control=dict(control_name=chosen.control_name(run), old_length=sizes.old_length,
+                                    extension=chosen.extension, whole=chosen.whole))
     schedule.steps = run.judge.steps or chosen.steps
     if run.judge.keep_best:
         run.best_weights = BestWeights(prepared, run.state_dir)

@@ -107,7 +107,10 @@ class Objective:
     unused_parameters: ClassVar[bool] = False  # some trainable parameters get no gradient from the loss
     steps: ClassVar[int] = 200  # default number of optimizer steps
     eval_sequences: ClassVar[int] = 16  # held-out samples each check reads, unless the run sets them
-    early_stop: ClassVar[bool] = True  # a budget's run stops once worth it (False: it trains the whole budget)
+    early_stop: ClassVar[bool] = True  # a budget's run may stop once its reading stops improving (False: it trains
+    # the whole budget)
+    extension: ClassVar[str] = "the longer context"  # what the run gives the model, as its verdict names it
+    whole: ClassVar[str] = "with the whole context"  # how its verdict says the extended model read the far range
     # its samples are consecutive windows of one stream of tokens (what :meth:`samples` cuts by default), so each
     # pass over the data after the first may cut them at another offset (:func:`posextend.training.batches.batch_rows`);
     # False for samples of another kind

@@ -81,6 +81,7 @@ class Vision(LabelFree, Objective):
     State = Seen
     stream = False
     eval_sequences = 256  # held-out images each check reads
+    extension, whole = "the larger image", "at the new size"  # its verdict's words
     steps = 300  # without a verdict (no labels, no head to label them): the steps trained when no budget is given
     # what benchmarks/vision.py reads with them (a 2-layer, 128-wide ViT, 16 -> 32 px): docs/reference/benchmarks.md
     lr = {"new-rows": 1e-3, "positions": 1e-3, "all": 1e-4, "lora": 1e-3}
