@@ -27,15 +27,23 @@ from posextend.training.options import EVALUATION, MOST, FinetuneConfig
 
 class _ListsObjectives(Command):
     """A command whose ``--objective`` help ends with the registered objectives (plug-ins included), each with
-    its help line: listed when the command runs or shows its help, since the objectives import torch."""
+    its help line, and whose ``--lr``, ``--schedule``, ``--strategy`` and ``--anchor`` help end with each one's
+    default (:func:`~posextend.training.objectives.defaults_help`): made from the registry when the command runs or
+    shows its help, since the objectives import torch."""
 
     def get_params(self, ctx: Any) -> list[Any]:
         params = super().get_params(ctx)
         for param in params:
-            if param.name == "objective" and not getattr(param, "lists_objectives", False):
+            if getattr(param, "lists_objectives", False):
+                continue
+            if param.name == "objective":
                 from posextend.training.objectives import objectives_help
 
                 param.help, param.lists_objectives = f"{param.help}\n\n{objectives_help()}", True
+            elif param.name in ("lr", "schedule", "strategy", "anchor") and self.name == "finetune":
+                from posextend.training.objectives import defaults_help
+
+                param.help, param.lists_objectives = f"{param.help}\n\n{defaults_help(param.name)}", True
         return params
 
 

@@ -110,13 +110,13 @@ class FinetuneConfig:
         "too (--length sizes the encoder's).")
     strategy: str | None = _option(
         None, "How --length (or --image-size) fills the new positions, listed by `posextend strategies` (default: the "
-        "best in our benchmarks, interpolate for causal LMs with --train all or lora, kps for image-text models, bicubic "
-        "for image grids, else tile; see docs/concepts/strategies.md).",
+        "best in our benchmarks, by objective and --train, listed below; an image grid that grows takes bicubic where "
+        "the objective's default resizes only lengths; see docs/concepts/strategies.md).",
         short="-s", metavar="NAME", panel=MOST)
     params: Mapping[str, Any] | None = _option(
         None, PARAM_HELP, flag="--param", short="-p", metavar="KEY=VALUE", cli_type=list[str])  # parse_params reads them
     steps: int | None = _option(
-        None, "Train exactly this many steps (default: train until the extension is worth it, within --budget).",
+        None, "Train exactly this many steps (default: train while the held-out reading improves, within --budget).",
         panel=MOST)
     budget: str | None = _option(
         None, "What training may spend: a time (15min, 1h), tokens (20M tokens) or steps (2000 steps). It stops "
@@ -130,12 +130,10 @@ class FinetuneConfig:
         "on the attention with the position table and norms, merged into the output: for models too big to train "
         "whole).", metavar="WHAT", panel=MOST)
     lr: float | None = _option(
-        None, "Learning rate (default by --train: new-rows 3e-3, positions 1e-3; lora: causal 2e-3, contrastive 5e-4, "
-        "else 1e-3; all: 1e-3 for causal LMs up to 192 wide, scaled down by 192/width for wider ones, 1e-4 masked, "
-        "5e-5 contrastive).", panel=TRAINING)
+        None, "Learning rate (default: by objective and --train, listed below).", panel=TRAINING)
     schedule: Literal["constant", "cosine"] | None = _option(
-        None, "Learning rate after a 10% warm-up: constant, or cosine down to 10% (default: cosine for causal LMs "
-        "and contrastive with --train all or lora, else constant).", metavar="NAME", panel=TRAINING)
+        None, "Learning rate after a 10% warm-up: constant, or cosine down to 10% (default: by objective and --train, "
+        "listed below).", metavar="NAME", panel=TRAINING)
     batch_size: int = _option(4, {"finetune": "Sequences per micro-batch (per process).",
                                   "eval": "Sequences per batch."}, panel={"finetune": TRAINING})
     grad_accum: int = _option(1, "Micro-batches per optimizer step (a larger batch in the same memory).",
@@ -159,8 +157,9 @@ class FinetuneConfig:
         False, "Also fine-tune SRC at its own length on the same training text and as many tokens, and read it as the "
         "source reads held-out text: what you would get without extending. The extension must beat it too to be worth "
         "it (about twice the run's time and memory).", panel=EVALUATION)
-    margin: float = _option(MARGIN, "How much better than the source's own reading the far positions must read "
-                                    "held-out text to stop early (0.03: 3% lower perplexity).", panel=EVALUATION)
+    margin: float = _option(MARGIN, "How much better than the source's own reading (and the controls') the far "
+                                    "positions must read held-out data for the extension to be worth it (0.03: 3% "
+                                    "lower perplexity).", panel=EVALUATION)
     tolerance: float = _option(TOLERANCE, "How much worse the first positions (the old length) may read it than the "
                                           "source does (0.02: 2%).", panel=EVALUATION)
     save_every: int = _option(0, "Save resumable state to DST.state/ every N steps.", panel=TRAINING)
@@ -176,9 +175,9 @@ class FinetuneConfig:
         "eval": "Score as this objective does (default: the one finetune would use). Registered objectives:"},
         metavar="NAME", panel={"finetune": MOST})
     anchor: float | None = _option(
-        None, "How strongly training keeps the outputs on inputs within the old length as they were (default: "
-        "causal 1, contrastive 2, seq2seq 0; 0 turns it off and saves a copy of the model in memory; see "
-        "docs/concepts/training.md).", panel=TRAINING)
+        None, "How strongly training keeps the outputs on inputs within the old length as they were (0 turns it off "
+        "and saves a copy of the model in memory; see docs/concepts/training.md; default: by objective, listed "
+        "below).", panel=TRAINING)
     source: str | Path | None = _option(
         None, "The original model the anchor compares with, when SRC was resized earlier (default: the model "
         "SRC was resized from, as posextend recorded in SRC's files, when it is still there).", metavar="PATH")

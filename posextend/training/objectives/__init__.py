@@ -16,6 +16,7 @@ from posextend.training.objectives.base import (
     Objective,
     available_objectives,
     default_objective,
+    defaults_help,
     get_objective,
     objectives_help,
     register_objective,
@@ -23,4 +24,4 @@ from posextend.training.objectives.base import (
 from posextend.training.objectives import causal, contrastive, masked  # noqa: F401  (they register the built-ins)
 
 __all__ = ["CheckpointFacts", "Objective", "RunContext", "available_objectives", "default_objective", "get_objective",
-           "objectives_help", "register_objective"]
+           "defaults_help", "objectives_help", "register_objective"]
