@@ -1,8 +1,8 @@
 """No harm first: does an extended, fine-tuned LM read its far tokens worse with its whole context than
 through its old window, and which change fixes it? (issue 60, item 1)
 
-    python benchmarks/no_harm.py --data ../shared/data/austen --json docs/no_harm.json   # ~25 min on 1 CPU core
-    python benchmarks/no_harm.py --data ../shared/data/austen --quick                      # < 1 min (the tests)
+    python benchmarks/no_harm.py --data ../shared/data/austen --json docs/no_harm.json   # ~30 min on 1 CPU core (+15 to pretrain the reference once)
+    python benchmarks/no_harm.py --data ../shared/data/austen --quick                      # ~30 s
 
 A small GPT-2 is pretrained here at ``length`` positions (``quality.py``'s ``build_reference``, cached) on the
 ``--train`` novels, extended 4x and fine-tuned on the same novels, every candidate for the same number of
