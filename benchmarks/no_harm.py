@@ -1,0 +1,248 @@
+"""No harm first: does an extended, fine-tuned LM read its far tokens worse with its whole context than
+through its old window, and which change fixes it? (issue 60, item 1)
+
+    python benchmarks/no_harm.py --data ../shared/data/austen --json docs/no_harm.json   # ~30 min on 1 CPU core (+15 to pretrain the reference once)
+    python benchmarks/no_harm.py --data ../shared/data/austen --quick                      # ~30 s
+
+A small GPT-2 is pretrained here at ``length`` positions (``quality.py``'s ``build_reference``, cached) on the
+``--train`` novels, extended 4x and fine-tuned on the same novels, every candidate for the same number of
+steps of the same batch (equal cost; a candidate whose step costs more trains fewer: ``COST``; the seconds are
+printed, but on a shared machine they follow its load). Two novels are never trained on: ``--tuned`` (the one
+choices were made by looking at) and ``--aside`` (kept aside, never used to choose). Per candidate and novel,
+after training and untrained (step 0):
+
+- ``whole``: perplexity on the far range (the last half of the new length) reading the whole context;
+- ``self``: the same model reading those tokens through a sliding window of the old length, at positions
+  ``0..old-1`` (its own control); ``whole / self`` is the target (<= 1.00: the longer context does no harm);
+- ``source``: the source reading them through its own window (``whole / source``);
+- ``in place``: the same model through the same window, each window at its tokens' own positions in the long
+  sequence: against ``self`` it isolates the far positions, against ``whole`` the longer context;
+- ``original Δ``: the first ``old`` positions against the source's (target: within 2%).
+
+``--seen`` scores a training novel too (not a target: what the longer context does on text trained on).
+
+Candidates (``--candidates`` picks some):
+
+- ``defaults``: ``finetune(src, dst, data, length=4*old)``, nothing else (interpolate, train all, lr 1e-3 cosine,
+  anchor 1);
+- ``temperature``: the interpolated table with YaRN's attention temperature folded into the query and key
+  projections (each scaled by 0.1 ln s + 1, s the length factor: the logits by its square), then the same
+  fine-tune (anchored to the source);
+- ``tile``: the tile strategy in place of interpolate;
+- ``no-anchor``: the defaults with ``anchor=0`` (the anchor holds the first ``old`` positions, which see at most
+  ``old`` keys, to the source: it keeps the self control as good as the source);
+- ``temperature, no anchor``: both;
+- ``window teacher``: the anchor on every position, the far range taught by the source reading it through its
+  own window (``quality_grid.py``'s objective), at 1/1.6 of the steps (its step costs 1.6x at 4x).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import time
+from pathlib import Path
+
+import torch
+import transformers
+from quality import SETTINGS, build_reference, machine
+from quality_grid import WindowTeacher, plugin_objective
+from worth_it import ranges
+
+import posextend
+from posextend.scoring.by_position import token_losses, windows
+from posextend.scoring.text import pack, read_documents
+from posextend.scoring.verdict import far_start
+
+MODES = {
+    # the reference: 3 layers x 128 at 64 positions (issue 60's model), pretrained on --train
+    "full": dict(SETTINGS["full"], length=64, n_layer=3, n_embd=128, pretrain_steps=2000, eval_sequences=128),
+    "quick": dict(SETTINGS["quick"], length=32, n_layer=2, n_embd=48, pretrain_steps=60, eval_sequences=4,
+                  train_chars=200_000),
+}
+STEPS = {"full": 500, "quick": 6}  # fine-tune steps of every candidate (batch 4 x the new length)
+FACTOR = 4
+# label: (strategy, fold the temperature, finetune's options besides length/steps/seed)
+CANDIDATES = {
+    "defaults": ("interpolate", False, {}),
+    "temperature": ("interpolate", True, {}),
+    "tile": ("tile", False, {}),
+    "no-anchor": ("interpolate", False, {"anchor": 0.0}),
+    "temperature, no anchor": ("interpolate", True, {"anchor": 0.0}),
+    # the anchor on every position: the far range taught by the source reading it through its own window
+    # (quality_grid.py's objective); a step costs 1.6x the defaults' at 4x (quality_grid's measure), so it trains
+    # 1/1.6 of their steps
+    "window teacher": ("interpolate", False, {"objective": "window-teacher"}),
+}
+COST = {"window teacher": 1.6}  # a step's cost over the defaults' (the others: 1; no-anchor's is lower, given 1)
+
+
+def temperature(factor: float) -> float:
+    """YaRN's sqrt(1/t) for a length factor ``factor``: what the query and the key are each multiplied by."""
+    return 0.1 * math.log(factor) + 1
+
+
+def fold_temperature(model: transformers.GPT2LMHeadModel, scale: float) -> None:
+    """Multiply every layer's attention logits by ``scale ** 2``: GPT-2's fused ``c_attn`` (a Conv1D, weight
+    ``[width, 3 * width]``: query, key, value column blocks) gets its query and key columns and biases times
+    ``scale``."""
+    width = model.config.n_embd
+    with torch.no_grad():
+        for block in model.transformer.h:
+            block.attn.c_attn.weight[:, : 2 * width] *= scale
+            block.attn.c_attn.bias[: 2 * width] *= scale
+
+
+def start_model(ref: Path, dst: Path, new: int, strategy: str, fold: bool, seed: int) -> Path:
+    """The untrained start: ``ref`` resized to ``new`` by ``strategy``, the temperature folded in when ``fold``."""
+    posextend.resize_checkpoint(ref, dst, new, strategy, seed=seed, overwrite=True)
+    if fold:
+        model = transformers.AutoModelForCausalLM.from_pretrained(dst)
+        fold_temperature(model, temperature(FACTOR))
+        model.save_pretrained(dst)
+    return dst
+
+
+@torch.no_grad()
+def far_in_place(model, seqs: torch.Tensor, old: int) -> float:
+    """Far-range perplexity read through the old-length sliding window, each window at its tokens' own positions
+    in the long sequence (position ids ``first..end-1``, not ``0..old-1``): the new rows' positions with the old
+    window's context. Against ``self`` it isolates the positions; against ``whole``, the extra context."""
+    n, start = seqs.shape[1], far_start(seqs.shape[1], old)
+    loss = count = 0.0
+    for first, a, end in windows(n, old):
+        if end <= start:
+            continue
+        ids = torch.arange(first, end)[None].expand(seqs.shape[0], -1)
+        logits = model(input_ids=seqs[:, first:end], position_ids=ids).logits.float()
+        lo = max(a, start)  # predicted tokens at positions lo..end-1, from the logits one before each
+        losses = token_losses(logits[:, lo - first - 1 : end - first - 1], seqs[:, lo:end])
+        loss, count = loss + float(losses.double().sum()), count + losses.numel()
+    return math.exp(loss / count)
+
+
+def read(model, seqs: torch.Tensor, old: int) -> dict:
+    """Far range whole, through the old window (the same model) and through it in place; original range."""
+    far, original = ranges(model, seqs, old)
+    self_far, _ = ranges(model, seqs, old, window=old)
+    return {"whole": far, "self": self_far, "whole_over_self": far / self_far, "original": original,
+            "in_place": far_in_place(model, seqs, old)}
+
+
+def scored(path: Path, texts: dict[str, torch.Tensor], old: int, source: dict) -> dict:
+    model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    out = {}
+    for label, seqs in texts.items():
+        r = read(model, seqs, old)
+        r["whole_over_source"] = r["whole"] / source[label]["window"]
+        r["original_change"] = r["original"] / source[label]["original"] - 1
+        out[label] = r
+    return out
+
+
+def table(rows: dict, source: dict, labels: list[str]) -> str:
+    head = " | ".join(f"{t}: whole / self = ratio; whole / source; in place; original Δ" for t in labels)
+    lines = [f"| candidate | steps | seconds | {head} |", "|---|---|---|" + "---|" * len(labels)]
+    lines.append("| source (its own window) | – | – | " + " | ".join(
+        f"far {source[t]['window']:.1f}; original {source[t]['original']:.1f}" for t in labels) + " |")
+    for name, row in rows.items():
+        for when in ("untrained", "trained"):
+            if when not in row:
+                continue
+            cells = [f"{row[when][t]['whole']:.1f} / {row[when][t]['self']:.1f} = **{row[when][t]['whole_over_self']:.3f}**;"
+                     f" {row[when][t]['whole_over_source']:.3f}; {row[when][t]['in_place']:.1f};"
+                     f" {100 * row[when][t]['original_change']:+.1f}%"
+                     for t in labels]
+            steps, secs = (row["steps"], f"{row['seconds']:.0f}") if when == "trained" else (0, "–")
+            lines.append(f"| {name}{', untrained' if when == 'untrained' else ''} | {steps} | {secs} | "
+                         + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def progress(step: int, total: int, loss: float, tps: float) -> None:
+    if step % max(1, total // 5) == 0 or step == 10:
+        print(f"    step {step}/{total}: loss {loss:.3f} ({tps:,.0f} tok/s)", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", type=Path, required=True, help="directory of the novels (.txt)")
+    ap.add_argument("--train", nargs="+", default=["mansfieldpark.txt", "prideprejudice.txt"],
+                    help="novels to pretrain and fine-tune on")
+    ap.add_argument("--tuned", default="emma.txt", help="never trained on; the text choices were made on")
+    ap.add_argument("--aside", default="northangerabbey.txt", help="never trained on, never used to choose")
+    ap.add_argument("--seen", default="prideprejudice.txt", help="a training novel, scored as well: what the "
+                    "longer context does on text the model trained on (a diagnosis; '' leaves it out)")
+    ap.add_argument("--quick", action="store_true", help="a tiny model and a few steps (the tests)")
+    ap.add_argument("--steps", type=int, help="fine-tune steps of every candidate (default: the mode's)")
+    ap.add_argument("--candidates", nargs="+", choices=list(CANDIDATES), help="only these (default: all)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--cache", type=Path, default=Path(".cache/quality"), help="reference model cache")
+    ap.add_argument("--out", type=Path, default=Path(".bench/no_harm"), help="scratch models go here")
+    ap.add_argument("--json", type=Path, help="write the results here")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    mode = "quick" if args.quick else "full"
+    s, steps = MODES[mode], args.steps or STEPS[mode]
+    train_files = [args.data / n for n in args.train]
+    t_start = time.perf_counter()
+    ref, info = build_reference(args.cache, train_files, s, args.seed)
+    how = "cached" if info["reused"] else f"pretrained in {info['seconds']:.0f} s"
+    print(f"reference: validation loss {info['validation_curve'][-1][1]:.3f} ({how})", flush=True)
+    old, new = s["length"], s["length"] * FACTOR
+    tok = transformers.AutoTokenizer.from_pretrained(ref)
+    texts = {f"tuned {args.tuned.removesuffix('.txt')}": args.tuned, f"aside {args.aside.removesuffix('.txt')}": args.aside,
+             **({f"seen {args.seen.removesuffix('.txt')}": args.seen} if args.seen else {})}
+    texts = {label: pack(tok, read_documents([args.data / name]), new)[: s["eval_sequences"]]
+             for label, name in texts.items()}
+    src_model = transformers.AutoModelForCausalLM.from_pretrained(ref).eval()
+    source = {}
+    for label, seqs in texts.items():
+        window, original = ranges(src_model, seqs, old, window=old)
+        source[label] = {"window": window, "original": original}
+    print(f"source: {json.dumps(source)}", flush=True)
+    rows: dict[str, dict] = {}
+    args.out.mkdir(parents=True, exist_ok=True)
+    for name in args.candidates or CANDIDATES:
+        strategy, fold, options = CANDIDATES[name]
+        start = start_model(ref, args.out / "start", new, strategy, fold, args.seed)
+        row = {"strategy": strategy, "temperature": temperature(FACTOR) if fold else None, "options": dict(options),
+               "untrained": scored(start, texts, old, source)}
+        if options.get("objective") == "window-teacher":
+            options = {**options, "objective": plugin_objective(WindowTeacher, "causal-window-teacher")}
+        options = {**options, "steps": max(1, round(steps / COST.get(name, 1)))}
+        t0 = time.perf_counter()
+        if fold:  # from the folded copy: length and strategy are its already; the anchor holds to the reference
+            report = posextend.finetune(start, args.out / "tuned", train_files, seed=args.seed, progress=progress,
+                                        source=ref, old_length=old, overwrite=True, **options)
+        else:
+            report = posextend.finetune(ref, args.out / "tuned", train_files, length=new, strategy=strategy,
+                                        seed=args.seed, overwrite=True, progress=progress,
+                                        **options)
+        row.update(steps=report.steps, tokens=report.tokens, seconds=time.perf_counter() - t0, lr=report.lr,
+                   schedule=report.schedule)
+        row["trained"] = scored(args.out / "tuned", texts, old, source)
+        rows[name] = row
+        print(f"  {name}: {json.dumps({k: v for k, v in row.items() if k in ('untrained', 'trained', 'seconds')})}",
+              flush=True)
+        shutil.rmtree(args.out / "tuned", ignore_errors=True)
+    shutil.rmtree(args.out / "start", ignore_errors=True)
+    labels = list(texts)
+    text = table(rows, source, labels)
+    hardware = machine()
+    meta = {"mode": mode, "settings": s, "reference": info, "old_length": old, "new_length": new,
+            "steps": steps, "train": args.train, "tuned": args.tuned, "aside": args.aside,
+            "eval_tokens": {k: int(v.numel()) for k, v in texts.items()}, "seed": args.seed,
+            "wall_seconds": time.perf_counter() - t_start, "hardware": hardware, "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "posextend": posextend.__version__}
+    print(f"\n{text}\n\n{meta['wall_seconds'] / 60:.1f} min on {hardware}, {torch.get_num_threads()} thread(s)")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"meta": meta, "source": source, "rows": rows, "table": text}, indent=2) + "\n")
+        print(f"written: {args.json}")
+
+
+if __name__ == "__main__":
+    main()
