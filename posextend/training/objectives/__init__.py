@@ -16,11 +16,10 @@ from posextend.training.objectives.base import (
     Objective,
     available_objectives,
     default_objective,
-    defaults_help,
     get_objective,
-    objectives_help,
     register_objective,
 )
+from posextend.training.objectives.help import defaults_help, objectives_help
 from posextend.training.objectives import causal, contrastive, masked  # noqa: F401  (they register the built-ins)
 
 __all__ = ["CheckpointFacts", "Objective", "RunContext", "available_objectives", "default_objective", "get_objective",

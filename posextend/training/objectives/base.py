@@ -413,44 +413,6 @@ def default_objective(checkpoint: str | Path | Checkpoint) -> str:
     )
 
 
-def objectives_help() -> str:
-    """Every registered objective (plug-ins included), one paragraph each: its name and its help line."""
-    return "\n\n".join(f"{name}: {objective.description}" for name, objective in available_objectives().items())
-
-
-DEFAULTED = ("lr", "schedule", "strategy", "anchor")  # the options whose defaults are each objective's
-_MODES = ("all", "lora", "positions", "new-rows")  # the train modes, as the defaults' help lists them
-_FALLBACK = {"schedule": "constant", "strategy": "tile"}  # what a run takes where an objective's table lacks a mode
-
-
-def defaults_help(option: str) -> str:
-    """Each registered objective's default for ``option`` (one of :data:`DEFAULTED`), plug-ins included, one paragraph
-    each: ``finetune --help`` shows it under the option, made from the registry as the run resolves it (so an
-    installed plug-in shows up with its defaults, and adding one edits no prose)."""
-    lines = []
-    for name, objective in available_objectives().items():
-        if option == "anchor":
-            value = "none (no anchor term)" if objective.anchor is None else f"{objective.anchor:g}"
-        else:
-            table = getattr(objective, option)
-            fallback = Objective.lr if option == "lr" else {}
-            value = ", ".join(f"{mode} {_shown(table.get(mode, fallback.get(mode, _FALLBACK.get(option))))}"
-                              for mode in _MODES)
-            if option == "lr" and objective.lr_width:
-                value += f" (all: times {objective.lr_width} / width on models wider than {objective.lr_width})"
-        lines.append(f"{name}: {value}")
-    head = "Defaults by objective:" if option == "anchor" else "Defaults by objective and train mode:"
-    return head + "\n\n" + ";\n\n".join(lines) + "."
-
-
-def _shown(value: Any) -> str:
-    """A learning rate as people write it (``1e-3``, ``2.5e-4``); anything else as it is."""
-    if not isinstance(value, float):
-        return str(value)
-    mantissa, exponent = f"{value:e}".split("e")
-    return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
-
-
 def draw_mates(run: RunContext, positions: range, mates: int) -> tuple[list[Any], list[torch.Generator]]:
     """``mates`` training samples more for each sample at ``positions``, drawn by that sample's generator (so that a
     run is the same on any number of processes): the drawn samples, in the samples' order, and each sample's
