@@ -15,6 +15,8 @@ from posextend.errors import DataError
 
 SHARE = 0.05  # of the data's characters held out by default
 MOST = 0.4  # never more than this share (a small corpus: the tail of a document)
+WHOLE = 0.25  # a document too long for the share is still held out whole up to this share of the data (a novel of
+# four: 15%), so that the verdict reads text the run never saw; a larger one would cost the run too much of its data
 
 
 def _size(document: Any) -> int:
@@ -35,7 +37,7 @@ def split_documents(documents: Sequence[Any], *, least: int = 0, share: float = 
                     ) -> tuple[list[Any], list[Any]]:
     """``(train, held_out)``: documents in a seeded order are held out whole until ``share`` of the
     characters (at least ``least`` characters, at most :data:`MOST` of them) are. Where that falls short and the
-    data has several documents, the smallest one that fits under :data:`MOST` is held out whole too: a model judged
+    data has several documents, the smallest one that fits under :data:`WHOLE` is held out whole too: a model judged
     on the tail of a document it trained on reads names and people it learned there, and a longer context helps it
     there more than on text it never saw. Only where no whole document fits (one long document, or two) a text
     document gives its tail (cut at a paragraph; :func:`held_out_note` says so). Records of pairs are held out whole.
@@ -77,10 +79,10 @@ def split_documents(documents: Sequence[Any], *, least: int = 0, share: float = 
 
 def _smallest_whole(documents: Sequence[Any], sizes: list[int], train: list[Any], taken: int, total: int) -> int | None:
     """The smallest text document still in ``train`` that can be held out whole: the held-out share stays within
-    :data:`MOST` of the data and another document is left to train on; None when none can."""
+    :data:`WHOLE` of the data and another document is left to train on; None when none can."""
     left = [i for i, d in enumerate(train) if d is not None]
     fits = [i for i in left if isinstance(documents[i], str) and train[i] is documents[i]
-            and taken + sizes[i] <= MOST * total and len(left) > 1]
+            and taken + sizes[i] <= WHOLE * total and len(left) > 1]
     return min(fits, key=lambda i: sizes[i], default=None)
 
 
