@@ -19,6 +19,12 @@ Rows (accuracy on the kept-aside digits, read at each size through the written m
 - label-free: the user's digits without their labels (one folder), the run judged on a labelled share of them given
   with ``--eval-data`` (never trained on): ``posextend finetune SRC DST --data IMAGES --eval-data LABELLED
   --image-size 32``.
+- DeiT's recipe: the source fine-tuned at 32 px on the digits it was pretrained on, judged on a validation set it
+  never saw (the labelled share above): ``posextend finetune SRC DST --data PRETRAINING --eval-data LABELLED
+  --image-size 32``, with its verdict;
+- label-free where the source already reads the digits at its own size: the user's digits at 28 px on the canvas
+  (8 px tall at 16 px) without labels and no ``--eval-data`` (judged by the teacher's labels), read on the kept-aside
+  digits at 28 px against the source at its own 16 px on them.
 
     python benchmarks/vision.py [--quick] [--json docs/vision.json] [--plot docs/vision.png]
 """
@@ -127,9 +133,7 @@ def build_source(work: Path, raw: np.ndarray, labels: np.ndarray, split: dict, s
     (init / "preprocessor_config.json").write_text(json.dumps(
         {"image_processor_type": "ViTImageProcessor", "do_resize": True, "size": {"height": OLD, "width": OLD},
          "image_mean": [0.5] * 3, "image_std": [0.5] * 3}))
-    images, which = canvases(raw, split["pretrain"], seed + 3, PRETRAIN_SCALES, PRETRAIN_COPIES)
-    shutil.rmtree(work / "pretrain", ignore_errors=True)
-    data = write_folder(work / "pretrain", images, labels[which], np.arange(len(images)))
+    data = pretraining(work, raw, labels, split, seed)
     print(f"pretraining the source ViT ({s['layers']} layers x {s['width']}, patch {PATCH}) at {OLD} px on "
           f"{len(split['pretrain'])} digits ({PRETRAIN_COPIES} copies, sides {PRETRAIN_SCALES[0]}-{PRETRAIN_SCALES[1]} "
           f"px), {s['pretrain_steps']} steps of 64...", flush=True)
@@ -140,6 +144,13 @@ def build_source(work: Path, raw: np.ndarray, labels: np.ndarray, split: dict, s
             "first_loss": report.losses[0], "last_loss": report.losses[-1]}
     (src / "source.json").write_text(json.dumps({**info, "key": key}))
     return src, {**info, "reused": False}
+
+
+def pretraining(work: Path, raw: np.ndarray, labels: np.ndarray, split: dict, seed: int) -> Path:
+    """The source's pretraining digits as class folders (each in :data:`PRETRAIN_COPIES` copies at random scales)."""
+    images, which = canvases(raw, split["pretrain"], seed + 3, PRETRAIN_SCALES, PRETRAIN_COPIES)
+    shutil.rmtree(work / "pretrain", ignore_errors=True)
+    return write_folder(work / "pretrain", images, labels[which], np.arange(len(images)))
 
 
 @torch.no_grad()
@@ -165,9 +176,10 @@ def accuracy(model_dir: Path, images: np.ndarray, labels: np.ndarray, index: np.
     return hits / len(index)
 
 
-def fine_tunes(work: Path, src: Path, images: np.ndarray, labels: np.ndarray, split: dict, s: dict, seed: int,
-               lr: float | None) -> dict[str, dict]:
-    """The extension (supervised defaults), its exact control at 16 px, and the label-free extension."""
+def fine_tunes(work: Path, src: Path, images: np.ndarray, good: np.ndarray, labels: np.ndarray, split: dict,
+               s: dict, seed: int, lr: float | None) -> dict[str, dict]:
+    """The extension (supervised defaults), its exact control at 16 px, the label-free extension, DeiT's recipe
+    (the pretraining digits, judged on the labelled share), and label-free on the ``good`` digits (28 px ones)."""
     user = write_folder(work / "user", images, labels, split["user"])
     common = dict(seed=seed, overwrite=True, **({"lr": lr} if lr else {}),
                   **({"eval_sequences": s["eval_sequences"]} if s["eval_sequences"] else {}))
@@ -188,6 +200,14 @@ def fine_tunes(work: Path, src: Path, images: np.ndarray, labels: np.ndarray, sp
     free = posextend.finetune(src, work / "label-free", [plain], eval_data=[labelled], image_size=NEW,
                               **common, **budget)
     runs["label-free"] = _summary(free, time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    deit = posextend.finetune(src, work / "deit", [work / "pretrain"], eval_data=[labelled], image_size=NEW,
+                              **common, **budget)
+    runs["deit"] = _summary(deit, time.perf_counter() - t0)
+    plain = write_folder(work / "unlabelled-28", good, None, split["user"])
+    t0 = time.perf_counter()
+    free = posextend.finetune(src, work / "label-free-28", [plain], image_size=NEW, **common, **budget)
+    runs["label-free-28"] = _summary(free, time.perf_counter() - t0)
     return runs
 
 
@@ -198,12 +218,15 @@ def _summary(report, seconds: float) -> dict:
             "notes": report.notes}
 
 
-def table(work: Path, src: Path, images: np.ndarray, labels: np.ndarray, aside: np.ndarray, sizes) -> dict:
-    """Accuracy on the kept-aside digits, each model at each size (its own, the other, and the plot's)."""
-    models = {"source": src, "extended": work / "extended", "control": work / "control",
-              "label-free": work / "label-free"}
-    return {name: {size: accuracy(path, images, labels, aside, size) for size in sorted({OLD, NEW, *sizes})}
-            for name, path in models.items()}
+def table(work: Path, src: Path, images: np.ndarray, good: np.ndarray, labels: np.ndarray, aside: np.ndarray,
+          sizes) -> dict:
+    """Accuracy on the kept-aside digits, each model at each size (its own, the other, and the plot's); the last
+    two, on the kept-aside digits at 28 px (``good``)."""
+    models = {"source": (src, images), "extended": (work / "extended", images), "control": (work / "control", images),
+              "label-free": (work / "label-free", images), "deit": (work / "deit", images),
+              "source, 28 px digits": (src, good), "label-free, 28 px digits": (work / "label-free-28", good)}
+    return {name: {size: accuracy(path, read, labels, aside, size) for size in sorted({OLD, NEW, *sizes})}
+            for name, (path, read) in models.items()}
 
 
 def show(acc: dict, runs: dict, info: dict, s: dict, n_aside: int, digit: int) -> list[tuple[str, float]]:
@@ -216,12 +239,26 @@ def show(acc: dict, runs: dict, info: dict, s: dict, n_aside: int, digit: int) -
         (f"the source fine-tuned at {OLD} px, {runs['control']['steps']} steps (the exact control)",
          acc["control"][OLD]),
         (f"extended to {NEW} px + label-free fine-tune ({runs['label-free']['steps']} steps)", acc["label-free"][NEW]),
+        (f"DeiT's recipe: {NEW} px + fine-tune on the pretraining digits, judged on unseen ones "
+         f"({runs['deit']['steps']} steps; {_said(runs['deit'])})", acc["deit"][NEW]),
+    ]
+    good = [
+        (f"the source at its own {OLD} px", acc["source, 28 px digits"][OLD]),
+        (f"extended to {NEW} px + label-free fine-tune, judged by the teacher ({runs['label-free-28']['steps']} "
+         f"steps; {_said(runs['label-free-28'])})", acc["label-free, 28 px digits"][NEW]),
+        (f"  the same model at {OLD} px (its control)", acc["label-free, 28 px digits"][OLD]),
     ]
     print(f"\n### ViT {s['layers']}x{s['width']}, patch {PATCH}: {OLD} -> {NEW} px; accuracy on {n_aside} kept-aside "
           f"digits ({digit} px on the {CANVAS} px canvas)\n")
     print("| model | accuracy | error vs the source |\n|---|---|---|")
     base = 1 - acc["source"][OLD]
     for name, value in rows:
+        print(f"| {name} | {value:.3f} | {(1 - value) / base:.2f}x |")
+    print(f"\nWhere the source already reads the digits ({DIGIT} px on the canvas, {DIGIT * OLD // CANVAS} px tall at "
+          f"{OLD} px), the same kept-aside digits:\n")
+    print("| model | accuracy | error vs the source |\n|---|---|---|")
+    base = 1 - acc["source, 28 px digits"][OLD]
+    for name, value in good:
         print(f"| {name} | {value:.3f} | {(1 - value) / base:.2f}x |")
     print("\n| model | " + " | ".join(f"{k} px" for k in acc["source"]) + " |")
     print("|---|" + "---|" * len(acc["source"]))
@@ -231,7 +268,12 @@ def show(acc: dict, runs: dict, info: dict, s: dict, n_aside: int, digit: int) -
         print(f"\n{name}: {run['steps']} steps, lr {run['lr']:g}, {run['seconds']:.0f} s; {run['verdict']}")
     print(f"\nsource: pretrained in {info['seconds']:.0f} s (loss {info['first_loss']:.2f} -> {info['last_loss']:.2f})"
           f"{' (reused)' if info['reused'] else ''}; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
-    return rows
+    return rows + [(f"{DIGIT} px digits: {name.strip()}", value) for name, value in good]
+
+
+def _said(run: dict) -> str:
+    """The verdict's first words: worth it or not, or none."""
+    return "no verdict" if run["worth_it"] is None else "worth it" if run["worth_it"] else "not worth it"
 
 
 def plot(acc: dict, path: Path) -> None:
@@ -266,11 +308,14 @@ def main() -> None:
     raw, labels = digits(args.seed)
     split = parts(labels, s, args.seed)
     src, info = build_source(args.workdir, raw, labels, split, s, args.seed)
+    if not (args.workdir / "pretrain").is_dir():  # a source reused from a workdir whose digits were removed
+        pretraining(args.workdir, raw, labels, split, args.seed)
     images = canvases(raw, np.arange(len(raw)), args.seed, side=args.digit)[0]  # the user's and the kept-aside
-    for old in ("user", "unlabelled", "unlabelled-eval"):
+    good = canvases(raw, np.arange(len(raw)), args.seed, side=DIGIT)[0]  # digits the source reads at its own size
+    for old in ("user", "unlabelled", "unlabelled-eval", "unlabelled-28"):
         shutil.rmtree(args.workdir / old, ignore_errors=True)
-    runs = fine_tunes(args.workdir, src, images, labels, split, s, args.seed, args.lr)
-    acc = table(args.workdir, src, images, labels, split["aside"], s["sizes"])
+    runs = fine_tunes(args.workdir, src, images, good, labels, split, s, args.seed, args.lr)
+    acc = table(args.workdir, src, images, good, labels, split["aside"], s["sizes"])
     rows = show(acc, runs, info, s, len(split["aside"]), args.digit)
     total = time.perf_counter() - start
     print(f"{total:.0f} s in all")

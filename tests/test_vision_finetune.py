@@ -272,6 +272,19 @@ def test_label_free_reads_each_sample_with_seven_mates_moved_the_same_way_each_r
     assert not _tensor(tmp_path / "a", key).equal(_tensor(tmp_path / "c", key))
 
 
+def test_label_free_weighs_its_kl_to_the_teacher_by_the_anchor(towers, digits, tmp_path, monkeypatch):
+    """A label-free classifier's loss is anchor x KL(teacher || model) + SHOT's term, the anchor 1 unless set (here
+    the KL stands at 0.5 and SHOT's term at 0, each still a function of the model's outputs)."""
+    import posextend
+    from posextend.training.objectives import label_free
+
+    monkeypatch.setattr(label_free, "divergence", lambda student, teacher: student.float().sum() * 0 + 0.5)
+    monkeypatch.setattr(label_free, "information", lambda logits: logits.float().sum() * 0)
+    first = {a: posextend.finetune(towers["vit"], tmp_path / str(a), [digits["plain"]], image_size=NEW, steps=1,
+                                   batch_size=2, eval_sequences=8, anchor=a).losses[0] for a in (None, 3.0)}
+    assert first == {None: pytest.approx(0.5), 3.0: pytest.approx(1.5)}
+
+
 def test_label_free_trains_its_whole_budget_where_supervised_stops_once_worth_it(digits):
     """A label-free run's readings creep up from its teacher's by less than a check's noise, so its budget is not cut
     short at the second "worth it"; a supervised run's is. A budget of steps given as steps is never cut short."""
@@ -596,7 +609,11 @@ def test_the_benchmark_runs_as_written_quick(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     data = json.loads((tmp_path / "v.json").read_text())
     assert data["parts"] == {"pretrain": 300, "user": 200, "aside": 100}
-    assert set(data["runs"]) == {"extended", "control", "label-free"} and len(data["rows"]) == 6
+    assert set(data["runs"]) == {"extended", "control", "label-free", "deit", "label-free-28"}
+    assert len(data["rows"]) == 10
+    notes = data["runs"]["label-free-28"]["notes"]  # the 28 px digits, without labels, judged by the teacher's
+    assert any("vision: label-free" in n for n in notes) and any("teacher's labels" in n for n in notes)
+    assert data["runs"]["deit"]["worth_it"] is not None  # judged on the labelled digits it never saw
     assert data["runs"]["control"]["steps"] == data["runs"]["extended"]["steps"]  # the same budget
     assert all(0 <= v <= 1 for by_size in data["accuracy_by_size"].values() for v in by_size.values())
     assert "| the source at its own 16 px |" in r.stdout and (tmp_path / "v.png").stat().st_size > 0

@@ -2,9 +2,9 @@
 judged, a mix-in of :class:`~posextend.training.objectives.vision.Vision` (whose readers of held-out images it uses).
 
 Training: the source, frozen, reads each image at its own size and the model at the new one, moved by up to a tenth
-of its side. A classifier matches the source's head outputs (KL), plus SHOT's information maximisation (each output
-sure, the batch's spread); a tower without a head, its pooled embedding and patch features resampled to the source's
-grid (cosine).
+of its side. A classifier matches the source's head outputs (KL, weighted by the anchor), plus SHOT's information
+maximisation (each output sure, the batch's spread); a tower without a head, its pooled embedding and patch features
+resampled to the source's grid (cosine).
 
 Judging, when the held-out images have no labels: the **teacher** (the source at its own size) labels them with its
 head's predictions, and every reading is the *teacher agreement*: the share of held-out images whose prediction is the
@@ -63,7 +63,7 @@ class LabelFree:
         teacher = self._teacher(run, images)
         if student.logits is None or teacher.logits is None:
             return match(student, teacher)
-        return divergence(student.logits, teacher.logits) + information(student.logits)
+        return self.anchor * divergence(student.logits, teacher.logits) + information(student.logits)
 
     @torch.no_grad()
     def _teacher(self, run: RunContext, images: list[Any]) -> Features:

@@ -88,7 +88,7 @@ class Vision(LabelFree, Objective):
     schedule = {"new-rows": "constant", "positions": "constant", "all": "cosine", "lora": "cosine"}
     # bicubic reproduces transformers' run-time interpolate_pos_encoding (the family's antialias follows its spec)
     strategy = {"new-rows": "bicubic", "positions": "bicubic", "all": "bicubic", "lora": "bicubic"}
-    anchor = 0.0  # supervised: the weight of a KL term to the source's head at its own size (label-free: the loss)
+    anchor = 0.0  # supervised: the weight of a KL term to the source's head at its own size (label-free: 1 unless set)
     classes: list[str] | None = None  # the data's class names (for_data); None: images without labels
     patches: int = 0  # patches of an image at the run's size (size_processor): what count() counts
     shift = 0.1  # label-free: how far (a share of the side) each image the model reads moves, at most
