@@ -14,7 +14,7 @@ Rows (accuracy on the kept-aside digits, read at each size through the written m
 
 - the source at its own 16 px; the same read at 32 px by transformers' run-time interpolation (no training);
 - ``posextend finetune SRC DST --data USER --image-size 32`` (the defaults: supervised, a 15-minute budget that stops
-  early once worth it), read at 32 px, and at 16 px (its control);
+  early once its held-out reading stops improving), read at 32 px, and at 16 px (its control);
 - the exact control: the source fine-tuned at its own 16 px on the user's digits, as many steps of the same batch;
 - label-free: the user's digits without their labels (one folder), the run judged on a labelled share of them given
   with ``--eval-data`` (never trained on): ``posextend finetune SRC DST --data IMAGES --eval-data LABELLED

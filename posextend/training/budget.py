@@ -1,4 +1,4 @@
-"""How long a fine-tune trains: a fixed number of steps, or a budget spent until the extension is worth it.
+"""How long a fine-tune trains: a fixed number of steps, or a budget spent while its held-out reading improves.
 
 A :class:`Budget` is what a run may spend, as the user thinks of it (``15min``, ``20M tokens``,
 ``2000 steps``: :func:`parse_budget`). :class:`Schedule` is the lr schedule over the steps the budget

@@ -275,7 +275,7 @@ class FinetuneConfig:
 
             if self.steps is not None:
                 raise TrainingError("Give a number of steps or a budget, not both: steps train exactly that many, a "
-                                    "budget trains until the extension is worth it.")
+                                    "budget trains while its held-out reading improves.")
 
             parse_budget(self.budget)
         for name in ("eval_every", "save_every"):

@@ -255,7 +255,7 @@ def _samples(chosen: Objective, processor: Any, documents: tuple[Sequence[Any], 
 def _judge(chosen: Objective, config: FinetuneConfig, baseline: tuple[Reading, str] | None, *,
            tokens_per_step: int, control: dict[str, Any]) -> Judge:
     """How long the run trains: exactly ``steps`` when given; else ``budget`` (default :data:`DEFAULT_BUDGET`
-    for a run with a baseline to beat), stopping early once worth it (unless the objective trains its whole
+    for a run with a baseline to beat), stopping early once its reading stops improving (unless the objective trains its whole
     budget); else the objective's steps."""
     from posextend.training.budget import parse_budget
     from posextend.training.options import DEFAULT_BUDGET
