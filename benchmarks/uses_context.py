@@ -1,7 +1,7 @@
 """A model that uses its context, so an extension's gain can be shown: a synthetic language of repeats.
 
-    python benchmarks/uses_context.py --json docs/uses_context.json     # ~6 min on one CPU core
-    python benchmarks/uses_context.py --quick                            # ~30 s (used by the tests)
+    python benchmarks/uses_context.py --json docs/uses_context.json     # ~5 min on one CPU core
+    python benchmarks/uses_context.py --quick                            # ~15 s (used by the tests)
 
 No LM pretrained here on real text reads past its window (``context_probe.py``: a repeated passage reads as
 badly whole as windowed), so no extension of one can show that the longer context helps. This script makes one
