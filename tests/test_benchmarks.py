@@ -258,3 +258,29 @@ def test_image_text_quick(tmp_path):
             assert 0 <= r["far"] <= 1 and r["far"] == pytest.approx((r["text→image"] + r["image→text"]) / 2)
     assert saved["meta"]["old"] < saved["meta"]["new"] and saved["meta"]["steps"] > 0
     assert "| fine-tuned, captions cut (control) |" in out and "verdict: " in out
+
+
+def test_uses_context_quick(tmp_path):
+    """The synthetic-language benchmark as written: a source pretrained here, the probe within its window, the
+    default fine-tune, and the far range against both windows on the held-out and the kept-aside documents."""
+    out = _run(ROOT / "benchmarks" / "uses_context.py", "--quick", "--workdir", tmp_path / "w", "--json",
+               tmp_path / "u.json", cwd=tmp_path)
+    data = json.loads((tmp_path / "u.json").read_text())
+    assert set(data["rows"]) == {"held-out", "kept aside"}
+    for label, row in data["rows"].items():
+        assert all(math.isfinite(row[k]) and row[k] > 1 for k in ("far", "self_window", "source_window", "original"))
+        assert row["self_ratio"] == pytest.approx(row["far"] / row["self_window"])
+        assert row["source_ratio"] == pytest.approx(row["far"] / row["source_window"])
+        assert f"| {label} | {row['far']:.2f} | {row['self_window']:.2f} = **{row['self_ratio']:.3f}** |" in out
+    before, after = data["probe_before"], data["probe_after"]["random words"]
+    assert (before["old_length"], before["length"], after["old_length"], after["length"]) == (16, 64, 64, 256)
+    for probe in (before, after, data["probe_after"]["kept-aside text"]):
+        assert math.isfinite(probe["repeat_whole"]) and math.isfinite(probe["repeat_window"])
+    assert data["finetune"]["steps"] >= 1 and data["pretrain"]["curve"][-1]["step"] == data["meta"]["settings"]["pretrain_steps"]
+    assert "| text | far range, whole | / itself through 64 | / the source through 64 | original Δ |" in out
+    import transformers  # the corpora's text reads back as the words the source was pretrained on: none unknown
+
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "w" / "source")
+    line = json.loads((tmp_path / "w" / "kept aside.jsonl").read_text().splitlines()[0])["text"]
+    ids = tok(line, add_special_tokens=False)["input_ids"]
+    assert len(ids) == len(line.split()) and tok.unk_token_id not in ids
