@@ -293,6 +293,10 @@ def _progress(step: int, steps: int, loss: float, per_second: float) -> None:
 
 
 def _value(text: str):
+    try:  # a strategy's parameters: params={"keep": 20}
+        return json.loads(text)
+    except ValueError:
+        pass
     for kind in (int, float):
         try:
             return kind(text)

@@ -216,6 +216,33 @@ def probe_line(name: str, p: dict) -> str:
             f"{p['passkey_window']:.2f} windowed")
 
 
+def extend_and_read(src: Path, work: Path, corpora: dict, tok, source, s: dict, budget: str, seed: int,
+                    strategy: str | None) -> dict:
+    """Extend ``src`` to 4x with ``finetune`` (its defaults, or ``strategy``), and read the far range and the probe
+    on the held-out and kept-aside corpora; print them."""
+    new = 4 * OLD
+    dst = work / f"extended-{strategy or 'defaults'}"
+    t0 = time.perf_counter()
+    report = posextend.finetune(src, dst, [corpora["train"]], length=new, budget=budget, seed=seed, overwrite=True,
+                                **({"strategy": strategy} if strategy else {}))
+    seconds = time.perf_counter() - t0
+    tuned = transformers.AutoModelForCausalLM.from_pretrained(dst).eval()
+    rows = {name: read(tuned, source, pack(tok, read_documents([path]), new)[: s["eval_sequences"]])
+            for name, path in corpora.items() if name != "train"}
+    aside = pack(tok, read_documents([corpora["kept aside"]]), new)
+    after = {"random words": probe(tuned, tok, OLD, new), "kept-aside text": probe(tuned, tok, OLD, new, aside)}
+    print(f"\n{strategy or 'the defaults'}: fine-tuned {OLD} -> {new}: {report.steps} steps, {report.tokens:,} tokens, "
+          f"{seconds:.0f} s (budget {budget}); {report.verdict.text if report.verdict else 'no verdict'}\n\n"
+          f"{table(rows)}\n")
+    for name, p in after.items():
+        print(probe_line(f"the extended model, {name} ({new} over {OLD})", p))
+    return {"finetune": {"strategy": report.strategy, "steps": report.steps, "tokens": report.tokens,
+                         "seconds": seconds, "lr": report.lr, "written_step": report.written_step,
+                         "verdict": report.verdict.to_dict() if report.verdict else None,
+                         "context_use": report.context_use.to_dict() if report.context_use else None},
+            "rows": rows, "probe_after": after}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a short pretraining and an 8 s budget (the tests)")
@@ -223,6 +250,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workdir", type=Path, default=Path(".bench/uses_context"), help="corpora and models")
     ap.add_argument("--json", type=Path, help="write the results here")
+    ap.add_argument("--strategies", nargs="+", default=[None], metavar="NAME",
+                    help="fine-tune the source once per strategy named, each with the same budget (default: the "
+                         "defaults' own)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     mode = "quick" if args.quick else "full"
@@ -235,34 +265,21 @@ def main() -> None:
     corpora = {name: write_corpus(work / f"{name}.jsonl", docs, s["doc_words"], new, seed)
                for name, docs, seed in (("train", s["train_docs"], args.seed), ("held-out", s["eval_docs"], args.seed + 1),
                                         ("kept aside", s["eval_docs"], args.seed + 2))}
-    src, dst = work / "source", work / "extended"
+    src = work / "source"
     print(f"pretraining the source ({MODEL['n_layer']} x {MODEL['n_embd']}, {len(VOCABULARY)} words, {OLD} positions)")
     pretrained = pretrain(src, s, args.seed)
     tok = transformers.AutoTokenizer.from_pretrained(src)
     source = transformers.AutoModelForCausalLM.from_pretrained(src).eval()
     before = probe(source, tok, OLD // 4, OLD)
     print(probe_line(f"the source within its window ({OLD} over {OLD // 4})", before))
-    t0 = time.perf_counter()
-    report = posextend.finetune(src, dst, [corpora["train"]], length=new, budget=budget, seed=args.seed, overwrite=True)
-    seconds = time.perf_counter() - t0
-    tuned = transformers.AutoModelForCausalLM.from_pretrained(dst).eval()
-    rows = {name: read(tuned, source, pack(tok, read_documents([path]), new)[: s["eval_sequences"]])
-            for name, path in corpora.items() if name != "train"}
-    aside = pack(tok, read_documents([corpora["kept aside"]]), new)
-    after = {"random words": probe(tuned, tok, OLD, new), "kept-aside text": probe(tuned, tok, OLD, new, aside)}
-    text = table(rows)
-    print(f"\nfine-tuned {OLD} -> {new}: {report.steps} steps, {report.tokens:,} tokens, {seconds:.0f} s "
-          f"(budget {budget}); {report.verdict.text if report.verdict else 'no verdict'}\n\n{text}\n")
-    for name, p in after.items():
-        print(probe_line(f"the extended model, {name} ({new} over {OLD})", p))
+    runs = {}
+    for strategy in args.strategies:
+        runs[strategy or "defaults"] = extend_and_read(src, work, corpora, tok, source, s, budget, args.seed, strategy)
     meta = {"mode": mode, "seed": args.seed, "budget": budget, "old": OLD, "new": new, "model": MODEL,
             "vocabulary": len(VOCABULARY), "settings": s, "wall_seconds": time.perf_counter() - t_start,
             "hardware": machine(), "torch": torch.__version__, "posextend": posextend.__version__}
-    result = {"meta": meta, "pretrain": pretrained, "probe_before": before,
-              "finetune": {"steps": report.steps, "tokens": report.tokens, "seconds": seconds, "lr": report.lr,
-                           "verdict": report.verdict.to_dict() if report.verdict else None,
-                           "context_use": report.context_use.to_dict() if report.context_use else None},
-              "rows": rows, "probe_after": after}
+    result = {"meta": meta, "pretrain": pretrained, "probe_before": before, **runs.get("defaults", {}),
+              "runs": runs}
     print(f"\n{meta['wall_seconds'] / 60:.1f} min on {meta['hardware']}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
