@@ -250,16 +250,10 @@ def show(acc: dict, runs: dict, info: dict, s: dict, n_aside: int, digit: int) -
     ]
     print(f"\n### ViT {s['layers']}x{s['width']}, patch {PATCH}: {OLD} -> {NEW} px; accuracy on {n_aside} kept-aside "
           f"digits ({digit} px on the {CANVAS} px canvas)\n")
-    print("| model | accuracy | error vs the source |\n|---|---|---|")
-    base = 1 - acc["source"][OLD]
-    for name, value in rows:
-        print(f"| {name} | {value:.3f} | {(1 - value) / base:.2f}x |")
+    _accuracy_table(rows, acc["source"][OLD])
     print(f"\nWhere the source already reads the digits ({DIGIT} px on the canvas, {DIGIT * OLD // CANVAS} px tall at "
           f"{OLD} px), the same kept-aside digits:\n")
-    print("| model | accuracy | error vs the source |\n|---|---|---|")
-    base = 1 - acc["source, 28 px digits"][OLD]
-    for name, value in good:
-        print(f"| {name} | {value:.3f} | {(1 - value) / base:.2f}x |")
+    _accuracy_table(good, acc["source, 28 px digits"][OLD])
     print("\n| model | " + " | ".join(f"{k} px" for k in acc["source"]) + " |")
     print("|---|" + "---|" * len(acc["source"]))
     for name, by_size in acc.items():
@@ -327,6 +321,14 @@ def main() -> None:
             "parts": {k: len(v) for k, v in split.items()}, "source": info, "runs": runs, "rows": dict(rows),
             "accuracy_by_size": acc, "seconds": total, "load_average": os.getloadavg()[0], "cpus": os.cpu_count()},
             indent=2))
+
+
+
+def _accuracy_table(rows: list[tuple[str, float]], source: float) -> None:
+    """Print ``rows`` (name, accuracy) as a table, each error against the source's (its accuracy ``source``)."""
+    print("| model | accuracy | error vs the source |\n|---|---|---|")
+    for name, value in rows:
+        print(f"| {name} | {value:.3f} | {(1 - value) / (1 - source):.2f}x |")
 
 
 if __name__ == "__main__":

@@ -219,7 +219,7 @@ def test_a_plug_in_objective_from_before_lora_gets_the_base_defaults():
         strategy = {"new-rows": "tile", "positions": "tile", "all": "interpolate"}
 
     assert Older().default_lr("lora", 768) == Objective.lr["lora"] and Older().default_lr("all", 64) == 3e-3
-    assert FinetuneConfig(train="lora").resolved(Older()).strategy == "tile"
+    assert FinetuneConfig(train="lora").resolved(Older()).with_strategy(Older(), {1}).strategy == "tile"
 
 
 def test_the_adapter_alone_applies_to_the_source_extended_with_any_strategy(gpt, corpus, tmp_path):

@@ -133,7 +133,7 @@ def test_kps_reproduces_long_clip_77_to_248():
 
 
 
-def test_kps_default_keep_follows_the_old_length_and_fits_every_table():
+def test_kps_default_keep_follows_the_old_length_and_fits_every_table(monkeypatch):
     """Long-CLIP's 20 of 77 rows, scaled: exactly 20 for CLIP's 77 (above: its table bit for bit), 4 of OWL-ViT's 16,
     and always what kps takes (at most the old length less 2)."""
     assert [S.kps_keep(n) for n in (77, 16, 24, 248, 3, 2)] == [20, 4, 6, 64, 1, 0]
@@ -144,7 +144,10 @@ def test_kps_default_keep_follows_the_old_length_and_fits_every_table():
         assert keep == min(round(old * 20 / 77), old - 2) and torch.equal(out[:keep], pre[:keep])
     shown = S.get_strategy("kps").defaults, S.get_strategy("random").defaults, S.get_strategy("bicubic").defaults
     assert shown == ({"keep": "old length × 20/77, rounded"}, {"std": "initializer_range"}, {"antialias": "when shrinking"})
-    r = CliRunner().invoke(app, ["strategies"], env={"COLUMNS": "400"})
+    from posextend.commands import console
+
+    monkeypatch.setattr(console, "width", 400)  # made once per process: another test may have made it narrower
+    r = CliRunner().invoke(app, ["strategies"])
     assert "keep=old length × 20/77, rounded" in r.output and "std=initializer_range" in r.output and "None" not in r.output
     with pytest.raises(StrategyError, match="defaults must name its parameters"):
         S.register_strategy("wrongdefault", defaults={"nope": "x"})(lambda t, n, *, generator: t)
