@@ -431,3 +431,27 @@ def test_a_source_that_reads_the_held_out_data_from_memory_is_named():
                           "against 0.620 for the same model at 16x16 px (0.300 for the source)")
     assert image.advice == "fine-tune at the old size instead, or train longer: the larger image has not paid yet"
 
+
+
+def test_best_weights_too_large_for_memory_go_to_disk_and_a_full_disk_is_one_line(tmp_path, monkeypatch):
+    import errno
+
+    from posextend.errors import PosExtendError
+    from posextend.training import best
+
+    model = torch.nn.Linear(3, 2)
+    monkeypatch.setattr(best, "_free_memory", lambda: 0)  # no memory to spare: the copy goes to the state folder
+    kept = best.BestWeights(model, tmp_path / "state")
+    kept.take(4)
+    taken = model.weight.detach().clone()
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    kept.restore()
+    assert (tmp_path / "state" / "best.pt").is_file() and torch.equal(model.weight, taken) and kept.step == 4
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "state" / "best.pt"))
+
+    monkeypatch.setattr(torch, "save", full)
+    with pytest.raises(PosExtendError):
+        kept.take(6)

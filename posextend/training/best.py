@@ -45,8 +45,11 @@ class BestWeights:
             copy = {name: p.detach().to("cpu", copy=True) for name, p in params.items()}
         size, free = sum(t.numel() * t.element_size() for t in copy.values()), _free_memory()
         if free is not None and size > free / 2:
-            self.folder.mkdir(parents=True, exist_ok=True)
-            torch.save(copy, self.folder / "best.pt")
+            from posextend.files.oserrors import output_errors
+
+            with output_errors(self.folder):  # a full or read-only disk: one line, as the run's other state
+                self.folder.mkdir(parents=True, exist_ok=True)
+                torch.save(copy, self.folder / "best.pt")
             copy = None
         self._copy, self.step = copy, step
 

@@ -200,10 +200,13 @@ class Judge:
 
     def best_reading(self) -> Reading | None:
         """The best check's reading, as the baseline's kind of reading (None before any check after step 0)."""
-        if self.best is None or self.baseline is None:
+        return None if self.best is None else self.reading_at(self.best)
+
+    def reading_at(self, point: Point) -> Reading | None:
+        """The reading a check on the curve had, as the baseline's kind of reading (None without a baseline)."""
+        if self.baseline is None:
             return None
-        return dataclasses.replace(self.baseline, far=self.best.far, original=self.best.original,
-                                   parts=dict(self.best.parts))
+        return dataclasses.replace(self.baseline, far=point.far, original=point.original, parts=dict(point.parts))
 
     def read_controls(self, step: int, control: Callable[[], Reading | None]) -> None:
         """The model's own control, read after ``step`` (kept with the run's other controls, by name)."""

@@ -39,8 +39,8 @@ def split_documents(documents: Sequence[Any], *, least: int = 0, share: float = 
     characters (at least ``least`` characters, at most :data:`MOST` of them) are. Where that falls short and the
     data has several documents, the smallest one that fits under :data:`WHOLE` is held out whole too: a model judged
     on the tail of a document it trained on reads names and people it learned there, and a longer context helps it
-    there more than on text it never saw. Only where no whole document fits (one long document, or two) a text
-    document gives its tail (cut at a paragraph; :func:`held_out_note` says so). Records of pairs are held out whole.
+    there more than on text it never saw. Only where no whole document fits (one long document, or a few of a size)
+    a text document gives its tail (cut at a paragraph; :func:`held_out_note` says so). Records of pairs are held out whole.
     Every document keeps its order in ``train``."""
     sizes = [_size(d) for d in documents]
     total = sum(sizes)

@@ -190,7 +190,7 @@ def _final_reading(run: Run, steps: int) -> tuple[Reading | None, int]:
     if judge.baseline is None:
         return None, steps
     if last is not None and last.step == steps:
-        reading = dataclasses.replace(judge.baseline, far=last.far, original=last.original, parts=dict(last.parts))
+        reading = judge.reading_at(last)
     else:
         reading = run.objective.reading(run)
         judge.record(steps, reading)
