@@ -247,6 +247,9 @@ def main() -> None:
                     "ran a step 5-8x slower than 1)")
     ap.add_argument("--workdir", type=Path, default=Path(".bench/image_text"))
     ap.add_argument("--option", action="append", default=[], help="a finetune option as name=value (a recipe to try)")
+    ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                    help="an attribute of the image-text objective for this run (a recipe to try: short_weight=1)")
+    ap.add_argument("--tag", default="", help="a name for this run's output folder (runs side by side)")
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument("--plot", type=Path, help="draw R@1 by caption length here")
     args = ap.parse_args()
@@ -263,7 +266,13 @@ def main() -> None:
         splits[name] = folder if (folder / "metadata.jsonl").is_file() else write_split(folder, cells, digits, part, seed)
     pretrained = time.perf_counter() - t0
     options = {k: _value(v) for k, v in (o.split("=", 1) for o in args.option)}
-    dst = work / "finetuned"
+    from posextend.training.objectives.image_text import ImageText
+
+    for name, value in (o.split("=", 1) for o in args.set):
+        if not hasattr(ImageText, name):
+            ap.error(f"the image-text objective has no attribute {name}")
+        setattr(ImageText, name, _value(value))
+    dst = work / f"finetuned{'-' + args.tag if args.tag else ''}"
     t1 = time.perf_counter()
     report = posextend.finetune(source, dst, [splits["train"]], eval_data=[str(splits["held-out"])], length=args.new,
                                 seed=args.seed, overwrite=True, progress=_progress, **s["finetune"], **options)
@@ -273,12 +282,13 @@ def main() -> None:
     print(f"\n### CLIP 2 x {s['width']} (text and vision), {args.old} -> {args.new} text positions; "
           f"R@1 on held-out pairs (far: captions beyond {args.old} tokens, 4 images per top row; original: within it)\n")
     print(table(results, args.old, args.new))
-    print(f"\nfine-tune: {report.steps} steps in {seconds:.0f} s ({report.items:,} pairs; options {options or 'defaults'}); "
+    print(f"\nfine-tune: {report.steps} steps in {seconds:.0f} s ({report.items:,} pairs; options {options or 'defaults'}"
+          f"{'; ' + ', '.join(args.set) if args.set else ''}); "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     print(f"verdict: {verdict.text if verdict else None}")
     if args.json:
         args.json.write_text(json.dumps({
-            "meta": {"settings": s, "old": args.old, "new": args.new, "seed": args.seed, "options": options,
+            "meta": {"settings": s, "old": args.old, "new": args.new, "seed": args.seed, "options": options, "set": args.set,
                      "steps": report.steps, "seconds": seconds, "pretrain_seconds": pretrained,
                      "load_average": os.getloadavg(), "cpus": os.cpu_count(),
                      "threads": args.threads, "torch": torch.__version__},

@@ -87,6 +87,7 @@ class ImageText(Objective):
     # the short-caption term's weight: Long-CLIP's first code's (its paper's 1 held far R@1 at 0.40 where the first
     # sentence names a third of the image: docs/reference/benchmarks.md, benchmarks/image_text.py)
     short_weight = 0.1
+    short_reduced = True  # the short captions against the images' principal components (Long-CLIP), or the whole features
     patches = 0  # an image's patches (set for the run by size_processor), counted as its tokens
 
     def accepts(self, checkpoint: CheckpointFacts) -> bool:
@@ -161,7 +162,7 @@ class ImageText(Objective):
         out = run.model(input_ids=ids.to(device), **{k: v.to(device) for k, v in pixels.items()},
                         **mask_kwargs(tokenizer, mask.to(device)))
         image, text = F.normalize(out.image_embeds, dim=-1), F.normalize(out.text_embeds, dim=-1)
-        reduced = F.normalize(pca(image, max(1, min(PCA_MOST, n // PCA_SHARE))), dim=-1)
+        reduced = F.normalize(pca(image, max(1, min(PCA_MOST, n // PCA_SHARE))), dim=-1) if self.short_reduced else image
         sigmoid = is_sigmoid(run.unwrapped)
         loss = (_pair_loss(run.unwrapped, image, text[:n], sigmoid)
                 + self.short_weight * _pair_loss(run.unwrapped, reduced, text[n:], sigmoid))
