@@ -58,7 +58,8 @@ from quality import machine  # noqa: E402
 
 import posextend  # noqa: E402
 from posextend.scoring.by_position import position_losses  # noqa: E402
-from posextend.scoring.text import pack, read_documents  # noqa: E402
+from posextend.data.text import read_documents  # noqa: E402
+from posextend.scoring.text import pack  # noqa: E402
 from posextend.training.budget import Schedule, parse_budget  # noqa: E402
 
 RECIPE = 1  # bump when what a cached tokenizer or model holds changes

@@ -80,7 +80,8 @@ def worker(args) -> dict:
         return {"tokens_per_second": args.steps * tokens_per_step / seconds, "peak_mib": peak_memory_mib(args.device),
                 "note": "checkpointing turned on by itself" if turned_on else ""}
 
-    from posextend.scoring.text import pack, read_documents, split
+    from posextend.data.text import read_documents
+    from posextend.scoring.text import pack, split
     from posextend.training.setup import precision_for
 
     precision = precision_for(args.precision, torch.device(args.device))  # what posextend resolves it to

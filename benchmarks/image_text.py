@@ -175,7 +175,7 @@ def readings(model_dir: Path, source_dir: Path, split: Path, old: int, new: int)
     """R@1 on ``split`` (the objective's own readings): the source cut and chunked, the model whole, cut, chunked;
     and R@1 by caption length (the model whole, the source cut)."""
     from posextend.training.context import RunContext
-    from posextend.training.images import read_images
+    from posextend.data.images import read_images
     from posextend.training.objectives import get_objective
     from posextend.training.options import FinetuneConfig
 

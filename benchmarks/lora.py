@@ -39,7 +39,8 @@ from quality import SETTINGS, build_reference, machine
 from quality_grid import HELDOUT, SIZES, perplexities, source_scores
 
 import posextend
-from posextend.scoring.text import pack, read_documents
+from posextend.data.text import read_documents
+from posextend.scoring.text import pack
 import posextend.training.adapters as adapters
 from posextend.training.adapters import RANK, add_lora, trainable_share
 from posextend.training.loop import finetune

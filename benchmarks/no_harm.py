@@ -53,7 +53,8 @@ from worth_it import ranges
 
 import posextend
 from posextend.scoring.by_position import token_losses, windows
-from posextend.scoring.text import pack, read_documents
+from posextend.data.text import read_documents
+from posextend.scoring.text import pack
 from posextend.scoring.verdict import far_start
 
 MODES = {

@@ -35,7 +35,8 @@ import torch
 import transformers
 
 import posextend
-from posextend.scoring.text import pack, read_documents
+from posextend.data.text import read_documents
+from posextend.scoring.text import pack
 from posextend.scoring.by_position import score_model, plot_reports
 from posextend.training.loop import finetune
 

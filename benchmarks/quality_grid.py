@@ -40,7 +40,8 @@ import transformers
 from quality import SETTINGS, build_reference, machine
 
 import posextend
-from posextend.scoring.text import pack, read_documents
+from posextend.data.text import read_documents
+from posextend.scoring.text import pack
 from posextend.scoring.by_position import score_model, position_losses
 from posextend.training.objectives import get_objective, register_objective
 from posextend.training.objectives.causal import CausalLM

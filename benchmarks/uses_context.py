@@ -53,7 +53,8 @@ from worth_it import ranges  # noqa: E402
 
 import posextend  # noqa: E402
 from posextend.scoring.context_use import context_use  # noqa: E402
-from posextend.scoring.text import pack, read_documents  # noqa: E402
+from posextend.data.text import read_documents  # noqa: E402
+from posextend.scoring.text import pack  # noqa: E402
 
 OLD = 64
 EOS, UNK = "<|endoftext|>", "<unk>"

@@ -40,7 +40,8 @@ from quality_grid import SIZES
 
 import posextend
 from posextend.scoring.by_position import position_losses
-from posextend.scoring.text import pack, read_documents
+from posextend.data.text import read_documents
+from posextend.scoring.text import pack
 from posextend.scoring.verdict import MARGIN, TOLERANCE, far_start
 
 TUNED, ASIDE = "emma.txt", "northangerabbey.txt"

@@ -20,7 +20,7 @@ PAGE = ROOT / "docs" / "concepts" / "architecture.md"
 BEGIN, END = "<!-- layers:begin (python scripts/layers.py) -->", "<!-- layers:end -->"
 
 # Bottom to top: a module may import from its own layer and the layers below it, never from one above.
-LAYERS = ["errors", "version", "registry", "options", "tables", "files", "families", "resize", "scoring", "training", "terminal",
+LAYERS = ["errors", "version", "registry", "options", "tables", "files", "data", "families", "resize", "scoring", "training", "terminal",
           "shell", "commands", "cli"]
 
 

@@ -242,7 +242,7 @@ def test_a_model_with_several_lengths_names_the_table_to_choose(led, tmp_path):
 
 # The lean path (issue 52): `posextend resize-model` and `--version` start without typer, rich or the fine-tune.
 HEAVY = ("typer", "rich", "pydantic", "torch", "transformers", "huggingface_hub", "importlib.metadata",
-         "posextend.training", "posextend.commands", "posextend.scoring")
+         "posextend.training", "posextend.commands", "posextend.scoring", "posextend.data")
 LOADED = "import sys; print(sorted({m for m in sys.modules for h in HEAVY if m == h or m.startswith(h + '.')}))"
 
 

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 import posextend
 from posextend.cli import app
-from posextend.scoring.text import not_text, read_documents, read_pairs
+from posextend.data.text import not_text, read_documents, read_pairs
 
 LATIN1 = "Le café était prêt. " + "The quick brown fox jumps over the lazy dog. " * 40  # 3 accents in ~1.8 KB
 

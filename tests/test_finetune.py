@@ -132,7 +132,8 @@ def test_eval_buckets_cover_every_position_once(gpt, corpus):
         assert covered == list(range(length))
         if old:
             assert old in edges
-    from posextend.scoring.text import pack, read_documents, split
+    from posextend.data.text import read_documents
+    from posextend.scoring.text import pack, split
 
     tok = transformers.AutoTokenizer.from_pretrained(gpt)
     seqs = split(pack(tok, read_documents([corpus]), 32))[1][:4]

@@ -324,7 +324,7 @@ def test_the_original_range_reads_distinct_first_sentences_and_sees_a_short_capt
     (more than one candidate), where a perfect short-caption reader reads 1.0 and one that lost half its digits less."""
     from types import SimpleNamespace
 
-    from posextend.training.images import read_images
+    from posextend.data.images import read_images
     from posextend.training.objectives.image_text import Held, ImageText
 
     objective, processor = ImageText(), transformers.AutoProcessor.from_pretrained(clip)

@@ -1,4 +1,4 @@
-"""Image data as users hold it (posextend.training.images): real image files written with Pillow in every layout
+"""Image data as users hold it (posextend.data): real image files written with Pillow in every layout
 the fine-tunes read (class folders, captions in metadata files, tables of paths, saved datasets, a Hub id), the
 bad files users have (not an image, truncated, CMYK, RGBA, 16-bit...), the held-out split, and real digits."""
 
@@ -15,10 +15,12 @@ import pytest
 datasets = pytest.importorskip("datasets")
 Image = pytest.importorskip("PIL.Image")
 
+from posextend.data import Items
+from posextend.data.heldout import split_images
+from posextend.data.images import INSTALL, ImageData, read_images, rgb
 from posextend.errors import DataError
-from posextend.training.images import INSTALL, ImageData, read_images, rgb, split_images
 
-LOG = "posextend.training.images"
+LOG = "posextend.data"  # the image modules log under it
 
 
 @pytest.fixture(autouse=True)
@@ -77,6 +79,7 @@ def test_class_folders_give_labels_and_every_mode_becomes_rgb(pets):
     assert pixels[2] == (255, 255, 255) and pixels[4] == (255, 255, 255)  # transparent on white, as CLIP's processor
     assert pixels[3] == (255, 0, 255) and pixels[5] == (128, 128, 128)  # CMYK; 16-bit scaled, not clipped to white
     assert data.source == str(pets) and "6 images" in repr(data)
+    assert isinstance(data, Items) and isinstance(data[2:5], ImageData) and [i["label"] for i in data[2:5]] == [1, 1, 1]
 
 
 def test_one_path_alone_and_linked_class_folders(pets, tmp_path):
@@ -108,7 +111,7 @@ def test_bad_files_are_left_out_with_one_warning(tmp_path, caplog):
         data = read_images([root])
     assert (len(data), data.skipped, data.has_labels, data.label_names) == (5, 3, False, None)
     assert [i["image"].size[0] for i in data] == [4, 5, 6, 7, 8]
-    warnings = [r.getMessage() for r in caplog.records if r.name == LOG and r.levelno == logging.WARNING]
+    warnings = [r.getMessage() for r in caplog.records if r.name.startswith(LOG) and r.levelno == logging.WARNING]
     assert warnings == [f"Left out 3 of 8 images of {root} that cannot be used (the first: {bad}: not an image)"]
 
 

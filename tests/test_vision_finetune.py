@@ -137,7 +137,8 @@ def test_the_verdicts_numbers_recomputed_by_hand(towers, digits, tmp_path):
     """The baseline (the source's head at 16 px), the reading (the written model at 24 px, and at 16 px by run-time
     interpolation) and its control, from the held-out split the run made, recomputed outside the objective."""
     import posextend
-    from posextend.training.images import read_images, split_images
+    from posextend.data.heldout import split_images
+    from posextend.data.images import read_images
 
     report = posextend.finetune(towers["vit"], tmp_path / "out", [digits["labelled"]], image_size=NEW, steps=6,
                                 eval_sequences=12, lr=3e-3, seed=1)
@@ -205,7 +206,8 @@ def test_label_free_without_labels_reads_agreement_with_the_teachers_labels(towe
     of its logits), and every reading is the share of them a model predicts: the trained model at 24 px against the
     source read there untrained (the baseline) and the trained model at 16 px (the control), recomputed by hand."""
     import posextend
-    from posextend.training.images import read_images, split_images
+    from posextend.data.heldout import split_images
+    from posextend.data.images import read_images
     from posextend.training.objectives.label_free import LabelFree
 
     seen, own = {}, LabelFree._teacher_baseline
@@ -289,7 +291,7 @@ def test_label_free_trains_its_whole_budget_where_supervised_stops_once_worth_it
     """A label-free run's readings creep up from its teacher's by less than a check's noise, so its budget is not cut
     short at the second "worth it"; a supervised run's is. A budget of steps given as steps is never cut short."""
     from posextend.scoring.verdict import Reading
-    from posextend.training.images import read_images
+    from posextend.data.images import read_images
     from posextend.training.objectives.vision import Vision
     from posextend.training.options import FinetuneConfig
     from posextend.training.setup import _judge
@@ -520,7 +522,8 @@ import math
 import torch
 
 from posextend.scoring.by_position import Bucket, EvalReport
-from posextend.training.images import read_images, split_images
+from posextend.data.heldout import split_images
+from posextend.data.images import read_images
 from posextend.training.loading import load_headed_model, load_processor
 from posextend.training.objectives import Objective, register_objective
 

@@ -11,12 +11,13 @@ import transformers
 from typer.testing import CliRunner
 
 from posextend.cli import app
+from posextend.data.heldout import held_out_note, split_documents
+from posextend.data.text import read_documents
 from posextend.errors import DataError, TrainingError
 from posextend.scoring.by_position import position_losses
-from posextend.scoring.text import pack, read_documents
+from posextend.scoring.text import pack
 from posextend.scoring.verdict import Point, Reading, Verdict, beats, far_start, holds, plot_verdict
 from posextend.training.budget import PATIENCE, Budget, Judge, Schedule, parse_budget
-from posextend.training.heldout import held_out_note, split_documents
 from posextend.training.loop import finetune
 
 QUICK = dict(batch_size=2, train="all", eval_sequences=4, buckets=2, seed=0)

@@ -305,7 +305,7 @@ def load_embedding_model(path: str | Path):
 
 def corpus_tokens(tokenizer, data: Sequence[str | Path]) -> list[int]:
     """The token ids of the text files (or folders, JSON Lines) ``data``, one after another."""
-    from posextend.scoring.text import read_documents
+    from posextend.data.text import read_documents
 
     return text_tokens(tokenizer, read_documents(data))
 

@@ -8,5 +8,5 @@ loop), :mod:`.report` (``FinetuneReport``, and the output with its provenance an
 :mod:`.evaluate` (``evaluate``, the ``eval`` command) and :mod:`.objectives` (one file per objective,
 behind a registry). May import every layer below it: ``posextend.errors``, ``posextend.registry``,
 ``posextend.options``, ``posextend.version``, ``posextend.tables``,
-``posextend.files``, ``posextend.families``, ``posextend.resize``, ``posextend.scoring``.
+``posextend.files``, ``posextend.data``, ``posextend.families``, ``posextend.resize``, ``posextend.scoring``.
 """

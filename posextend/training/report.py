@@ -81,7 +81,7 @@ class FinetuneReport:
     precision: str = "no"  # what the steps computed in, ``auto`` resolved for the device: no (fp32), bf16 or fp16
     context_use: ContextUse | None = None  # causal LMs that extend: does the fine-tuned model use its new positions?
     written_step: int | None = None  # the step whose weights were written (the best check's; None: the last step)
-    held_out: str = ""  # what the verdict was judged on (:func:`posextend.training.heldout.held_out_note`)
+    held_out: str = ""  # what the verdict was judged on (:func:`posextend.data.heldout.held_out_note`)
 
     @property
     def written(self) -> str:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
+from posextend.data.heldout import held_out_note
 from posextend.errors import TrainingError
 from posextend.files.atomic import write_file
 from posextend.files.oserrors import output_errors
@@ -27,7 +28,6 @@ from posextend.training.batches import batch_rows
 from posextend.training.best import BestWeights
 from posextend.training.budget import Budget, Judge, Schedule
 from posextend.training.context import RunContext
-from posextend.training.heldout import held_out_note
 from posextend.training.loading import AnchorOriginal, Loaded, anchor_original, image_grid, image_size
 from posextend.training.objectives.base import Objective
 from posextend.training.options import FinetuneConfig
@@ -57,7 +57,7 @@ class Run(RunContext):
     schedule: Schedule = field(default_factory=lambda: Schedule(1, "constant"))  # the lr factor by step
     adapter: Any = None  # train="lora": the adapter on the model (:class:`posextend.training.adapters.Lora`)
     train_documents: Sequence[Any] = ()  # the documents the training samples were cut from (a control trains on them)
-    held_out_note: str = ""  # what the verdict is judged on (:func:`posextend.training.heldout.held_out_note`)
+    held_out_note: str = ""  # what the verdict is judged on (:func:`posextend.data.heldout.held_out_note`)
     best_weights: BestWeights | None = None  # the best check's weights, when the run writes them (a budget)
 
     def evaluate(self) -> EvalReport:  # through the prepared model: sharded weights need every process

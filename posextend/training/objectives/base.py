@@ -200,8 +200,8 @@ class Objective:
 
     def documents(self, paths: Sequence[str | Path]) -> Sequence[Any]:
         """What :meth:`samples` cuts, read from the data the user gave (files, folders, or what this objective reads:
-        a dataset of images): their texts by default (:func:`posextend.scoring.text.read_documents`)."""
-        from posextend.scoring.text import read_documents
+        a dataset of images): their texts by default (:func:`posextend.data.text.read_documents`)."""
+        from posextend.data.text import read_documents
 
         return read_documents(paths)
 
@@ -213,9 +213,9 @@ class Objective:
 
     def split(self, documents: Sequence[Any], *, processor: Any, length: int, config: Any) -> tuple[Sequence[Any], Sequence[Any]]:
         """``(train, held_out)``: the documents set aside for judging the run, never trained on
-        (:func:`posextend.training.heldout.split_documents`): a few percent of the data, and enough for
+        (:func:`posextend.data.heldout.split_documents`): a few percent of the data, and enough for
         ``config.eval_sequences`` samples of ``length`` tokens at the data's characters per token."""
-        from posextend.training.heldout import split_documents
+        from posextend.data.heldout import split_documents
 
         sample = next((d for d in documents if isinstance(d, str)), "")[:20_000]
         tokens = len(processor(sample, add_special_tokens=False, verbose=False)["input_ids"]) if sample else 0

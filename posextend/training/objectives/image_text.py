@@ -98,7 +98,7 @@ class ImageText(Objective):
         return copy.copy(self)  # a run's own: size_processor sets its patches
 
     def documents(self, paths: Sequence[str | Path]) -> Any:
-        from posextend.training.images import read_images
+        from posextend.data.images import read_images
 
         return read_images(paths, need="text")
 
@@ -116,7 +116,7 @@ class ImageText(Objective):
         return loaded
 
     def split(self, documents: Any, *, processor: Any, length: int, config: Any) -> tuple[Any, Any]:
-        from posextend.training.images import split_images
+        from posextend.data.heldout import split_images
 
         return split_images(documents, least=config.eval_sequences, seed=config.seed)
 

@@ -161,7 +161,7 @@ class GapSentences(Objective):
 
     def documents(self, paths: Sequence[str | Path]) -> Sequence[str] | list[tuple[str, str]]:
         """Supervised ``(source, target)`` pairs where the data is JSON Lines holding them, else raw texts."""
-        from posextend.scoring.text import read_documents, read_pairs
+        from posextend.data.text import read_documents, read_pairs
 
         return read_pairs(paths) or read_documents(paths)
 

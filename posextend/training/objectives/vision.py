@@ -111,8 +111,8 @@ class Vision(LabelFree, Objective):
                 and (named.endswith(("Model", "Transformer")) or "ForImageClassification" in named))
 
     def documents(self, paths: Sequence[str | Path]) -> Sequence[Any]:
-        """Images (:func:`posextend.training.images.read_images`), with their labels where the data has them."""
-        from posextend.training.images import read_images
+        """Images (:func:`posextend.data.images.read_images`), with their labels where the data has them."""
+        from posextend.data.images import read_images
 
         return read_images(paths)
 
@@ -196,7 +196,7 @@ class Vision(LabelFree, Objective):
     def split(self, documents: Sequence[Any], *, processor: Any, length: int, config: Any
               ) -> tuple[Sequence[Any], Sequence[Any]]:
         """A seeded share of the images held out whole (by class, in proportion), at least ``eval_sequences``."""
-        from posextend.training.images import split_images
+        from posextend.data.heldout import split_images
 
         return split_images(documents, least=config.eval_sequences, seed=config.seed)
 

@@ -1,17 +1,23 @@
-"""The held-out part of a fine-tune's data: whole documents, a few percent, seeded, never trained on.
+"""The held-out part of a fine-tune's data: whole items (documents, pairs, images), a few percent, seeded, never
+trained on.
 
-The verdict (:mod:`posextend.scoring.verdict`) is only honest on text the run never saw:
-:func:`split_documents` sets documents aside before anything is cut into samples.
+The verdict (:mod:`posextend.scoring.verdict`) is only honest on data the run never saw: :func:`split_documents`
+sets documents (or pairs) aside before anything is cut into samples, :func:`split_images` images, by class.
 """
 
 from __future__ import annotations
 
+import math
+import random
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from posextend.errors import DataError
+
+if TYPE_CHECKING:
+    from posextend.data.images import ImageData
 
 SHARE = 0.05  # of the data's characters held out by default
 MOST = 0.4  # never more than this share (a small corpus: the tail of a document)
@@ -98,3 +104,35 @@ def held_out_note(documents: Sequence[Any], held: Sequence[Any]) -> str:
                 "characters: its names and people are in the training text, so the verdict may be kinder than on text "
                 "the model never saw): give held-out text of other documents to judge on text it never saw")
     return f"held out: {len(held)} whole document(s) ({sum(_size(h) for h in held):,} characters), never trained on"
+
+
+def split_images(data: ImageData, *, share: float = SHARE, least: int = 0, seed: int = 0
+                 ) -> tuple[ImageData, ImageData]:
+    """``(train, held_out)``: a seeded ``share`` of the items (at least ``least``, and one; never more than
+    :data:`MOST` of them) held out whole. With labels each class gives its share
+    (largest remainders first), so the held-out part has the classes in proportion. Both keep the data's order.
+
+    Raises:
+        DataError: too few items to hold one out and train on the rest.
+    """
+    n = len(data)
+    want = min(max(1, round(share * n), least), math.floor(MOST * n))
+    if want < 1:
+        raise DataError(f"The image data ({data.source}) holds {n} item(s): too few to hold some out for judging "
+                        "the fine-tune and train on the rest. Give more images, or held-out images of their own.")
+    # not datasets' train_test_split(stratify_by_column=): a seed holds out the images it always has, a class of one too
+    order = random.Random(seed).sample(range(n), n)  # a seeded shuffle
+    held = set(_stratified(order, data.dataset["label"][:], want) if data.has_labels else order[:want])
+    return data.select([i for i in range(n) if i not in held]), data.select(sorted(held))
+
+
+def _stratified(order: list[int], labels: list[int | None], want: int) -> list[int]:
+    """``want`` items of ``order`` (shuffled): each label's share of them, its first items in ``order``."""
+    groups: dict[int | None, list[int]] = {}
+    for i in order:
+        groups.setdefault(labels[i], []).append(i)
+    quota = {label: want * len(items) / len(order) for label, items in groups.items()}
+    take = {label: math.floor(q) for label, q in quota.items()}
+    for label in sorted(groups, key=lambda label: take[label] - quota[label])[: want - sum(take.values())]:
+        take[label] += 1
+    return [i for label, items in groups.items() for i in items[: take[label]]]
