@@ -180,6 +180,7 @@ def readings(model_dir: Path, source_dir: Path, split: Path, old: int, new: int)
     from posextend.data.images import read_images
     from posextend.training.objectives import get_objective
     from posextend.training.options import FinetuneConfig
+    from posextend.training.sizes import Axis, Sizes
 
     objective = get_objective("image-text")
     processor = transformers.AutoProcessor.from_pretrained(model_dir)
@@ -188,11 +189,11 @@ def readings(model_dir: Path, source_dir: Path, split: Path, old: int, new: int)
               "model": transformers.CLIPModel.from_pretrained(model_dir).eval()}
     size = (48, 48)
 
-    def run(model, length):
+    def run(model, length):  # by hand: two plain transformers models, nothing loaded through the objective
         return RunContext(accelerator=SimpleNamespace(device=torch.device("cpu")), model=model, unwrapped=model,
                           processor=processor, config=FinetuneConfig(buckets=8, eval_sequences=len(pairs)),
-                          train_seqs=[], eval_seqs=pairs, length=new, old_length=old, image_size=size,
-                          old_image_size=size, state=objective.State())
+                          train_seqs=[], eval_seqs=pairs, sizes=Sizes(Axis(old, new), image=Axis.at(size)),
+                          state=objective.State())
 
     out = {}
     for who, modes in (("source", ("cut", "chunks")), ("model", ("whole", "cut", "chunks"))):

@@ -16,6 +16,7 @@ from posextend.scoring.verdict import Reading
 from posextend.training.context import RunContext
 from posextend.training.objectives import get_objective
 from posextend.training.options import FinetuneConfig
+from posextend.training.sizes import Axis, Sizes
 
 OLD, NEW = 64, 160  # a 160-token document is read by the source in chunks of 62, 62 and 34 tokens
 
@@ -41,7 +42,7 @@ def _run(model, text: str, *, seed: int = 0, old: int = OLD) -> RunContext:
     return RunContext(accelerator=SimpleNamespace(device=torch.device("cpu")), model=model, unwrapped=model,
                       processor=model.tokenizer, config=FinetuneConfig(seed=seed, eval_sequences=16),
                       train_seqs=torch.zeros(1, NEW),
-                      eval_seqs=torch.zeros(1, NEW), eval_documents=[text], length=NEW, old_length=old,
+                      eval_seqs=torch.zeros(1, NEW), eval_documents=[text], sizes=Sizes(Axis(old, NEW)),
                       state=get_objective("contrastive").State())
 
 

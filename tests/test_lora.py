@@ -155,7 +155,7 @@ def _capture(monkeypatch) -> dict:
     def spy_save(run, *args):
         seen["reference"] = run.reference
         seen["lr"] = run.config.lr
-        group = {id(q): g["initial_lr"] for g in run.optimizer.param_groups for q in g["params"]}
+        group = {id(q): g["initial_lr"] for g in run.trainable.optimizer.param_groups for q in g["params"]}
         seen["lrs"] = {n: group[id(q)] for n, q in run.unwrapped.named_parameters() if q.requires_grad}
         return save(run, *args)
 

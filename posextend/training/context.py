@@ -6,16 +6,18 @@ The training loop (:mod:`posextend.training.loop`) builds it and hands it to the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass, replace
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from posextend.training.options import FinetuneConfig
+from posextend.training.sizes import Axis, Sizes
 
 if TYPE_CHECKING:
     import torch
 
     from posextend.families.specs import ArchitectureSpec
+    from posextend.training.loading import Loaded
 
 
 def sample_generator(seed: int, position: int) -> torch.Generator:
@@ -23,6 +25,19 @@ def sample_generator(seed: int, position: int) -> torch.Generator:
     import torch
 
     return torch.Generator().manual_seed(seed * 1_000_003 + position)
+
+
+@dataclass(frozen=True)
+class Samples:
+    """What a run reads: ``train`` and ``held_out`` samples as the objective cut them (:meth:`Objective.samples`), the
+    documents each was cut from, and ``note``: what the verdict is judged on
+    (:func:`posextend.training.heldout.held_out_note`; empty when the held-out data was given)."""
+
+    train: Any
+    held_out: Any
+    train_documents: Sequence[Any] = ()
+    held_out_documents: Sequence[Any] = ()
+    note: str = ""
 
 
 @dataclass(kw_only=True)
@@ -40,10 +55,11 @@ class RunContext:
       token windows, or any sequence of items (images, pairs of image and caption); the loop takes micro-batches
       of them by index and hands each to ``loss`` as the objective made it (rows of the tensor, or a list);
       ``eval_documents``: the held-out documents they were cut from (never trained on).
-    - ``length`` / ``old_length``: the run's number of positions, and the source's (an image grid's patches, for a
-      vision tower); ``decoder_length``: an encoder-decoder's decoder positions where it has a length of its own
-      (LED; None: ``length``); ``image_size`` / ``old_image_size``: the run's image size in pixels (height, width)
-      and the source's, for a model with an image grid (None without one).
+    - ``sizes``: the run's sizes and the source's, one axis each (:class:`~posextend.training.sizes.Sizes`); read
+      through ``length`` / ``old_length``: the run's number of positions, and the source's (an image grid's patches,
+      for a vision tower); ``decoder_length``: an encoder-decoder's decoder positions where it has a length of its
+      own (LED; None: ``length``); ``image_size`` / ``old_image_size``: the run's image size in pixels (height,
+      width) and the source's, for a model with an image grid (None without one).
     - ``short_inputs_fixed``: only new rows train, so outputs on inputs within the old length never change.
     - ``reference``: the frozen model the objective's anchor term compares with, when the run keeps one
       (:meth:`Objective.read_reference`, :meth:`Objective.copy_reference`).
@@ -60,14 +76,44 @@ class RunContext:
     train_seqs: torch.Tensor
     eval_seqs: torch.Tensor
     eval_documents: Sequence[Any] = ()
-    length: int
-    old_length: int
-    decoder_length: int | None = None
-    image_size: tuple[int, int] | None = None
-    old_image_size: tuple[int, int] | None = None
+    sizes: Sizes
     short_inputs_fixed: bool = False
     reference: torch.nn.Module | None = None
     state: Any = None
+    # read-only properties; as keywords, what ``dataclasses.replace(run, length=..., decoder_length=...)`` sets (an
+    # objective reading at its source's sizes) until the objectives give sizes: folded into ``sizes`` on making
+    length: InitVar[int] = property(lambda self: self.sizes.length.new, doc="The run's usable positions.")
+    decoder_length: InitVar[int | None] = property(
+        lambda self: self.sizes.decoder.new if self.sizes.decoder else None,
+        doc="An encoder-decoder's decoder positions where it has a length of its own (LED; None: ``length``).")
+
+    def __post_init__(self, length: int | property, decoder_length: int | None | property) -> None:
+        if not isinstance(length, property):  # a property: not given (the class attribute is the default)
+            self.sizes = replace(self.sizes, length=replace(self.sizes.length, new=length))
+        if not isinstance(decoder_length, property):
+            decoder = None if decoder_length is None else replace(self.sizes.decoder or Axis.at(decoder_length),
+                                                                  new=decoder_length)
+            self.sizes = replace(self.sizes, decoder=decoder)
+
+    @classmethod
+    def of(cls, loaded: Loaded, objective: Any, config: FinetuneConfig, sizes: Sizes, samples: Samples, /, *,
+           accelerator: Any, model: torch.nn.Module | None = None, **own: Any):
+        """The context of a run of ``objective`` on ``loaded`` (its processor, spec and reference; the objective's
+        state made empty), read at ``sizes`` on ``samples``; ``model``: as prepared by ``accelerator`` (default:
+        ``loaded.model`` as it is). ``own``: a subclass's own fields (a fine-tune's :class:`Run`). ``objective`` is
+        an :class:`~posextend.training.objectives.base.Objective` (not annotated: that module imports this one)."""
+        model = loaded.model if model is None else model
+        return cls(accelerator=accelerator, model=model, unwrapped=accelerator.unwrap_model(model),
+                   processor=loaded.processor, config=config, spec=loaded.spec, train_seqs=samples.train,
+                   eval_seqs=samples.held_out, eval_documents=samples.held_out_documents, sizes=sizes,
+                   short_inputs_fixed=config.train == "new-rows", reference=loaded.reference, state=objective.State(),
+                   **own)
+
+    old_length = property(lambda self: self.sizes.length.old, doc="The source's usable positions (its old length).")
+    image_size = property(lambda self: self.sizes.image.new if self.sizes.image else None,
+                          doc="The run's image size in pixels (height, width); None without an image grid.")
+    old_image_size = property(lambda self: self.sizes.image.old if self.sizes.image else None,
+                              doc="The source's image size in pixels (height, width); None without an image grid.")
 
     @property
     def tokenizer(self) -> Any:

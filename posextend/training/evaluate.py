@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from posextend.files.checkpoint import Checkpoint
-from posextend.training.context import RunContext
+from posextend.training.context import RunContext, Samples
 from posextend.training.loading import image_size
+from posextend.training.sizes import Axis, Sizes
 from posextend.errors import PosExtendError
 from posextend.scoring.by_position import EvalReport, plot_reports, reading_device
 from posextend.scoring.verdict import Verdict
@@ -32,6 +33,9 @@ class _OneProcess:
     num_processes: int = 1
     is_main_process: bool = True
 
+    def unwrap_model(self, model: Any) -> Any:  # nothing wraps it: one process, no accelerate
+        return model
+
 
 def _verdict(chosen: Objective, checkpoint: Checkpoint, run: RunContext) -> Verdict | None:
     """The verdict of a checkpoint whose provenance records the original it was extended from (and that
@@ -42,10 +46,10 @@ def _verdict(chosen: Objective, checkpoint: Checkpoint, run: RunContext) -> Verd
     if run.old_length >= run.length:
         return None
     original = anchor_original(checkpoint, None, old_length=run.old_length, length=run.length, extended=False)
-    if original.path is None:
+    if original.original is None:
         return None
     try:
-        source = chosen.read_reference(original.path, init_head=False)
+        source = chosen.read_reference(original.original, init_head=False)
     except PosExtendError:  # the original lacks this objective's head (it was added by the fine-tune): nothing to compare
         return None
     baseline = chosen.baseline(run, source)
@@ -124,15 +128,13 @@ def evaluate(
         samples = samples[:max_sequences]
     device = reading_device()
     loaded.model.to(device)
-    run = RunContext(
-        accelerator=_OneProcess(device), model=loaded.model, unwrapped=loaded.model, processor=loaded.processor,
-        config=FinetuneConfig(batch_size=batch_size, buckets=buckets, seed=seed, objective=chosen.name,
-                              eval_sequences=chosen.eval_sequences),
-        spec=loaded.spec, train_seqs=samples[:0], eval_seqs=samples, eval_documents=docs, length=length,
-        old_length=loaded.old_length or length, reference=loaded.reference, state=chosen.State(),
-        image_size=image_size(loaded), old_image_size=image_size(loaded),
-        decoder_length=loaded.decoder.usable if loaded.decoder else None,
-    )
+    image = image_size(loaded)
+    sizes = Sizes(Axis(loaded.old_length or length, length), None if loaded.decoder is None else Axis.at(loaded.decoder.usable),
+                  None if image is None else Axis.at(image))
+    config = FinetuneConfig(batch_size=batch_size, buckets=buckets, seed=seed, objective=chosen.name,
+                            eval_sequences=chosen.eval_sequences)
+    run = RunContext.of(loaded, chosen, config, sizes, Samples(samples[:0], samples, held_out_documents=docs),
+                        accelerator=_OneProcess(device))
     report = dataclasses.replace(chosen.evaluate(run), verdict=_verdict(chosen, checkpoint, run),
                                  context_use=chosen.context_use(run))
     if json_path:

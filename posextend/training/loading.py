@@ -21,7 +21,7 @@ from posextend.families.lookup import all_specs, spec_for
 from posextend.families.specs import ArchitectureSpec
 
 if TYPE_CHECKING:
-    from posextend.resize.plan import Request
+    from posextend.resize.plan import GroupPlan
     from posextend.training.saving import FileNames
 
 log = logging.getLogger(__name__)
@@ -45,7 +45,7 @@ class Loaded:
     old_length: int | None  # from posextend provenance, when the checkpoint was extended by it
     reference: torch.nn.Module | None = None  # the frozen model the objective's anchor holds to (when it keeps one)
     decoder: Stack | None = None  # an encoder-decoder's decoder with a length of its own (LED); ``spec`` is the encoder's
-    requests: list[Request] = field(default_factory=list)  # the resizes a fine-tune made in memory, in order
+    plans: list[GroupPlan] = field(default_factory=list)  # the resizes a fine-tune made, planned for the files, in order
     files: FileNames | None = None  # where the trained tensors sit in the checkpoint's files (set by a fine-tune)
 
     @property

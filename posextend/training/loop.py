@@ -83,7 +83,7 @@ def _micro_loss(run: Run, k: int) -> tuple[torch.Tensor, tuple[int, int]]:
 def _step(run: Run, step: int) -> tuple[float, int, int]:
     """One optimizer step (its micro-batches accumulated): its loss and the items and tokens every process saw.
     A non-finite loss saves the last good state and stops the run."""
-    acc = run.accelerator
+    acc, trainable = run.accelerator, run.trainable
     step_loss, items, tokens = 0.0, 0, 0
     for micro in range(run.config.grad_accum):
         with acc.accumulate(run.model):
@@ -96,14 +96,14 @@ def _step(run: Run, step: int) -> tuple[float, int, int]:
                     f"(step {step}) is in {run.state_dir}: lower the lr (lr={run.config.lr / 3:.2g}) or use mixed_precision=bf16, then resume=True."
                 )
             acc.backward(loss)
-            run.optimizer.step()
-            run.scheduler.step()
-            run.optimizer.zero_grad()
+            trainable.optimizer.step()
+            trainable.scheduler.step()
+            trainable.optimizer.zero_grad()
         step_loss += loss.item() / run.config.grad_accum
         items, tokens = items + m * acc.num_processes, tokens + n * acc.num_processes
-    if run.saved_rows:
+    if trainable.saved_rows:
         with torch.no_grad():
-            for t, rows in zip(run.tables, run.saved_rows):
+            for t, rows in zip(trainable.tables, trainable.saved_rows):
                 t[: len(rows)] = rows
     return step_loss, items, tokens
 
@@ -136,7 +136,7 @@ def _loop(run: Run, start_step: int, *, save_every: int, progress: Callable[[int
           ) -> Trained:
     """The shared training loop: steps until the judge's budget is spent or the run is worth it
     (:class:`posextend.training.budget.Judge`), held-out checks, Ctrl-C, state saving, progress."""
-    judge, schedule, trained = run.judge, run.schedule, Trained()
+    judge, schedule, trained = run.judge, run.trainable.schedule, Trained()
     step = start_step
     run.model.train()  # gradient checkpointing applies only in training mode (dropout is the objective's choice)
     with _stop_at_step_boundary() as stop_requested:
@@ -176,7 +176,7 @@ def _resume_step(run: Run) -> int:
             "(source, data, length, train mode, lr, global batch, seed, precision); use the same ones or remove it."
         )
     run.accelerator.load_state(str(run.state_dir))
-    run.schedule.steps = info.get("planned", run.schedule.steps)
+    run.trainable.schedule.steps = info.get("planned", run.trainable.schedule.steps)
     log.info("Resuming at step %d from %s", info["step"], run.state_dir)
     return info["step"]
 
@@ -203,7 +203,7 @@ def _final_reading(run: Run, steps: int) -> tuple[Reading | None, int]:
     return reading, written
 
 
-def _train_control(run: Run, checkpoint: Checkpoint, tokens: int,
+def _train_control(run: Run, tokens: int,
                    progress: Callable[[int, int, float, float], None] | None) -> None:
     """The exact control: the source fine-tuned at its own length on the run's training documents and as many
     tokens (its lr, schedule, batch and anchor), read as the baseline reads the source (its window, or chunks) on
@@ -211,15 +211,15 @@ def _train_control(run: Run, checkpoint: Checkpoint, tokens: int,
     user would get by fine-tuning without extending. The run's optimizer state is let go first (its memory)."""
     config = dataclasses.replace(run.config, length=None, decoder_length=None, budget=None, eval_every=0,
                                  save_every=0, resume=False, train_control=False, steps=1)
-    run.optimizer.zero_grad(set_to_none=True)
-    getattr(run.optimizer, "optimizer", run.optimizer).state.clear()
-    control, _ = setup(checkpoint, run.state_dir.with_name(run.state_dir.name + "-control"), [], config, run.objective,
+    run.trainable.optimizer.zero_grad(set_to_none=True)
+    getattr(run.trainable.optimizer, "optimizer", run.trainable.optimizer).state.clear()
+    control = setup(run.checkpoint, run.state_dir.with_name(run.state_dir.name + "-control"), [], config, run.objective,
                        documents=(run.train_documents, run.eval_documents))
-    per_step = control.judge.tokens_per_step
-    control.schedule.steps = max(1, round(tokens / per_step))  # its lr schedule over them, as the run's
+    per_step, schedule = control.judge.tokens_per_step, control.trainable.schedule
+    schedule.steps = max(1, round(tokens / per_step))  # its lr schedule over them, as the run's
     if run.accelerator.is_main_process:
         log.info("Training the control: the source at its own %d positions, %d steps of %d tokens (%d in all)",
-                 run.old_length, control.schedule.steps, per_step, control.schedule.steps * per_step)
+                 run.old_length, schedule.steps, per_step, schedule.steps * per_step)
     _loop(control, 0, save_every=0, progress=progress)
     reading = run.objective.baseline(run, control.unwrapped)
     if reading is not None:
@@ -288,27 +288,27 @@ def finetune(
     check_destination(checkpoint.directory, dst, overwrite=config.overwrite)
     with checkpoint:  # the weights' headers, released before training
         check_extension_size(checkpoint, dst, config.length, decoder_length=config.decoder_length)
-    run, loaded = setup(checkpoint, dst, data, config, chosen)
+    run = setup(checkpoint, dst, data, config, chosen)
     config = run.config  # with its lr
     run.judge.start = started
     before = None if config.resume else run.evaluate()
     start_step = _resume_step(run) if config.resume else 0
     if not config.resume:
         run.judge.check(0, lambda: run.objective.reading(run))
-    trained = fit_in_memory(run, loaded.hf_model, functools.partial(
+    trained = fit_in_memory(run, run.loaded.hf_model, functools.partial(
         _loop, run, start_step, save_every=config.save_every, progress=progress))
     steps = start_step + len(trained.losses)
     reading, written = _final_reading(run, steps)  # the best check's weights put back, when it is not the last step
     after = run.evaluate()
     if config.train_control and reading is not None:
-        _train_control(run, checkpoint, trained.tokens, progress)
+        _train_control(run, trained.tokens, progress)
     verdict = run.judge.verdict(reading)
     run.accelerator.wait_for_everyone()
     run.config = dataclasses.replace(run.config, steps=steps)  # the steps it trained
     report = finetune_report(run, dst, (before, after), trained, verdict, written_step=written)
     state_dict = run.accelerator.get_state_dict(run.model)  # every process takes part (sharded weights)
     if run.accelerator.is_main_process:
-        save(run, dst, report, checkpoint, loaded, state_dict)
+        save(run, dst, report, state_dict)
         shutil.rmtree(run.state_dir, ignore_errors=True)
     run.accelerator.wait_for_everyone()
     return report

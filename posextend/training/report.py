@@ -19,7 +19,6 @@ from posextend.files.sources import MODULES
 from posextend.resize.on_disk import resize_change
 from posextend.resize.report import ResizeReport, model_card, resize_report, source_provenance
 from posextend.resize.options import ResizeOptions
-from posextend.resize.plan import plan_resize
 from posextend.scoring.by_position import EvalReport
 from posextend.scoring.context_use import ContextUse
 from posextend.scoring.verdict import Verdict
@@ -132,23 +131,22 @@ def finetune_report(run: Run, dst: Path, evaluations: tuple[EvalReport | None, E
     )
 
 
-def save(run: Run, dst: Path, report: FinetuneReport, checkpoint: Checkpoint, loaded: Loaded,
-         state_dict: dict[str, torch.Tensor]) -> None:
+def save(run: Run, dst: Path, report: FinetuneReport, state_dict: dict[str, torch.Tensor]) -> None:
     """The fine-tuned model, written by the checkpoint writer of ``resize-model`` into the source's files and
-    layout (:mod:`posextend.training.saving`), with provenance and a model card.
+    layout (:mod:`posextend.training.saving`), with provenance and a model card: the source's tensors resized as the
+    plans setup made say (``run.loaded.plans``), the trained ones at their new values.
 
     ``state_dict``: the trained model's full weights (gathered when sharded across processes: FSDP, DeepSpeed).
     """
     from posextend.training.saving import changes, write_trained
 
-    seed, adapter = run.config.seed, None
-    if run.adapter is not None:  # LoRA: merged into the model (its adapter kept first, when asked for)
+    seed, adapter, loaded = run.config.seed, None, run.loaded
+    if run.trainable.adapter is not None:  # LoRA: merged into the model (its adapter kept first, when asked for)
         from posextend.training.adapters import merge
 
-        state_dict, adapter = merge(run.adapter, run.unwrapped, keep_adapter=run.config.save_adapter)
-    with Checkpoint.open(checkpoint) as source:
-        config, reader, directory = source.config, source.reader, source.directory
-        plans = [plan for request in loaded.requests for plan in plan_resize(config, source.shapes, request)]
+        state_dict, adapter = merge(run.trainable.adapter, run.unwrapped, keep_adapter=run.config.save_adapter)
+    with run.checkpoint as source:
+        config, reader, directory, plans = source.config, source.reader, source.directory, loaded.plans
         resized = resize_change(reader, config, plans, seed)
         trained, added = changes(state_dict, run.unwrapped, loaded.files, reader)
         options = ResizeOptions(new_length=run.length, strategy=run.config.strategy, seed=seed)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -27,10 +27,11 @@ from posextend.training.adapters import add_lora, param_groups
 from posextend.training.batches import batch_rows
 from posextend.training.best import BestWeights
 from posextend.training.budget import Budget, Judge, Schedule
-from posextend.training.context import RunContext
-from posextend.training.loading import AnchorOriginal, Loaded, anchor_original, image_grid, image_size
+from posextend.training.context import RunContext, Samples
+from posextend.training.loading import AnchorOriginal, Loaded, anchor_original, image_grid
 from posextend.training.objectives.base import Objective
 from posextend.training.options import FinetuneConfig
+from posextend.training.sizes import Sizes, run_sizes
 
 if TYPE_CHECKING:
     from posextend.training.saving import FileNames
@@ -39,26 +40,39 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+@dataclass(frozen=True)
+class Trainable:
+    """What trains and how (:func:`_trainable`): the trained ``tables`` beside every parameter or alone, each one's
+    ``saved_rows`` (new-rows: the rows that never change, written back after each step), LoRA's ``adapter``, the
+    ``optimizer``, its lr ``scheduler`` and the ``schedule`` that gives its factor by step."""
+
+    tables: list[torch.nn.Parameter]
+    saved_rows: list[torch.Tensor]
+    adapter: Any  # train="lora": the adapter on the model (:class:`posextend.training.adapters.Lora`); else None
+    optimizer: Any
+    scheduler: Any
+    schedule: Schedule
+
+
 @dataclass(kw_only=True)
 class Run(RunContext):
     """One fine-tune, set up: the objective's view of it (:class:`RunContext`, what the objective is handed)
-    and what only the loop and the state files need."""
+    and what only the loop, the report and the save need."""
 
     objective: Objective
-    optimizer: Any
-    scheduler: Any
-    tables: list[torch.nn.Parameter]
-    saved_rows: list[torch.Tensor]  # new-rows: each table's rows that never change
+    checkpoint: Checkpoint  # the source, resolved once: the save writes into its files and layout
+    loaded: Loaded  # as loaded (its transformers model, where its tensors sit in the files), with the resizes' plans
+    trainable: Trainable
     state_dir: Path
     fingerprint: str
-    extended: bool = False  # the table was extended by this run (not by an earlier resize)
     anchor_original: AnchorOriginal = field(default_factory=AnchorOriginal)  # what the anchor term holds to
     judge: Judge = field(default_factory=lambda: Judge(Budget("0 steps", steps=0), early=False))  # steps, checks, verdict
-    schedule: Schedule = field(default_factory=lambda: Schedule(1, "constant"))  # the lr factor by step
-    adapter: Any = None  # train="lora": the adapter on the model (:class:`posextend.training.adapters.Lora`)
     train_documents: Sequence[Any] = ()  # the documents the training samples were cut from (a control trains on them)
     held_out_note: str = ""  # what the verdict is judged on (:func:`posextend.data.heldout.held_out_note`)
     best_weights: BestWeights | None = None  # the best check's weights, when the run writes them (a budget)
+
+    extended = property(lambda self: self.sizes.resized,
+                        doc="The run extended the table (its length or image grid), not an earlier resize.")
 
     def evaluate(self) -> EvalReport:  # through the prepared model: sharded weights need every process
         return self.objective.evaluate(self)
@@ -68,8 +82,7 @@ class Run(RunContext):
             self.accelerator.save_state(str(self.state_dir))
             if self.accelerator.is_main_process:
                 write_file(self.state_dir / "posextend.json", json.dumps(
-                    {"step": step, "fingerprint": self.fingerprint, "planned": self.schedule.steps}))
-
+                    {"step": step, "fingerprint": self.fingerprint, "planned": self.trainable.schedule.steps}))
 
 
 def make_accelerator(mixed_precision: str, grad_accum: int, *, unused_parameters: bool = False):
@@ -152,36 +165,50 @@ def cpu_has_native_bf16() -> bool:
 
 
 def setup(checkpoint: Checkpoint, dst: Path, data: Sequence[str | Path], config: FinetuneConfig,
-          chosen: Objective, *, documents: tuple[Sequence[Any], Sequence[Any]] | None = None) -> tuple[Run, Loaded]:
+          chosen: Objective, *, documents: tuple[Sequence[Any], Sequence[Any]] | None = None) -> Run:
     """Load, extend, cut the data into samples, choose what trains, and prepare model, optimizer and
     schedule. ``config`` is resolved (:meth:`FinetuneConfig.resolved`); its ``lr`` is set here when None.
     ``documents``: the data already split, ``(train, held_out)`` (a control trains on a run's own), in place of
-    ``data``'s files."""
+    ``data``'s files.
+
+    The objective's hooks, in the order a fine-tune calls them (setup here, then the loop, the report and the save):
+
+    0. :func:`~posextend.training.loop.finetune`: ``accepts`` (each objective's, when none is named), ``with_anchor``
+       (an anchor weight given);
+    1. ``documents`` (the data, then ``eval_data``), ``for_data``; ``load`` (``with_anchor(0)`` first when an
+       original may replace its frozen copy), then ``read_reference`` (the original) or ``copy_reference``, and
+       ``copy_reference`` or ``read_reference`` again for the baseline's source when the anchor keeps none;
+    2. ``size_processor``, ``split`` (unless the held-out data is given), ``samples`` (held-out, then training);
+       ``default_lr`` (through ``config.with_lr``, when no lr is given), ``State``;
+    3. ``baseline`` and ``baseline_name`` (a run that grows), ``count`` (one batch: tokens per step), ``control_name``;
+    4. the loop (:mod:`posextend.training.loop`): ``evaluate``; ``reading`` at step 0; each step ``loss`` and ``count``
+       per micro-batch; each check ``evaluate`` (``eval_every``), ``reading`` and ``control``; at the end ``reading``
+       and ``control`` when the last check did not read them, ``evaluate``; the exact control (``train_control``):
+       setup again, the loop, ``baseline``;
+    5. the report: ``notes``, ``context_use``; the save: ``written_config``.
+    """
     from accelerate.utils import set_seed
 
     docs = chosen.documents(data) if documents is None else documents[0]
     given_held_out = (documents[1] if documents is not None else
                       chosen.documents(config.eval_data) if config.eval_data else None)
     chosen = chosen.for_data(docs)
-    loaded, sizes, anchor, source = _load(chosen, checkpoint, config)
+    loaded = _load(chosen, checkpoint, config)
+    sizes = run_sizes(loaded, config)
+    anchor = _hold_to(chosen, checkpoint, loaded, config, sizes)
+    source = _baseline_source(chosen, checkpoint, loaded, config, sizes)
     config = config.with_strategy(chosen, sizes.grows_ranks | ({1} if config.decoder_length else set()))
-    if sizes.extended or sizes.image_extended:
-        _resize(loaded, Request(sizes.length if sizes.extended else None, strategy=config.strategy, params=config.params,
-                                image_size=sizes.image_size if sizes.image_extended else None,
-                                group=loaded.spec.group if loaded.decoder else None), config.seed)
-    decoder_length = _resize_decoder(loaded, config)  # None: the decoder shares the run's length
-    if config.train == "new-rows" and sizes.old_length >= sizes.length:
+    _extend(loaded, checkpoint, sizes, config)
+    length = sizes.length
+    if config.train == "new-rows" and length.old >= length.new:
         raise TrainingError(
-            f"Training only new rows needs rows beyond the old length, but the model has {sizes.length} positions and "
-            f"its old length is {sizes.old_length}: pass length=N above {sizes.length}, or old_length=N for a "
+            f"Training only new rows needs rows beyond the old length, but the model has {length.new} positions and "
+            f"its old length is {length.old}: pass length=N above {length.new}, or old_length=N for a "
             "checkpoint extended elsewhere.")
-    chosen.size_processor(loaded.processor, length=sizes.length, image_size=sizes.image_size)
-    train_docs, held_docs = ((docs, given_held_out) if given_held_out else
-                             chosen.split(docs, processor=loaded.processor, length=sizes.length, config=config))
-    held_out = "" if given_held_out else held_out_note(docs, held_docs)
-    train_seqs, eval_seqs = _samples(chosen, loaded.processor, (train_docs, held_docs), sizes.length)
+    chosen.size_processor(loaded.processor, length=length.new, image_size=sizes.image.new if sizes.image else None)
+    samples = _samples(chosen, loaded.processor, (docs, given_held_out), length.new, config)
     accelerator = make_accelerator(config.mixed_precision, config.grad_accum, unused_parameters=chosen.unused_parameters)
-    tables, keep = _trained_tables(loaded, sizes, decoder_length)
+    tables, keep = _trained_tables(loaded, sizes)
     config = config.with_lr(chosen, tables[0].shape[-1])
     # the run is a function of the global batch, so a resume may use another number of processes
     fingerprint = config.fingerprint(src=checkpoint.directory, data=[str(d) for d in data], processes=accelerator.num_processes,
@@ -189,33 +216,28 @@ def setup(checkpoint: Checkpoint, dst: Path, data: Sequence[str | Path], config:
     if anchor.note and accelerator.is_main_process:
         (log.info if anchor.exact else log.warning)("%s", anchor.note)
     set_seed(config.seed)
-    adapter, optimizer, scheduler, schedule, saved_rows = _trainable(loaded, config, chosen, accelerator, (tables, keep))
-    prepared, optimizer, scheduler = accelerator.prepare(loaded.model, optimizer, scheduler)
-    run = Run(accelerator=accelerator, model=prepared, unwrapped=accelerator.unwrap_model(prepared),
-              processor=loaded.processor, config=config, spec=loaded.spec, train_seqs=train_seqs,
-              eval_seqs=eval_seqs[: config.eval_sequences], eval_documents=held_docs, length=sizes.length,
-              old_length=sizes.old_length, image_size=sizes.image_size, old_image_size=sizes.old_image_size,
-              short_inputs_fixed=config.train == "new-rows", objective=chosen, reference=loaded.reference,
-              state=chosen.State(), optimizer=optimizer, scheduler=scheduler, tables=tables, saved_rows=saved_rows,
-              decoder_length=decoder_length, state_dir=dst.with_name(dst.name + ".state"), fingerprint=fingerprint,
-              extended=sizes.extended or sizes.image_extended, anchor_original=anchor, schedule=schedule,
-              adapter=adapter, train_documents=train_docs, held_out_note=held_out)
+    trainable = _trainable(loaded, config, chosen, accelerator, (tables, keep))
+    prepared, optimizer, scheduler = accelerator.prepare(loaded.model, trainable.optimizer, trainable.scheduler)
+    run = Run.of(loaded, chosen, config, sizes, samples, accelerator=accelerator, model=prepared, objective=chosen,
+                 checkpoint=checkpoint, loaded=loaded, trainable=replace(trainable, optimizer=optimizer, scheduler=scheduler),
+                 state_dir=dst.with_name(dst.name + ".state"), fingerprint=fingerprint, anchor_original=anchor,
+                 train_documents=samples.train_documents, held_out_note=samples.note)
     baseline = _baseline(run, source)
     del source
-    _, tokens = chosen.count(batch_rows(0, config.batch_size, train_seqs, config.seed, stream=chosen.stream))
+    _, tokens = chosen.count(batch_rows(0, config.batch_size, samples.train, config.seed, stream=chosen.stream))
     run.judge = _judge(chosen, config, baseline, tokens_per_step=tokens * config.grad_accum * accelerator.num_processes,
-                       control=dict(control_name=chosen.control_name(run), old_length=sizes.old_length,
+                       control=dict(control_name=chosen.control_name(run), old_length=length.old,
                                     extension=chosen.extension, whole=chosen.whole))
-    schedule.steps = run.judge.steps or chosen.steps
+    trainable.schedule.steps = run.judge.steps or chosen.steps
     if run.judge.keep_best:
         run.best_weights = BestWeights(prepared, run.state_dir)
-    if accelerator.is_main_process and held_out and baseline is not None:
-        (log.warning if "tail" in held_out else log.info)("The verdict's %s", held_out)
-    return run, loaded
+    if accelerator.is_main_process and samples.note and baseline is not None:
+        (log.warning if "tail" in samples.note else log.info)("The verdict's %s", samples.note)
+    return run
 
 
 def _trainable(loaded: Loaded, config: FinetuneConfig, chosen: Objective, accelerator: Any,
-               tables: tuple[list[torch.nn.Parameter], list[int]]) -> tuple[Any, Any, Any, Schedule, list[torch.Tensor]]:
+               tables: tuple[list[torch.nn.Parameter], list[int]]) -> Trainable:
     """What trains and how: every parameter or the tables (``tables``: the trained tables and each one's kept
     rows), the kept rows of a new-rows run, LoRA's adapter, the optimizer and its lr schedule (its steps are the
     budget's, once known)."""
@@ -236,20 +258,25 @@ def _trainable(loaded: Loaded, config: FinetuneConfig, chosen: Objective, accele
     schedule = Schedule(config.steps or chosen.steps, config.schedule)
     optimizer = _adamw(param_groups(adapter, config.lr) if adapter else
                        [p for p in model.parameters() if p.requires_grad], config.lr)
-    return adapter, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule), schedule, saved_rows
+    return Trainable(trained, saved_rows, adapter, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule),
+                     schedule)
 
 
-def _samples(chosen: Objective, processor: Any, documents: tuple[Sequence[Any], Sequence[Any]], length: int
-             ) -> tuple[Any, Any]:
-    """The training and held-out samples of the two parts of the data, each cut by the objective."""
+def _samples(chosen: Objective, processor: Any, documents: tuple[Sequence[Any], Sequence[Any] | None], length: int,
+             config: FinetuneConfig) -> Samples:
+    """The documents split into training and held-out ones (unless ``documents`` gives the held-out ones), each part
+    cut by the objective into samples (at most ``config.eval_sequences`` held out)."""
     from posextend.errors import DataError
 
-    train, held = documents
+    docs, given_held_out = documents
+    train, held = ((docs, given_held_out) if given_held_out else
+                   chosen.split(docs, processor=processor, length=length, config=config))
+    note = "" if given_held_out else held_out_note(docs, held)
     try:
         eval_seqs = chosen.samples(processor, held, length)
     except DataError as exc:
         raise DataError(f"The held-out text is too short: {exc}") from None
-    return chosen.samples(processor, train, length), eval_seqs
+    return Samples(chosen.samples(processor, train, length), eval_seqs[: config.eval_sequences], train, held, note)
 
 
 def _judge(chosen: Objective, config: FinetuneConfig, baseline: tuple[Reading, str] | None, *,
@@ -292,72 +319,37 @@ def _lora(loaded: Loaded, tables: list[torch.nn.Parameter], accelerator) -> Any:
     return add_lora(loaded.hf_model, tables)
 
 
-@dataclass(frozen=True)
-class Sizes:
-    """A run's sizes, as loaded and after the extension: ``length`` / ``old_length`` (usable positions: the run's
-    and the source's; an image grid's patches for a vision tower); ``image_size`` / ``old_image_size`` in pixels,
-    (height, width), for a model with an image grid (None without one); ``extended``: this run extends the length,
-    ``image_extended``: the image grid."""
-
-    length: int
-    old_length: int
-    extended: bool = False
-    image_size: tuple[int, int] | None = None
-    old_image_size: tuple[int, int] | None = None
-    image_extended: bool = False
-
-    @property
-    def grows_ranks(self) -> set[int]:
-        """The grid ranks of the tables the run resizes: 1 (a longer length), 2 (an image grid)."""
-        return {r for r, grows in ((1, self.extended), (2, self.image_extended)) if grows}
-
-    @property
-    def grows(self) -> bool:
-        """The run gives the model more than the source read: a longer length (beyond its old one) or an image size."""
-        return self.old_length < self.length or self.image_extended
-
-
-def _sizes(loaded: Loaded, config: FinetuneConfig) -> Sizes:
-    """The run's sizes: ``config.length`` and ``config.image_size`` against the loaded model's."""
-    from posextend.resize.plan import image_size_pair
-
-    current, length = loaded.usable, config.length
-    extended = length is not None and length != current
-    if extended and loaded.spec.rank == 2:
-        raise TrainingError(f"{loaded.hf_model.config.model_type} has an image grid, not a length of tokens: give the "
-                            "image size in pixels instead of a length.")
-    old_len = current if extended else (config.old_length or loaded.old_length or current)
-    old_image = image_size(loaded, asked=config.image_size is not None)
-    if config.image_size and old_image is None:
-        raise TrainingError(f"{loaded.hf_model.config.model_type} has no image grid to give an image size; leave "
-                            "the image size unset.")
-    image = image_size_pair(config.image_size) if config.image_size else old_image
-    return Sizes(length if extended else current, old_len, extended, image, old_image, image != old_image)
-
-
-def _load(chosen: Objective, checkpoint: Checkpoint, config: FinetuneConfig
-          ) -> tuple[Loaded, Sizes, AnchorOriginal, torch.nn.Module | None]:
-    """Load through the objective and settle what its anchor holds to, while the table is as loaded (the run
-    extends it next, when ``config.length`` or ``config.image_size`` asks). Returns the loaded model, the run's
-    :class:`Sizes`, the anchor's reference, and the source a baseline reads (:func:`_baseline_source`)."""
-    init_head, source = config.init_head, config.source
-    if source is not None and chosen.anchor is None:
+def _load(chosen: Objective, checkpoint: Checkpoint, config: FinetuneConfig) -> Loaded:
+    """Load through the objective, and observe where the loaded tensors sit in the checkpoint's files (before the
+    table is extended or trained)."""
+    if config.source is not None and chosen.anchor is None:
         raise TrainingError(f"The {chosen.name} objective has no anchor term to hold to a source; "
                             "leave the source unset.")
-    anchored = bool(chosen.anchor)
-    # an original may replace the frozen copy of the checkpoint: load without making that copy
-    may_swap = anchored and (source is not None or "posextend.source" in checkpoint.provenance)
-    loaded = (chosen.with_anchor(0) if may_swap else chosen).load(checkpoint, init_head=init_head)
-    sizes = _sizes(loaded, config)
-    anchor = (anchor_original(checkpoint, source, old_length=sizes.old_length, length=sizes.length,
-                              extended=sizes.extended or sizes.image_extended) if anchored else AnchorOriginal())
-    if anchor.path is not None:  # the original, at its own length
-        loaded.reference = chosen.read_reference(anchor.original, init_head=init_head)
-    elif may_swap:  # no original to hold to: the checkpoint as loaded, before it is extended
+    loaded = (chosen.with_anchor(0) if _may_swap(chosen, checkpoint, config) else chosen).load(
+        checkpoint, init_head=config.init_head)
+    loaded.files = _file_names(loaded, checkpoint)
+    return loaded
+
+
+def _hold_to(chosen: Objective, checkpoint: Checkpoint, loaded: Loaded, config: FinetuneConfig, sizes: Sizes
+             ) -> AnchorOriginal:
+    """What the anchor holds to, settled while the table is as loaded: the original (its model read as
+    ``loaded.reference``), else the checkpoint as loaded (its frozen copy, unless :meth:`Objective.load` made one)."""
+    if not chosen.anchor:
+        return AnchorOriginal()
+    anchor = anchor_original(checkpoint, config.source, old_length=sizes.length.old, length=sizes.length.new,
+                             extended=sizes.resized)
+    if anchor.original is not None:  # the original, at its own length
+        loaded.reference = chosen.read_reference(anchor.original, init_head=config.init_head)
+    elif _may_swap(chosen, checkpoint, config):  # no original to hold to: the checkpoint as loaded, before it is extended
         loaded.reference = chosen.copy_reference(loaded)
-    loaded.files = _file_names(loaded, checkpoint)  # as loaded: before the table is extended or trained
-    source = _baseline_source(chosen, checkpoint, loaded, config, sizes)
-    return loaded, sizes, anchor, source
+    return anchor
+
+
+def _may_swap(chosen: Objective, checkpoint: Checkpoint, config: FinetuneConfig) -> bool:
+    """An anchored run that may hold to an original (given, or recorded in the provenance): the original would
+    replace the frozen copy of the checkpoint, so it is loaded without one."""
+    return bool(chosen.anchor) and (config.source is not None or "posextend.source" in checkpoint.provenance)
 
 
 def _baseline_source(chosen: Objective, checkpoint: Checkpoint, loaded: Loaded, config: FinetuneConfig,
@@ -369,42 +361,53 @@ def _baseline_source(chosen: Objective, checkpoint: Checkpoint, loaded: Loaded, 
         return None
     if loaded.reference is not None:
         return loaded.reference
-    if sizes.extended or sizes.image_extended:
+    if sizes.resized:
         return chosen.copy_reference(loaded)
     given = config.source if chosen.anchor else None  # the anchor's source: without an anchor it goes unread
-    original = anchor_original(checkpoint, given, old_length=sizes.old_length, length=sizes.length, extended=False)
-    return chosen.read_reference(original.path, init_head=config.init_head) if original.path else None
+    original = anchor_original(checkpoint, given, old_length=sizes.length.old, length=sizes.length.new, extended=False)
+    return chosen.read_reference(original.original, init_head=config.init_head) if original.original else None
 
 
 def _file_names(loaded: Loaded, checkpoint: Checkpoint) -> FileNames:
     from posextend.training.saving import file_names
 
-    with Checkpoint.open(checkpoint) as source:
-        return file_names(loaded.model, loaded.hf_model, source.reader, source.config)
+    with checkpoint:  # the weights, released once read
+        return file_names(loaded.model, loaded.hf_model, checkpoint.reader, checkpoint.config)
 
 
-def _resize(loaded: Loaded, request: Request, seed: int) -> None:
-    """Carry out ``request`` on the loaded model in place, and keep it: the written checkpoint follows it."""
+def _extend(loaded: Loaded, checkpoint: Checkpoint, sizes: Sizes, config: FinetuneConfig) -> None:
+    """Resize the loaded model in place as ``sizes`` ask: its length and image grid, then an encoder-decoder's own
+    decoder length (LED). Each resize is planned for the checkpoint's files once and kept (``loaded.plans``): the
+    save writes what they say."""
     from posextend.resize.in_memory import resize_in_memory
+    from posextend.resize.plan import plan_resize
 
-    resize_in_memory(loaded.hf_model, request, seed)
-    loaded.requests.append(request)
+    length, image, decoder = sizes.length, sizes.image, sizes.decoder
+    requests = [Request(length.new if length.resized else None, strategy=config.strategy, params=config.params,
+                        image_size=image.new if image and image.resized else None,
+                        group=loaded.spec.group if loaded.decoder else None)] if sizes.resized else []
+    if decoder is not None and decoder.resized:
+        requests.append(Request(decoder.new, strategy=config.strategy, params=config.params,
+                                group=loaded.decoder.spec.group))
+    for request in requests:
+        resize_in_memory(loaded.hf_model, request, config.seed)  # planned for the model's own names and classes
+        with checkpoint:  # the shapes, from the weights' headers
+            loaded.plans += plan_resize(checkpoint.config, checkpoint.shapes, request)
 
 
-def _trained_tables(loaded: Loaded, sizes: Sizes, decoder_length: int | None
-                    ) -> tuple[list[torch.nn.Parameter], list[int]]:
+def _trained_tables(loaded: Loaded, sizes: Sizes) -> tuple[list[torch.nn.Parameter], list[int]]:
     """The tables that train beside (or instead of) every parameter, and each one's rows below the new
     ones: the run's, an extended decoder's of its own length (LED), and an image grid given a new size beside a
     text length (CLIP's vision tower)."""
     named = dict(loaded.model.named_parameters())
     tables = [named[n] for n in loaded.tables]
-    keep = [sizes.old_length + loaded.reserved] * len(tables)
-    grid = image_grid(loaded) if sizes.image_extended and loaded.spec.rank == 1 else None
+    keep = [sizes.length.old + loaded.reserved] * len(tables)
+    grid = image_grid(loaded) if 2 in sizes.grows_ranks and loaded.spec.rank == 1 else None
     if grid is not None:
         tables += [named[n] for n in grid.tables]
         keep += [0] * len(grid.tables)  # every row of a resampled grid is new
     decoder = loaded.decoder
-    if decoder is not None and decoder_length is not None and decoder_length > decoder.usable:
+    if decoder is not None and sizes.decoder.new > sizes.decoder.old:
         tables += [named[n] for n in decoder.tables]
         keep += [decoder.usable + decoder.reserved] * len(decoder.tables)
     return tables, keep
@@ -418,22 +421,6 @@ def _new_rows_only(tables: list[torch.nn.Parameter], keep: list[int]) -> list[to
     return [t.detach()[:k].clone() for t, k in zip(tables, keep)]
 
 
-def _resize_decoder(loaded: Loaded, config: FinetuneConfig) -> int | None:
-    """Extend the decoder's own table to ``config.decoder_length`` (LED); the decoder's length after, or
-    None for a family whose stacks share one length (the run's)."""
-    want, decoder = config.decoder_length, loaded.decoder
-    if decoder is None:
-        if want is not None:
-            raise TrainingError(
-                f"{loaded.hf_model.config.model_type} has no decoder with a length of its own (its stacks share one, "
-                "or it has one stack): leave the decoder's length unset; length=N sizes every table.")
-        return None
-    if want is not None and want != decoder.usable:
-        _resize(loaded, Request(want, strategy=config.strategy, params=config.params, group=decoder.spec.group),
-                config.seed)
-    return want or decoder.usable
-
-
 def fit_in_memory(run: Run, hf_model: torch.nn.Module, train: Callable[[], T]) -> T:
     """``train()`` (the loop, from its first step); when that first step runs out of GPU memory, once more with
     gradient checkpointing turned on (``hf_model``'s) and the cache emptied, after one logged line. Nothing
@@ -442,7 +429,7 @@ def fit_in_memory(run: Run, hf_model: torch.nn.Module, train: Callable[[], T]) -
     checkpointing on already is raised as a :class:`TrainingError` saying what to change."""
     acc, steps = run.accelerator, []
     accumulated = acc.step  # the accumulation counter a retry starts from again
-    optimizer = getattr(run.optimizer, "optimizer", run.optimizer)  # accelerate's wrapper holds torch's
+    optimizer = getattr(run.trainable.optimizer, "optimizer", run.trainable.optimizer)  # accelerate's wrapper holds torch's
     count = getattr(optimizer, "register_step_post_hook", None)  # torch's optimizers (DeepSpeed's has none: no retry)
     hook = count(lambda *_: steps.append(1)) if count else None
     try:
@@ -459,7 +446,7 @@ def fit_in_memory(run: Run, hf_model: torch.nn.Module, train: Callable[[], T]) -
         if hook:
             hook.remove()
     # out of the except block: the error, and the frames holding the step's activations, are gone
-    run.optimizer.zero_grad()
+    run.trainable.optimizer.zero_grad()
     acc.step = accumulated
     hf_model.gradient_checkpointing_enable()
     if torch.cuda.is_available():

@@ -95,7 +95,8 @@ class NoState:
 
 
 class Objective:
-    """Base class of an objective: ``loss`` and ``evaluate`` are per objective; the rest has defaults."""
+    """Base class of an objective: ``loss`` and ``evaluate`` are per objective; the rest has defaults. The order in
+    which a fine-tune calls its hooks is written once, in :func:`posextend.training.setup.setup`'s docstring."""
 
     name: ClassVar[str] = ""
     description: ClassVar[str] = ""  # its help line (posextend finetune --help)
