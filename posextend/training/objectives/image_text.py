@@ -167,7 +167,7 @@ class ImageText(Objective):
         loss = (_pair_loss(run.unwrapped, image, text[:n], sigmoid)
                 + self.short_weight * _pair_loss(run.unwrapped, reduced, text[n:], sigmoid))
         if self.anchor and run.reference is not None and not run.short_inputs_fixed:
-            loss = loss + self.anchor * _anchor(run, rows[n:], text[n:])
+            loss = loss + self.anchor * _anchor(run, rows[n:], text[n:], image, [i["image"] for i in items], pixels)
         return loss, len(items)
 
     @torch.no_grad()
@@ -336,10 +336,24 @@ def _pair_loss(model: torch.nn.Module, image: torch.Tensor, text: torch.Tensor, 
             + F.cross_entropy(logits.T, target, label_smoothing=SMOOTHING)) / 2
 
 
-def _anchor(run: RunContext, rows: list[list[int]], features: torch.Tensor) -> torch.Tensor:
-    """The cosine distance between ``features`` (the model's, of the short captions ``rows``) and the frozen
-    source's features of them, at its own length."""
-    with torch.no_grad():
-        target = text_features(run, run.reference.to(run.accelerator.device), rows, min(run.old_length, run.length))
-    return (1 - (features * target).sum(-1)).mean()
-
+def _anchor(run: RunContext, rows: list[list[int]], text: torch.Tensor, image: torch.Tensor, images: list[Any],
+            pixels: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The source's short-caption retrieval kept: the KL divergence from the frozen source's matching of the first
+    sentences ``rows`` to the batch's images (both ways, at its own length and image size, its own logit scale) to
+    the model's (``text`` against ``image``, at the same scale). Relations, not features: the model's images may
+    move to hold the whole captions as long as each first sentence still finds its image as the source's does."""
+    reference, device = run.reference.to(run.accelerator.device), run.accelerator.device
+    inner = inner_model(reference)
+    with torch.no_grad(), _evaluating(reference):
+        size = run.old_image_size
+        if size is not None and size != run.image_size:
+            pixels = image_inputs(sized(run.processor.image_processor, size), images)
+        target_image = F.normalize(pooled_output(inner.get_image_features(**{k: v.to(device) for k, v in
+                                                                              pixels.items()})), dim=-1)
+        target_text = text_features(run, reference, rows, min(run.old_length, run.length))
+        scale = (1 / inner.temperature if hasattr(inner, "temperature") else inner.logit_scale.exp()).clamp(max=100)
+        target = scale * target_text @ target_image.T
+    logits = scale * text @ image.T
+    return (F.kl_div(F.log_softmax(logits, 1), F.log_softmax(target, 1), log_target=True, reduction="batchmean")
+            + F.kl_div(F.log_softmax(logits.T, 1), F.log_softmax(target.T, 1), log_target=True,
+                       reduction="batchmean")) / 2
