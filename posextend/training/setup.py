@@ -31,6 +31,7 @@ from posextend.training.heldout import held_out_note
 from posextend.training.loading import AnchorOriginal, Loaded, anchor_original, image_grid, image_size
 from posextend.training.objectives.base import Objective
 from posextend.training.options import FinetuneConfig
+from posextend.training.rows import keep_rows
 
 if TYPE_CHECKING:
     from posextend.training.saving import FileNames
@@ -356,6 +357,7 @@ def _load(chosen: Objective, checkpoint: Checkpoint, config: FinetuneConfig
     elif may_swap:  # no original to hold to: the checkpoint as loaded, before it is extended
         loaded.reference = chosen.copy_reference(loaded)
     loaded.files = _file_names(loaded, checkpoint)  # as loaded: before the table is extended or trained
+    loaded.swap_head()  # a head the objective made for the data, now that the files say where the old one sits
     source = _baseline_source(chosen, checkpoint, loaded, config, sizes)
     return loaded, sizes, anchor, source
 
@@ -413,9 +415,7 @@ def _trained_tables(loaded: Loaded, sizes: Sizes, decoder_length: int | None
 def _new_rows_only(tables: list[torch.nn.Parameter], keep: list[int]) -> list[torch.Tensor]:
     """Let only each table's rows from ``keep`` on learn (their gradient above is zeroed); the kept rows,
     which the loop writes back after each step (an optimizer may still move a row with zero gradient)."""
-    for t, k in zip(tables, keep):
-        t.register_hook(lambda g, k=k: torch.cat([torch.zeros_like(g[:k]), g[k:]]))
-    return [t.detach()[:k].clone() for t, k in zip(tables, keep)]
+    return [keep_rows(t, k) for t, k in zip(tables, keep)]
 
 
 def _resize_decoder(loaded: Loaded, config: FinetuneConfig) -> int | None:
