@@ -160,7 +160,7 @@ def accuracy(model_dir: Path, images: np.ndarray, labels: np.ndarray, index: np.
     import transformers
     from PIL import Image
 
-    from posextend.training.towers import output_size, set_size
+    from posextend.training.towers.sizing import output_size, set_size
 
     model = transformers.AutoModelForImageClassification.from_pretrained(model_dir).eval()
     processor = transformers.AutoImageProcessor.from_pretrained(model_dir)

@@ -20,7 +20,9 @@ import posextend
 from posextend.cli import app
 from posextend.tables.strategies import kps_keep
 from posextend.training.objectives import default_objective, get_objective, objectives_help
-from posextend.training.objectives.image_text import FAMILIES, first_sentence, pca
+from posextend.training.objectives.captions import first_sentence
+from posextend.training.objectives.dual_encoder import pca
+from posextend.training.objectives.image_text import FAMILIES
 
 pytest.importorskip("datasets")
 DIGITS = "zero one two three four five six seven eight nine".split()
@@ -121,6 +123,22 @@ def test_first_sentence_and_pca():
     assert torch.allclose(pca(x, 6), x, atol=1e-5)  # every component: the features themselves
     reduced = pca(x, 2) - x.mean(0)
     assert torch.linalg.matrix_rank(reduced, atol=1e-5) == 2
+
+
+def test_kept_rows_get_no_gradient_and_a_model_is_read_in_eval_mode_then_as_it_was():
+    from posextend.scoring.by_position import evaluating
+    from posextend.training.rows import keep_rows
+
+    table = torch.nn.Parameter(torch.arange(12.0).reshape(6, 2))
+    kept = keep_rows(table, 4)
+    (table * torch.arange(1.0, 7.0)[:, None]).sum().backward()
+    assert torch.equal(kept, torch.arange(8.0).reshape(4, 2)) and torch.equal(table.grad[:4], torch.zeros(4, 2))
+    assert torch.equal(table.grad[4:], torch.tensor([[5.0, 5.0], [6.0, 6.0]]))  # the rows after keep learn
+    model = torch.nn.Dropout(0.5).train()
+    with pytest.raises(RuntimeError), evaluating(model):
+        assert not model.training
+        raise RuntimeError("a reading that fails")
+    assert model.training  # back in training mode, even after an error
 
 
 # ----------------------------------------------------------------------------- through the command line

@@ -311,7 +311,8 @@ def test_images_move_and_their_patch_features_move_back_to_the_nearest_patch():
     """An image moved 4 px down and 3 px left shows its own pixels there, its edge reflected in; the patches of the
     moved image (here each patch's mean pixel) moved back (one patch down, one left: the nearest whole patches) are
     the image's own, but for the row and the column that wrapped."""
-    from posextend.training.towers import Features, moved_back, random_moves, shifted
+    from posextend.training.towers.augment import moved_back, random_moves, shifted
+    from posextend.training.towers.features import Features
 
     pixels = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(0))
     moved = shifted(pixels, [(4, -3), (0, 0)])
@@ -335,7 +336,7 @@ def test_images_move_and_their_patch_features_move_back_to_the_nearest_patch():
 def test_information_maximisation_rewards_sure_predictions_spread_over_the_classes():
     """SHOT's term: 0 for unsure predictions and for sure ones all of one class; -log C for sure ones of every
     class."""
-    from posextend.training.towers import information
+    from posextend.training.towers.features import information
 
     sure = 30 * torch.eye(4)
     assert information(torch.zeros(4, 4)).item() == pytest.approx(0.0, abs=1e-6)
@@ -526,35 +527,18 @@ from posextend.data.heldout import split_images
 from posextend.data.images import read_images
 from posextend.training.loading import load_headed_model, load_processor
 from posextend.training.objectives import Objective, register_objective
+from posextend.training.objectives import register_objective
+from posextend.training.objectives.image import ImageObjective
 
 
 @register_objective("brightness", description="Vision towers: the embedding learns each image's brightness (a test plug-in).")
-class Brightness(Objective):
+class Brightness(ImageObjective):  # images read, held out, sized and counted as the built-in image objectives do
     model_class = "AutoModel"
     head = "vision tower"
     metric = "brightness error"
-    stream = False
+    eval_sequences = 4
     lr = {"positions": 1e-2, "all": 1e-2, "lora": 1e-2}
     strategy = {"positions": "bicubic", "all": "bicubic", "lora": "bicubic"}
-
-    def load_model(self, directory, *, init_head):
-        return load_headed_model(directory, self.auto_class(), self.head, self.name,
-                                 processor=lambda d: load_processor(d, "image"))
-
-    def documents(self, paths):
-        return read_images(paths)
-
-    def split(self, documents, *, processor, length, config):
-        return split_images(documents, least=4, seed=config.seed)
-
-    def size_processor(self, processor, *, length, image_size):
-        processor.size = {"height": image_size[0], "width": image_size[1]}
-
-    def samples(self, processor, documents, length):
-        return documents
-
-    def count(self, batch):
-        return len(batch), len(batch)
 
     def _error(self, run, batch):
         pixels = run.processor(images=[b["image"] for b in batch], return_tensors="pt")["pixel_values"]

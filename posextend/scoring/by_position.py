@@ -7,8 +7,9 @@ over :data:`ROUNDS` masks: a masked-LM ("pseudo") perplexity.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,18 @@ ROUNDS = 2  # masked LMs: each sequence is scored under this many masks
 def reading_device() -> torch.device:
     """Where a model is read outside a fine-tune (``posextend eval``, retrieval): the GPU when there is one."""
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@contextlib.contextmanager
+def evaluating(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """``model`` in eval mode meanwhile (dropout off, batch norms reading their running statistics: ALIGN's), then
+    in the mode it was in (a fine-tune reads its model between training steps)."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was_training)
 
 
 @dataclass(frozen=True)
@@ -183,20 +196,18 @@ def position_losses(
     length = sequences.shape[1]
     total = torch.zeros(length, dtype=torch.float64)
     count = torch.zeros(length, dtype=torch.float64)
-    was_training = model.training
-    model.eval()
     generator = torch.Generator().manual_seed(seed)
     reads = windows(length, window)
-    for _ in range(ROUNDS if objective == "masked" else 1):
-        for batch in sequences.split(batch_size):
-            inputs, labels = (batch, batch) if objective == "causal" else mask_tokens(batch, tokenizer, generator)
-            for first, start, end in reads:
-                logits = model(input_ids=inputs[:, first:end].to(device)).logits.float().cpu()
-                losses, chosen = _scored(logits, labels[:, first:end], objective)
-                keep = slice(start - first, end - first)
-                total[start:end] += (losses * chosen)[:, keep].sum(0)
-                count[start:end] += chosen[:, keep].sum(0)
-    model.train(was_training)
+    with evaluating(model):
+        for _ in range(ROUNDS if objective == "masked" else 1):
+            for batch in sequences.split(batch_size):
+                inputs, labels = (batch, batch) if objective == "causal" else mask_tokens(batch, tokenizer, generator)
+                for first, start, end in reads:
+                    logits = model(input_ids=inputs[:, first:end].to(device)).logits.float().cpu()
+                    losses, chosen = _scored(logits, labels[:, first:end], objective)
+                    keep = slice(start - first, end - first)
+                    total[start:end] += (losses * chosen)[:, keep].sum(0)
+                    count[start:end] += chosen[:, keep].sum(0)
     return total, count
 
 

@@ -197,16 +197,14 @@ def context_use(model: torch.nn.Module, tokenizer: Any, *, old_length: int, leng
         >>> probe = posextend.context_use(model, tokenizer, old_length=1024, length=2048)
         >>> probe.uses, probe.repeat_whole, probe.repeat_window
     """
-    from posextend.scoring.by_position import position_losses
+    from posextend.scoring.by_position import evaluating, position_losses
 
     device = device or next(model.parameters()).device
     text = text if text is not None and len(text) else None
     repeats, passage = repeated_passages(old_length, length, text=text, tokenizer=tokenizer, sequences=sequences,
                                          seed=seed)
     keyed, answers, distances, _ = passkey_sequences(tokenizer, old_length, length, keys=keys, seed=seed)
-    was_training = model.training
-    model.eval()
-    try:
+    with evaluating(model):
         second = slice(length - passage + 1, length)  # the second copy but its first token
 
         def repeat(window: int | None) -> float:
@@ -217,8 +215,6 @@ def context_use(model: torch.nn.Module, tokenizer: Any, *, old_length: int, leng
         whole, windowed = repeat(None), repeat(old_length)
         key_whole = _answers(model, keyed, answers, None, device, batch_size)
         key_window = _answers(model, keyed, answers, old_length, device, batch_size)
-    finally:
-        model.train(was_training)
     return ContextUse(
         old_length=old_length, length=length, repeat_whole=whole, repeat_window=windowed, distance=length - passage,
         passage=passage, source="random tokens" if text is None else "held-out text", passkey_whole=key_whole[0],

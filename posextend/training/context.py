@@ -31,7 +31,7 @@ def sample_generator(seed: int, position: int) -> torch.Generator:
 class Samples:
     """What a run reads: ``train`` and ``held_out`` samples as the objective cut them (:meth:`Objective.samples`), the
     documents each was cut from, and ``note``: what the verdict is judged on
-    (:func:`posextend.training.heldout.held_out_note`; empty when the held-out data was given)."""
+    (:func:`posextend.data.heldout.held_out_note`; empty when the held-out data was given)."""
 
     train: Any
     held_out: Any

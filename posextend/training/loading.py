@@ -47,11 +47,21 @@ class Loaded:
     decoder: Stack | None = None  # an encoder-decoder's decoder with a length of its own (LED); ``spec`` is the encoder's
     plans: list[GroupPlan] = field(default_factory=list)  # the resizes a fine-tune made, planned for the files, in order
     files: FileNames | None = None  # where the trained tensors sit in the checkpoint's files (set by a fine-tune)
+    new_head: Callable[[], None] | None = None  # gives the model a head the objective made for the data (swap_head)
 
     @property
     def tokenizer(self) -> Any:
         """The processor of a text model: its tokenizer."""
         return self.processor
+
+    def swap_head(self) -> None:
+        """Give the model the head its objective made for the data (``new_head``: an image classifier's for the data's
+        classes), once: a fine-tune calls it after ``files`` records where the old head's tensors sit in the checkpoint's
+        files, so that the writer writes the new head, of another shape, under the old one's names (swapped before, those
+        names would hold other values than the files: refused). A run that only reads the checkpoint keeps its head."""
+        if self.new_head is not None:
+            self.new_head, swap = None, self.new_head
+            swap()
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from posextend.training.loading import AnchorOriginal, Loaded, anchor_original, 
 from posextend.training.objectives.base import Objective
 from posextend.training.options import FinetuneConfig
 from posextend.training.sizes import Sizes, run_sizes
+from posextend.training.rows import keep_rows
 
 if TYPE_CHECKING:
     from posextend.training.saving import FileNames
@@ -328,6 +329,7 @@ def _load(chosen: Objective, checkpoint: Checkpoint, config: FinetuneConfig) -> 
     loaded = (chosen.with_anchor(0) if _may_swap(chosen, checkpoint, config) else chosen).load(
         checkpoint, init_head=config.init_head)
     loaded.files = _file_names(loaded, checkpoint)
+    loaded.swap_head()  # a head the objective made for the data, now that the files say where the old one sits
     return loaded
 
 
@@ -416,9 +418,7 @@ def _trained_tables(loaded: Loaded, sizes: Sizes) -> tuple[list[torch.nn.Paramet
 def _new_rows_only(tables: list[torch.nn.Parameter], keep: list[int]) -> list[torch.Tensor]:
     """Let only each table's rows from ``keep`` on learn (their gradient above is zeroed); the kept rows,
     which the loop writes back after each step (an optimizer may still move a row with zero gradient)."""
-    for t, k in zip(tables, keep):
-        t.register_hook(lambda g, k=k: torch.cat([torch.zeros_like(g[:k]), g[k:]]))
-    return [t.detach()[:k].clone() for t, k in zip(tables, keep)]
+    return [keep_rows(t, k) for t, k in zip(tables, keep)]
 
 
 def fit_in_memory(run: Run, hf_model: torch.nn.Module, train: Callable[[], T]) -> T:

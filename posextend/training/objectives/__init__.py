@@ -4,10 +4,12 @@ The plug-in API: a plug-in writes ``from posextend.training.objectives import Ob
 (see :mod:`posextend.training.objectives.base`). Importing this package (or any module in it) registers
 the built-ins: :mod:`posextend.training.objectives.causal`, :mod:`posextend.training.objectives.masked` and
 :mod:`posextend.training.objectives.contrastive`; :mod:`posextend.training.objectives.seq2seq` is registered
-through the ``posextend.objectives`` entry point, as a third-party objective is. An objective sees a run
-only through :class:`posextend.training.context.RunContext`; it imports nothing from the loop. May import:
-``posextend.training.context``, ``posextend.training.options``, ``posextend.training.loading`` and every
-layer below ``posextend.training``.
+through the ``posextend.objectives`` entry point, as a third-party objective is (so are ``vision`` and
+``image-text``, on :class:`posextend.training.objectives.image.ImageObjective`, the base of an objective that reads
+images). An objective sees a run only through :class:`posextend.training.context.RunContext`; it imports nothing
+from the loop. May import: ``posextend.training.context``, ``posextend.training.options``,
+``posextend.training.loading``, ``posextend.training.rows``, ``posextend.training.towers`` and every layer below
+``posextend.training``.
 """
 
 from posextend.training.context import RunContext

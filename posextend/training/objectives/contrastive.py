@@ -19,7 +19,7 @@ import torch
 
 from posextend.errors import DataError, TrainingError
 from posextend.files.checkpoint import Checkpoint
-from posextend.scoring.by_position import Bucket, EvalReport, bucket_edges
+from posextend.scoring.by_position import Bucket, EvalReport, bucket_edges, evaluating
 from posextend.scoring.text import framed
 from posextend.scoring.verdict import Reading
 from posextend.training.context import RunContext
@@ -176,29 +176,27 @@ class Contrastive(Objective):
     def evaluate(self, run: RunContext) -> EvalReport:
         """Retrieval of every held-out document by passages taken from each position bucket:
         accuracy@1 and the ranking loss per bucket (``perplexity`` holds exp(loss))."""
-        was_training = run.model.training
-        run.model.eval()
-        docs = run.eval_seqs
-        span = docs.shape[1] - PASSAGE_TOKENS
-        edges = bucket_edges(docs.shape[1] + 2, run.config.buckets,
-                             old_length=run.old_length if run.old_length < run.length else None)
-        device = run.accelerator.device
-        d = torch.cat([run.model(_features(list(docs[i : i + run.config.batch_size]), run.tokenizer, device))
-                       ["sentence_embedding"] for i in range(0, len(docs), run.config.batch_size)])
-        d = torch.nn.functional.normalize(d, dim=1)
-        buckets, losses, hits = [], [], []
-        for lo, hi in zip(edges[:-1], edges[1:]):
-            start = min(max(0, (lo + hi) // 2 - 1 - PASSAGE_TOKENS // 2), span)  # a passage centred in the bucket
-            q = run.model(_features([row[start : start + PASSAGE_TOKENS] for row in docs], run.tokenizer,
-                                    device))["sentence_embedding"]
-            scores = 20.0 * torch.nn.functional.normalize(q, dim=1) @ d.T  # MNRL's scale
-            target = torch.arange(len(docs), device=scores.device)
-            loss = float(torch.nn.functional.cross_entropy(scores, target))
-            hit = float((scores.argmax(1) == target).float().mean())
-            buckets.append(Bucket(lo, hi, loss, math.exp(min(loss, 50)), len(docs), accuracy=hit))
-            losses.append(loss)
-            hits.append(hit)
-        run.model.train(was_training)
+        with evaluating(run.model):
+            docs = run.eval_seqs
+            span = docs.shape[1] - PASSAGE_TOKENS
+            edges = bucket_edges(docs.shape[1] + 2, run.config.buckets,
+                                 old_length=run.old_length if run.old_length < run.length else None)
+            device = run.accelerator.device
+            d = torch.cat([run.model(_features(list(docs[i : i + run.config.batch_size]), run.tokenizer, device))
+                           ["sentence_embedding"] for i in range(0, len(docs), run.config.batch_size)])
+            d = torch.nn.functional.normalize(d, dim=1)
+            buckets, losses, hits = [], [], []
+            for lo, hi in zip(edges[:-1], edges[1:]):
+                start = min(max(0, (lo + hi) // 2 - 1 - PASSAGE_TOKENS // 2), span)  # a passage centred in the bucket
+                q = run.model(_features([row[start : start + PASSAGE_TOKENS] for row in docs], run.tokenizer,
+                                        device))["sentence_embedding"]
+                scores = 20.0 * torch.nn.functional.normalize(q, dim=1) @ d.T  # MNRL's scale
+                target = torch.arange(len(docs), device=scores.device)
+                loss = float(torch.nn.functional.cross_entropy(scores, target))
+                hit = float((scores.argmax(1) == target).float().mean())
+                buckets.append(Bucket(lo, hi, loss, math.exp(min(loss, 50)), len(docs), accuracy=hit))
+                losses.append(loss)
+                hits.append(hit)
         loss = sum(losses) / len(losses)
         return EvalReport("contrastive", docs.shape[1] + 2, len(docs), loss, math.exp(min(loss, 50)),
                           len(docs) * len(buckets), buckets, run.old_length if run.old_length < run.length else None,
@@ -235,16 +233,12 @@ class Contrastive(Objective):
         far_tasks, original_tasks = self._tasks(run)
         if not far_tasks:
             return None
-        was_training = model.training
-        model.eval()
         read = dict(tokenizer=run.tokenizer, device=run.accelerator.device)
-        try:
+        with evaluating(model):
             named = {f"{t.haystack} {t.name}": t for t in far_tasks}
             parts = {k: accuracy(model, [t], mode="chunk" if chunk else "full",
                                  max_tokens=run.old_length if chunk else run.length, **read) for k, t in named.items()}
             original = accuracy(model, original_tasks, mode="full", max_tokens=run.old_length, **read)
-        finally:
-            model.train(was_training)
         names = "/".join(dict.fromkeys(t.name for t in far_tasks))
         queries = sum(len(t.queries) for t in far_tasks)
         far = sum(parts[k] * len(t.queries) for k, t in named.items()) / queries  # every query's hit, averaged

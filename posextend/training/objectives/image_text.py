@@ -10,16 +10,16 @@ old length beats the source reading them cut at its old length or averaging its 
 better: the baseline), and the short captions keep the source's R@1: each held-out caption's first sentence (Long-CLIP's
 short caption), read among the images whose first sentences differ (one image for each), where a loss of short-caption
 skill shows (images that share a short caption cannot be told apart by it). Registered through the
-``posextend.objectives`` entry point, as a third-party objective is. How it reads pairs:
-:mod:`posextend.training.objectives.captions`.
+``posextend.objectives`` entry point, as a third-party objective is. How it holds pairs:
+:mod:`posextend.training.objectives.captions`; the dual-encoder machinery (pair loss, R@1, captions as token rows):
+:mod:`posextend.training.objectives.dual_encoder`; what it shares with the vision objective:
+:class:`~posextend.training.objectives.image.ImageObjective`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,22 +28,24 @@ import torch
 import torch.nn.functional as F
 
 from posextend.errors import DataError, TrainingError
-from posextend.scoring.by_position import Bucket, EvalReport, bucket_edges
+from posextend.scoring.by_position import Bucket, EvalReport, bucket_edges, evaluating
 from posextend.scoring.verdict import Reading
 from posextend.tables.strategies import kps_keep
 from posextend.training.context import RunContext
-from posextend.training.loading import Loaded, load_headed_model, load_processor
-from posextend.training.objectives.base import (CheckpointFacts, Objective, draw_mates, register_objective,
-                                               without_dropout)
-from posextend.training.objectives.captions import (Pairs, by_length, caption_texts, chunk_ids, cut_ids,
-                                                   directions, distinct_shorts, first_sentence, image_inputs,
-                                                   in_slices, inner_model, is_sigmoid, mask_kwargs, padded,
-                                                   pooled_output, retrieval, sized, text_features)
+from posextend.training.loading import Loaded
+from posextend.training.objectives.base import CheckpointFacts, draw_mates, register_objective
+from posextend.training.objectives.captions import (Pairs, by_length, caption_texts, distinct_shorts, first_sentence,
+                                                   image_inputs)
+from posextend.training.objectives.dual_encoder import (chunk_ids, cut_ids, directions, in_slices, inner_model,
+                                                       is_sigmoid, mask_kwargs, padded, pair_loss, pca, pooled_output,
+                                                       retrieval, text_features)
+from posextend.training.objectives.image import ImageObjective
+from posextend.training.rows import keep_rows
+from posextend.training.towers.sizing import sized
 
 # the dual encoders whose base class gives image and text features (tests/test_image_text.py trains each's tiny twin)
 FAMILIES = ("clip", "siglip", "siglip2", "chinese_clip", "altclip", "metaclip_2", "aimv2", "align", "blip", "owlvit",
             "owlv2", "groupvit", "clipseg", "vision-text-dual-encoder")
-SMOOTHING = 0.1  # Long-CLIP's label smoothing, both terms
 PCA_MOST, PCA_SHARE = 32, 4  # Long-CLIP: 32 principal components of each GPU's 128 image features (a quarter)
 MODES = ("cut", "chunks")  # how a caption longer than the old length is read without the extension
 
@@ -63,7 +65,7 @@ class Held:
     description="Dual encoders (CLIP, SigLIP …): image-caption pairs, Long-CLIP's long- and short-caption "
                 "contrastive loss; judged by R@1 on held-out captions longer than the old length.",
 )
-class ImageText(Objective):
+class ImageText(ImageObjective):
     """Long-CLIP's fine-tune for any dual encoder posextend resizes (:data:`FAMILIES`). Each sample is a pair and
     :attr:`batch_mates` more drawn from the training pairs by its own generator, so that a micro-batch of 4 samples
     contrasts 32 pairs (in-batch negatives)."""
@@ -73,7 +75,7 @@ class ImageText(Objective):
     metric = "R@1"
     priority = 35  # above seq2seq, masked and causal: a dual encoder is trained as one
     State = Held
-    stream = False
+    processor_kind, needs = "both", "text"  # its processor reads text and images; every item needs a caption
     unused_parameters = True  # a tower's own pooler, a SigLIP head the features skip
     steps = 200
     eval_sequences = 128  # held-out pairs each check reads
@@ -88,51 +90,29 @@ class ImageText(Objective):
     # sentence names a third of the image: docs/reference/benchmarks.md, benchmarks/image_text.py)
     short_weight = 0.1
     short_reduced = True  # the short captions against the images' principal components (Long-CLIP), or the whole features
-    patches = 0  # an image's patches (set for the run by size_processor), counted as its tokens
+    patch = (16, 16)  # its vision tower's patch in pixels (load_model reads it): a run's image patches follow
 
     def accepts(self, checkpoint: CheckpointFacts) -> bool:
         """A dual encoder of :data:`FAMILIES` (not a sentence-transformers folder)."""
         return not checkpoint.sentence_transformer and checkpoint.config.get("model_type") in FAMILIES
 
-    def for_data(self, documents: Sequence[Any]) -> ImageText:
-        return copy.copy(self)  # a run's own: size_processor sets its patches
-
-    def documents(self, paths: Sequence[str | Path]) -> Any:
-        from posextend.data.images import read_images
-
-        return read_images(paths, need="text")
-
     def load_model(self, directory: Path, *, init_head: bool) -> Loaded:
         """The checkpoint's base class (``CLIPModel``, ``SiglipModel`` …) and its processor of text and images."""
+        from posextend.families.configs import pair
         from posextend.files.checkpoint import Checkpoint
 
         kind = Checkpoint.of(directory).config.get("model_type")
         if kind not in FAMILIES:
             raise TrainingError(f"The image-text objective trains dual encoders ({', '.join(FAMILIES)}); {directory} "
                                 f"holds a {kind} model: choose another objective.")
-        loaded = load_headed_model(directory, self.auto_class(), self.head, self.name, init_head=init_head,
-                                   processor=lambda d: load_processor(d, "both"))
-        without_dropout(loaded.model)
-        return loaded
-
-    def split(self, documents: Any, *, processor: Any, length: int, config: Any) -> tuple[Any, Any]:
-        from posextend.data.heldout import split_images
-
-        return split_images(documents, least=config.eval_sequences, seed=config.seed)
-
-    def size_processor(self, processor: Any, *, length: int, image_size: tuple[int, int] | None) -> None:
-        """The tokenizer's ``model_max_length`` is the run's length; the image processor's size, ``image_size``."""
-        processor.tokenizer.model_max_length = length
-        if image_size is not None:
-            processor.image_processor = sized(processor.image_processor, image_size)
-            patch = getattr(self, "patch", None) or (16, 16)
-            self.patches = (image_size[0] // patch[0]) * (image_size[1] // patch[1])
-
-    def check(self, loaded: Loaded, directory: Path) -> None:
-        from posextend.families.configs import pair
-
+        loaded = super().load_model(directory, init_head=init_head)
         vision = loaded.hf_model.config.to_dict().get("vision_config") or {}
         self.patch = pair(vision.get("patch_size")) or (16, 16)
+        return loaded
+
+    def image_patches(self, *, length: int, old: tuple[int, int] | None, image_size: tuple[int, int] | None) -> int:
+        """An image's patches at ``image_size`` (none counted without one): ``length`` is the text's."""
+        return 0 if image_size is None else (image_size[0] // self.patch[0]) * (image_size[1] // self.patch[1])
 
     def samples(self, processor: Any, documents: Any, length: int) -> Pairs:
         if len(documents) < 2:
@@ -164,8 +144,8 @@ class ImageText(Objective):
         image, text = F.normalize(out.image_embeds, dim=-1), F.normalize(out.text_embeds, dim=-1)
         reduced = F.normalize(pca(image, max(1, min(PCA_MOST, n // PCA_SHARE))), dim=-1) if self.short_reduced else image
         sigmoid = is_sigmoid(run.unwrapped)
-        loss = (_pair_loss(run.unwrapped, image, text[:n], sigmoid)
-                + self.short_weight * _pair_loss(run.unwrapped, reduced, text[n:], sigmoid))
+        loss = (pair_loss(run.unwrapped, image, text[:n], sigmoid)
+                + self.short_weight * pair_loss(run.unwrapped, reduced, text[n:], sigmoid))
         if self.anchor and run.reference is not None and not run.short_inputs_fixed:
             loss = loss + self.anchor * _anchor(run, rows[n:], text[n:], image, [i["image"] for i in items], pixels)
         return loss, len(items)
@@ -175,7 +155,7 @@ class ImageText(Objective):
         """Every held-out pair, its caption read whole: R@1 (text→image and image→text, averaged) by caption length,
         the short captions (within the old length) retrieved among themselves and the long ones among theirs."""
         pairs, length, old = run.eval_seqs, run.length, run.old_length
-        with _evaluating(run.model):
+        with evaluating(run.model):
             image = self._images(run, run.model, run.image_size)
             text = text_features(run, run.model, cut_ids(run.processor.tokenizer, caption_texts(pairs), length), length)
         hits, losses = torch.zeros(len(pairs)), torch.zeros(len(pairs))
@@ -266,7 +246,7 @@ class ImageText(Objective):
         long = by_length(pairs, old, length)[1]
         if old >= length or not long:
             return None
-        with _evaluating(model):
+        with evaluating(model):
             image, texts, tokenizer = self._images(run, model, size), caption_texts(pairs), run.processor.tokenizer
             rows, owner = (chunk_ids(tokenizer, [texts[i] for i in long], old) if mode == "chunks" else
                            (cut_ids(tokenizer, [texts[i] for i in long], length if mode == "whole" else old), None))
@@ -278,17 +258,6 @@ class ImageText(Objective):
         far = float((t2i.mean() + i2t.mean()) / 2)
         return Reading(far=far, original=float(original), metric="R@1", higher=True,
                        parts={"text→image": float(t2i.mean()), "image→text": float(i2t.mean())})
-
-
-@contextlib.contextmanager
-def _evaluating(model: torch.nn.Module) -> Iterator[None]:
-    """``model`` in eval mode meanwhile (ALIGN's batch norms), then as it was."""
-    was = model.training
-    model.eval()
-    try:
-        yield
-    finally:
-        model.train(was)
 
 
 def _start(run: RunContext) -> None:
@@ -307,33 +276,8 @@ def _start(run: RunContext) -> None:
                  for n, p in model.named_parameters() if p.requires_grad}
         for name in run.spec.table_names(frozenset(plain)):
             if name in plain and plain[name].dim() == 2:
-                plain[name].register_hook(lambda g, k=keep: torch.cat([torch.zeros_like(g[:k]), g[k:]]))
+                keep_rows(plain[name], keep)
                 state.frozen = keep
-
-
-def pca(x: torch.Tensor, k: int) -> torch.Tensor:
-    """``x`` (rows of features) reduced to its ``k`` principal components and mapped back (Long-CLIP's ``PCA``). The
-    components are found without gradient (an SVD's backward divides by gaps between singular values, which a small
-    batch's features close: inf, then NaN weights); the gradient reaches the features through the projection."""
-    mean = x.mean(0, keepdim=True)
-    centred = (x - mean).float()
-    with torch.no_grad():
-        components = torch.linalg.svd(centred.double(), full_matrices=False)[2][:k].T.to(centred.dtype)
-    return (centred @ components @ components.T + mean).to(x.dtype)
-
-
-def _pair_loss(model: torch.nn.Module, image: torch.Tensor, text: torch.Tensor, sigmoid: bool) -> torch.Tensor:
-    """Symmetric InfoNCE (label smoothing 0.1, scale clamped at 100) or, for SigLIP, its sigmoid loss."""
-    inner = inner_model(model)
-    if sigmoid:
-        logits = text @ image.T * inner.logit_scale.exp() + inner.logit_bias
-        signs = 2 * torch.eye(len(text), device=text.device) - 1
-        return -F.logsigmoid(signs * logits).sum() / len(text)
-    scale = (1 / inner.temperature if hasattr(inner, "temperature") else inner.logit_scale.exp()).clamp(max=100)
-    logits = scale * image @ text.T
-    target = torch.arange(len(text), device=text.device)
-    return (F.cross_entropy(logits, target, label_smoothing=SMOOTHING)
-            + F.cross_entropy(logits.T, target, label_smoothing=SMOOTHING)) / 2
 
 
 def _anchor(run: RunContext, rows: list[list[int]], text: torch.Tensor, image: torch.Tensor, images: list[Any],
@@ -344,7 +288,7 @@ def _anchor(run: RunContext, rows: list[list[int]], text: torch.Tensor, image: t
     move to hold the whole captions as long as each first sentence still finds its image as the source's does."""
     reference, device = run.reference.to(run.accelerator.device), run.accelerator.device
     inner = inner_model(reference)
-    with torch.no_grad(), _evaluating(reference):
+    with torch.no_grad(), evaluating(reference):
         size = run.old_image_size
         if size is not None and size != run.image_size:
             pixels = image_inputs(sized(run.processor.image_processor, size), images)

@@ -18,7 +18,7 @@ size agrees with the teacher better, by the verdict's margin, than
 
 With labelled held-out images (``eval_data``) a label-free run is judged on their labels, as a supervised one. A tower
 without a head gives the teacher no labels: no verdict, and its readings are how closely its embeddings find the
-source's (:func:`~posextend.training.towers.agreement`).
+source's (:func:`~posextend.training.towers.metrics.agreement`).
 """
 
 from __future__ import annotations
@@ -33,8 +33,9 @@ from posextend.errors import TrainingError
 from posextend.scoring.verdict import Reading
 from posextend.training.context import RunContext
 from posextend.training.objectives.base import draw_mates
-from posextend.training.towers import (NEW_HEAD, Features, divergence, features, forward, information, match,
-                                       moved_back, random_moves, shifted)
+from posextend.training.towers.augment import moved_back, random_moves, shifted
+from posextend.training.towers.features import Features, divergence, features, forward, information, match
+from posextend.training.towers.heads import NEW_HEAD
 
 TEACHER = "teacher agreement"  # the share of held-out images read as the teacher (its head at its own size) labels them
 

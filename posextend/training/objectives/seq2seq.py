@@ -27,7 +27,7 @@ import torch
 
 from posextend.training.context import RunContext, sample_generator
 from posextend.errors import TrainingError
-from posextend.scoring.by_position import EvalReport, bucket_edges, report_from, token_losses
+from posextend.scoring.by_position import EvalReport, bucket_edges, evaluating, report_from, token_losses
 from posextend.scoring.verdict import Reading, far_start
 from posextend.training.loading import Loaded
 from posextend.training.objectives.base import CheckpointFacts, Objective, register_objective
@@ -244,22 +244,20 @@ class GapSentences(Objective):
     def _losses(self, run: RunContext) -> tuple[torch.Tensor, torch.Tensor]:
         """Summed loss and count of target tokens at each source position of the held-out samples (the same
         gaps every time: held-out window ``i`` draws them from its own generator)."""
-        was_training = run.model.training
-        run.model.eval()
-        total = torch.zeros(run.length, dtype=torch.float64)
-        count = torch.zeros(run.length, dtype=torch.float64)
-        size = run.config.batch_size
-        for i in range(0, len(run.eval_seqs), size):
-            rows = run.eval_seqs[i : i + size]
-            inputs, wheres = self.batch(run, rows, [sample_generator(run.config.seed, HELD_OUT + i + j) for j in range(len(rows))])
-            logits = run.model(**inputs).logits.float()
-            losses = token_losses(logits, inputs["labels"]).cpu().double()
-            for r, where in enumerate(wheres):
-                for t, pos in enumerate(where):
-                    if pos >= 0 and inputs["labels"][r, t] != -100:
-                        total[pos] += losses[r, t]
-                        count[pos] += 1
-        run.model.train(was_training)
+        with evaluating(run.model):
+            total = torch.zeros(run.length, dtype=torch.float64)
+            count = torch.zeros(run.length, dtype=torch.float64)
+            size = run.config.batch_size
+            for i in range(0, len(run.eval_seqs), size):
+                rows = run.eval_seqs[i : i + size]
+                inputs, wheres = self.batch(run, rows, [sample_generator(run.config.seed, HELD_OUT + i + j) for j in range(len(rows))])
+                logits = run.model(**inputs).logits.float()
+                losses = token_losses(logits, inputs["labels"]).cpu().double()
+                for r, where in enumerate(wheres):
+                    for t, pos in enumerate(where):
+                        if pos >= 0 and inputs["labels"][r, t] != -100:
+                            total[pos] += losses[r, t]
+                            count[pos] += 1
         return total, count
 
     def evaluate(self, run: RunContext) -> EvalReport:

@@ -19,11 +19,9 @@ One file, registered through the ``posextend.objectives`` entry point, as a thir
 
 from __future__ import annotations
 
-import copy
-import inspect
 import logging
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,15 +35,16 @@ from posextend.scoring.by_position import Bucket, EvalReport
 from posextend.scoring.verdict import Reading
 from posextend.training.context import RunContext
 from posextend.training.loading import Loaded, attention_kwargs, load_processor, loaded
-from posextend.training.objectives.base import CheckpointFacts, Objective, register_objective, without_dropout
+from posextend.training.objectives.base import CheckpointFacts, register_objective, without_dropout
+from posextend.training.objectives.image import ImageObjective
 from posextend.training.objectives.label_free import TEACHER, LabelFree
-from posextend.training.towers import (NEW_HEAD, Features, NewHead, agreement, divergence, features, forward,
-                                       knn_accuracy, label_map, output_size, replace_head, resized_copy, set_size)
+from posextend.training.objectives.tower_reading import TowerReader
+from posextend.training.towers.features import Features, divergence, features, forward
+from posextend.training.towers.heads import NEW_HEAD, label_map, replace_head
+from posextend.training.towers.metrics import agreement, knn_accuracy
 
 log = logging.getLogger(__name__)
 
-READ_BATCH = 32  # held-out images per forward pass when reading (no gradients)
-CACHE_BYTES = 256 * 2**20  # held-out pixels kept per image size when they fit
 ACCURACY, KNN, AGREEMENT = "accuracy", "k-NN accuracy", "embedding agreement"
 
 
@@ -71,7 +70,7 @@ class Seen:
                 "head, cross-entropy), label-free otherwise (the source at its own size as the teacher); judged by "
                 "held-out accuracy against the source at its own size.",
 )
-class Vision(LabelFree, Objective):
+class Vision(LabelFree, TowerReader, ImageObjective):
     """A vision tower at a new resolution; see the module."""
 
     model_class = "AutoModelForImageClassification"
@@ -79,7 +78,6 @@ class Vision(LabelFree, Objective):
     metric = ACCURACY
     priority = 35  # a vision tower: no other built-in trains one
     State = Seen
-    stream = False
     eval_sequences = 256  # held-out images each check reads
     extension, whole = "the larger image", "at the new size"  # its verdict's words
     steps = 300  # without a verdict (no labels, no head to label them): the steps trained when no budget is given
@@ -90,7 +88,6 @@ class Vision(LabelFree, Objective):
     strategy = {"new-rows": "bicubic", "positions": "bicubic", "all": "bicubic", "lora": "bicubic"}
     anchor = 0.0  # supervised: the weight of a KL term to the source's head at its own size (label-free: 1 unless set)
     classes: list[str] | None = None  # the data's class names (for_data); None: images without labels
-    patches: int = 0  # patches of an image at the run's size (size_processor): what count() counts
     shift = 0.1  # label-free: how far (a share of the side) each image the model reads moves, at most
     mates = 0  # label-free: images more per sample, drawn by its generator (7: a micro-batch of 4 reads 32)
 
@@ -110,19 +107,13 @@ class Vision(LabelFree, Objective):
                 and "text_config" not in config and "vision_config" not in config
                 and (named.endswith(("Model", "Transformer")) or "ForImageClassification" in named))
 
-    def documents(self, paths: Sequence[str | Path]) -> Sequence[Any]:
-        """Images (:func:`posextend.data.images.read_images`), with their labels where the data has them."""
-        from posextend.data.images import read_images
-
-        return read_images(paths)
-
-    def for_data(self, documents: Sequence[Any]) -> Objective:
+    def for_data(self, documents: Sequence[Any]) -> Vision:
         """A copy that knows the data's classes (its label names), or that it has none: label-free, the source kept
         frozen as the teacher (an anchor the user set to 0 is refused then)."""
         if not hasattr(documents, "has_labels"):
             raise DataError("The vision objective reads images: give a folder of them (a subfolder per class), or a "
                             "table or dataset of images.")
-        chosen = copy.copy(self)
+        chosen = super().for_data(documents)
         chosen.classes = list(documents.label_names) if documents.has_labels and documents.label_names else None
         if chosen.classes is None:
             chosen._label_free()
@@ -148,9 +139,9 @@ class Vision(LabelFree, Objective):
 
     def _classifier(self, checkpoint: Checkpoint) -> Loaded:
         """The family's image classifier as the checkpoint holds it; when it has no head, or its classes are not the
-        data's, one for the data's classes replaces it once the run has observed its files
-        (:class:`~posextend.training.towers.NewHead`): a run that only reads the checkpoint (``posextend eval``) keeps
-        the checkpoint's head."""
+        data's, one for the data's classes (``new_head``), which a fine-tune gives it once it has observed the
+        checkpoint's files (:meth:`~posextend.training.loading.Loaded.swap_head`): a run that only reads the checkpoint
+        (``posextend eval``) keeps the checkpoint's head."""
         import transformers
 
         cls, names = transformers.AutoModelForImageClassification, list(self.classes or [])
@@ -169,7 +160,8 @@ class Vision(LabelFree, Objective):
             setattr(model, NEW_HEAD, f"a new head for the data's {len(names)} classes ({shown}; {why})")
             log.warning("Training %s", getattr(model, NEW_HEAD))
 
-        return NewHead(result, swap)
+        result.new_head = swap
+        return result
 
     def _as_held(self, checkpoint: Checkpoint) -> Loaded:
         """The class the checkpoint's ``architectures`` names when it loads every weight from the files, else the
@@ -184,29 +176,6 @@ class Vision(LabelFree, Objective):
             if not info["missing_keys"] or cls is transformers.AutoModel:
                 break
         return loaded(model, model, load_processor(checkpoint.model_dir, "image"), self.name, checkpoint)
-
-    def size_processor(self, processor: Any, *, length: int, image_size: tuple[int, int] | None) -> None:
-        """The image processor's ``size`` / ``crop_size`` to the run's image size, as ``resize-model`` writes them."""
-        old = output_size(processor)
-        self.patches = length
-        if image_size is not None and old is not None and tuple(old) != tuple(image_size):
-            set_size(processor, old, image_size)
-            self.patches = round(length * image_size[0] * image_size[1] / (old[0] * old[1]))  # the run's grid
-
-    def split(self, documents: Sequence[Any], *, processor: Any, length: int, config: Any
-              ) -> tuple[Sequence[Any], Sequence[Any]]:
-        """A seeded share of the images held out whole (by class, in proportion), at least ``eval_sequences``."""
-        from posextend.data.heldout import split_images
-
-        return split_images(documents, least=config.eval_sequences, seed=config.seed)
-
-    def samples(self, processor: Any, documents: Sequence[Any], length: int) -> Sequence[Any]:
-        """The images themselves (items ``{"image", "text", "label"}``), decoded when a batch takes them."""
-        return documents
-
-    def count(self, batch: Sequence[Any]) -> tuple[int, int]:
-        """``(images, images × patches)``, label-free mates included."""
-        return (1 + self.mates) * len(batch), (1 + self.mates) * len(batch) * self.patches
 
     def loss(self, run: RunContext, positions: range, batch: Sequence[Any]) -> tuple[torch.Tensor, int]:
         """Supervised: cross-entropy of the head at the run's size (plus ``anchor`` × the KL divergence from the
@@ -243,93 +212,11 @@ class Vision(LabelFree, Objective):
                                 "every parameter or lora.")
         return ids
 
-    # ------------------------------------------------------------------ reading held-out images
-
-    def _grid(self, run: RunContext, size: tuple[int, int]) -> tuple[int, int]:
-        _, (ph, pw) = run.spec.grid.sizes(run.unwrapped.config.to_dict())
-        return size[0] // ph, size[1] // pw
-
-    def _own_size(self, run: RunContext, model: torch.nn.Module) -> tuple[int, int]:
-        return tuple(run.spec.grid.sizes(model.config.to_dict())[0])
-
-    def _source_size(self, run: RunContext) -> tuple[int, int]:
-        """The source's own size: what the baseline found the source to read (``posextend eval`` knows the
-        checkpoint's size only), else the run's old size."""
-        size = run.state.source_size or run.old_image_size or run.image_size
-        return tuple(size)
-
-    def _processor(self, run: RunContext, size: tuple[int, int]) -> Any:
-        state: Seen = run.state
-        if size not in state.processors:
-            processor = run.processor
-            if tuple(size) != tuple(run.image_size):
-                processor = copy.deepcopy(processor)
-                set_size(processor, tuple(run.image_size), tuple(size))
-            state.processors[size] = processor
-        return state.processors[size]
-
-    def _pixels(self, run: RunContext, images: list[Any], size: tuple[int, int]) -> torch.Tensor:
-        return self._processor(run, tuple(size))(images=images, return_tensors="pt")["pixel_values"]
-
-    def _held(self, run: RunContext, size: tuple[int, int]) -> Iterator[torch.Tensor]:
-        """The held-out images' pixels at ``size``, :data:`READ_BATCH` at a time (kept when they fit
-        :data:`CACHE_BYTES`)."""
-        state: Seen = run.state
-        cached = state.pixels.get(size)
-        if cached is not None:
-            yield from cached.split(READ_BATCH)
-            return
-        held, kept = run.eval_seqs, []
-        for start in range(0, len(held), READ_BATCH):
-            images = [held[i]["image"] for i in range(start, min(start + READ_BATCH, len(held)))]
-            pixels = self._pixels(run, images, size)
-            kept.append(pixels)
-            yield pixels
-        if sum(p.numel() * p.element_size() for p in kept) <= CACHE_BYTES:
-            state.pixels[size] = torch.cat(kept)
+    # ------------------------------------------------------------------ scoring held-out readings (tower_reading reads them)
 
     def _names(self, run: RunContext) -> list[str] | None:
         """The held-out images' class names (their own data's, for held-out images given apart)."""
         return getattr(run.eval_seqs, "label_names", None) or self.classes
-
-    def _reader(self, run: RunContext, model: torch.nn.Module, unwrapped: torch.nn.Module, size: tuple[int, int]
-                ) -> tuple[torch.nn.Module, dict[str, Any]] | None:
-        """``model`` made to read images of ``size``: itself at its own size; with transformers'
-        ``interpolate_pos_encoding`` where the family has it; else a copy with its grid resized in memory."""
-        if self._own_size(run, unwrapped) == tuple(size):
-            return model, {}
-        if "interpolate_pos_encoding" in inspect.signature(unwrapped.forward).parameters:
-            return model, {"interpolate_pos_encoding": True}
-        try:
-            return resized_copy(unwrapped, tuple(size), run.config.strategy, run.config.seed), {}
-        except PosExtendError as exc:
-            if "resize" not in run.state.warned:
-                run.state.warned.add("resize")
-                log.warning("Cannot read the model at %dx%d px (%s): that reading is left out", *size, exc)
-            return None
-
-    @torch.no_grad()
-    def _read(self, run: RunContext, model: torch.nn.Module, unwrapped: torch.nn.Module, size: tuple[int, int]
-              ) -> Features | None:
-        """The held-out images read by ``model`` at ``size``: their pooled embeddings and logits (on the CPU)."""
-        reader = self._reader(run, model, unwrapped, tuple(size))
-        if reader is None:
-            return None
-        module, kwargs = reader
-        was_training = module.training
-        module.eval()
-        pooled, logits, grid = [], [], self._grid(run, size)
-        device = run.accelerator.device
-        try:
-            for pixels in self._held(run, tuple(size)):
-                out, base = forward(module, unwrapped if module is model else module, pixels.to(device), **kwargs)
-                found = features(out, base, grid, len(pixels))
-                pooled.append(found.pooled.cpu())
-                logits.append(None if found.logits is None else found.logits.float().cpu())
-        finally:
-            module.train(was_training)
-        joined = None if any(x is None for x in logits) else torch.cat(logits)
-        return Features(torch.cat(pooled), None, joined)
 
     def _score(self, run: RunContext, read: Features, config: Any, *, head: bool = True) -> tuple[str, float, float]:
         """``(metric, score, loss)`` of a reading: the head's accuracy (and cross-entropy) where it knows the
@@ -358,17 +245,6 @@ class Vision(LabelFree, Objective):
     def _judged(self, run: RunContext) -> bool:
         """The held-out images have labels (:meth:`_labelled`), or the teacher's."""
         return self._labelled(run) or run.state.teacher is not None
-
-    def _labelled(self, run: RunContext) -> bool:
-        """The held-out images all have labels, of two classes or more."""
-        if run.state.labels is None:
-            held = run.eval_seqs
-            column = getattr(held, "dataset", None)
-            labels = (column["label"][:] if column is not None and "label" in column.column_names
-                      else [held[i]["label"] for i in range(len(held))])
-            run.state.labels = [None if y is None or y < 0 else int(y) for y in labels]
-        labels = run.state.labels
-        return bool(labels) and None not in labels and len(set(labels)) > 1
 
     def _accuracy(self, run: RunContext, model: torch.nn.Module, unwrapped: torch.nn.Module,
                   size: tuple[int, int]) -> float | None:
@@ -453,10 +329,6 @@ class Vision(LabelFree, Objective):
         score, loss = last
         return EvalReport(self.name, new[0], len(run.eval_seqs), loss, math.exp(min(loss, 50)), len(run.eval_seqs),
                           buckets, None, accuracy=score, metric=metric)
-
-    def _between(self, run: RunContext, old: tuple[int, int], new: tuple[int, int]) -> tuple[int, int]:
-        _, (ph, pw) = run.spec.grid.sizes(run.unwrapped.config.to_dict())
-        return (round((old[0] + new[0]) / 2 / ph) * ph, round((old[1] + new[1]) / 2 / pw) * pw)
 
     def written_config(self, run: RunContext) -> dict[str, Any]:
         """Supervised: the head's classes, ``id2label`` and ``label2id`` (a new head's; the same values otherwise)."""
