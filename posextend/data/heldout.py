@@ -2,7 +2,8 @@
 trained on.
 
 The verdict (:mod:`posextend.scoring.verdict`) is only honest on data the run never saw: :func:`split_documents`
-sets documents (or pairs) aside before anything is cut into samples, :func:`split_images` images, by class.
+sets documents (or pairs) aside before anything is cut into samples, :func:`split_images` images, by class, and
+:func:`split_items` items of any other kind (a plug-in's reader: audio clips …).
 """
 
 from __future__ import annotations
@@ -124,6 +125,24 @@ def split_images(data: ImageData, *, share: float = SHARE, least: int = 0, seed:
     order = random.Random(seed).sample(range(n), n)  # a seeded shuffle
     held = set(_stratified(order, data.dataset["label"][:], want) if data.has_labels else order[:want])
     return data.select([i for i in range(n) if i not in held]), data.select(sorted(held))
+
+
+def split_items(items: Sequence[Any], *, share: float = SHARE, least: int = 0, seed: int = 0
+                ) -> tuple[list[Any], list[Any]]:
+    """``(train, held_out)`` of items of any kind a reader returns (:class:`posextend.data.Items`: audio clips …): a
+    seeded ``share`` of them (at least ``least``, and one; never more than :data:`MOST`) held out whole, drawn as
+    :func:`split_images` draws images without labels; both keep the data's order.
+
+    Raises:
+        DataError: too few items to hold one out and train on the rest.
+    """
+    n = len(items)
+    want = min(max(1, round(share * n), least), math.floor(MOST * n))
+    if want < 1:
+        raise DataError(f"The data holds {n} item(s): too few to hold some out for judging the fine-tune and train on "
+                        "the rest. Give more, or held-out data of its own.")
+    held = set(random.Random(seed).sample(range(n), n)[:want])
+    return [items[i] for i in range(n) if i not in held], [items[i] for i in sorted(held)]
 
 
 def _stratified(order: list[int], labels: list[int | None], want: int) -> list[int]:

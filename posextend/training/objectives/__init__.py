@@ -6,8 +6,10 @@ the built-ins: :mod:`posextend.training.objectives.causal`, :mod:`posextend.trai
 :mod:`posextend.training.objectives.contrastive`; :mod:`posextend.training.objectives.seq2seq` is registered
 through the ``posextend.objectives`` entry point, as a third-party objective is (so are ``vision`` and
 ``image-text``, on :class:`posextend.training.objectives.image.ImageObjective`, the base of an objective that reads
-images). An objective sees a run only through :class:`posextend.training.context.RunContext`; it imports nothing
-from the loop. May import: ``posextend.training.context``, ``posextend.training.options``,
+images; a dual encoder of another kind, CLAP's audio, takes the pair loss, R@1 and captions as token rows from
+:mod:`posextend.training.objectives.dual_encoder`, and its batch-mates from ``draw_mates``: ``docs/guides/plugins.md``
+lists what a plug-in imports). An objective sees a run only through
+:class:`posextend.training.context.RunContext`; it imports nothing from the loop. May import: ``posextend.training.context``, ``posextend.training.options``,
 ``posextend.training.loading``, ``posextend.training.rows``, ``posextend.training.towers`` and every layer below
 ``posextend.training``.
 """
@@ -18,11 +20,12 @@ from posextend.training.objectives.base import (
     Objective,
     available_objectives,
     default_objective,
+    draw_mates,
     get_objective,
     register_objective,
 )
 from posextend.training.objectives.help import defaults_help, objectives_help
 from posextend.training.objectives import causal, contrastive, masked  # noqa: F401  (they register the built-ins)
 
-__all__ = ["CheckpointFacts", "Objective", "RunContext", "available_objectives", "default_objective", "get_objective",
-           "defaults_help", "objectives_help", "register_objective"]
+__all__ = ["CheckpointFacts", "Objective", "RunContext", "available_objectives", "default_objective", "draw_mates",
+           "get_objective", "defaults_help", "objectives_help", "register_objective"]

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from posextend.training.objectives.dual_encoder import SENTENCE, cut_ids
+from posextend.training.objectives.dual_encoder import SENTENCE, cut_ids, length_pools
 
 
 class Pairs(Sequence):
@@ -41,9 +41,7 @@ def caption_texts(pairs: Pairs) -> list[str]:  # the captions alone (ImageData's
 
 def by_length(pairs: Pairs, old: int, length: int) -> tuple[list[int], list[int]]:
     """The held-out pairs whose caption fits the old length, and those longer (all in one pool when not extended)."""
-    if old >= length:
-        return list(range(len(pairs))), []
-    return [i for i, n in enumerate(pairs.tokens) if n <= old], [i for i, n in enumerate(pairs.tokens) if n > old]
+    return length_pools(pairs.tokens, old, length)
 
 
 def distinct_shorts(tokenizer: Any, texts: list[str], old: int) -> tuple[list[int], list[list[int]]]:

@@ -1,7 +1,7 @@
 """The dual-encoder machinery of a contrastive fine-tune (CLIP-style: two towers whose normalised features meet in one
 similarity), apart from what the second input is: the pair loss (:func:`pair_loss`: InfoNCE or SigLIP's sigmoid, as
 open_clip's ``ClipLoss`` and ``SigLipLoss``), the principal components Long-CLIP holds short captions to (:func:`pca`),
-R@1 retrieval both ways (:func:`directions`, :func:`retrieval`), and captions as token rows: cut (:func:`cut_ids`), in
+R@1 retrieval both ways (:func:`directions`, :func:`retrieval`) and by caption length (:func:`length_report`), and captions as token rows: cut (:func:`cut_ids`), in
 chunks of whole sentences (:func:`chunk_ids`), padded (:func:`padded`), read to features (:func:`text_features`).
 
 The image-text objective (:mod:`posextend.training.objectives.image_text`) uses it with images; an audio-caption
@@ -17,12 +17,15 @@ Example (one training step of a dual encoder ``model`` on a batch whose row ``i`
 
 from __future__ import annotations
 
+import math
 import re
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from posextend.scoring.by_position import Bucket, EvalReport, bucket_edges
 from posextend.training.context import RunContext
 
 SIGMOID = ("siglip", "siglip2")  # the families of the sigmoid loss, their text padded to its length
@@ -30,11 +33,14 @@ SMOOTHING = 0.1  # Long-CLIP's label smoothing of InfoNCE
 SENTENCE = re.compile(r"(?<=[.!?])\s+")  # where a caption's sentences part
 
 
-def pair_loss(model: torch.nn.Module, image: torch.Tensor, text: torch.Tensor, sigmoid: bool) -> torch.Tensor:
+def pair_loss(model: torch.nn.Module, image: torch.Tensor, text: torch.Tensor, sigmoid: bool, *,
+              scale: torch.Tensor | None = None) -> torch.Tensor:
     """The contrastive loss of ``image`` and ``text`` features (normalised rows; row ``i`` of each is pair ``i``, the
     other rows its in-batch negatives) at ``model``'s own logit scale: symmetric InfoNCE, as open_clip's ``ClipLoss``
     (label smoothing :data:`SMOOTHING`, the scale clamped at 100), or with ``sigmoid`` SigLIP's sigmoid loss (its
-    logit bias too), summed over every pair of rows and divided by the rows.
+    logit bias too), summed over every pair of rows and divided by the rows. ``scale``: InfoNCE's logit scale where
+    the model keeps it under a name of its own (CLAP's ``logit_scale_t``; default: ``1 / temperature``, else
+    ``logit_scale.exp()``).
 
     Not transformers' ``return_loss=True``: its CLIP loss has no label smoothing and no clamp, and its SigLIP loss
     sums by rows first (other float rounding); and a forward here reads two captions per image (Long-CLIP's)."""
@@ -43,8 +49,9 @@ def pair_loss(model: torch.nn.Module, image: torch.Tensor, text: torch.Tensor, s
         logits = text @ image.T * inner.logit_scale.exp() + inner.logit_bias
         signs = 2 * torch.eye(len(text), device=text.device) - 1
         return -F.logsigmoid(signs * logits).sum() / len(text)
-    scale = (1 / inner.temperature if hasattr(inner, "temperature") else inner.logit_scale.exp()).clamp(max=100)
-    logits = scale * image @ text.T
+    if scale is None:
+        scale = 1 / inner.temperature if hasattr(inner, "temperature") else inner.logit_scale.exp()
+    logits = scale.clamp(max=100) * image @ text.T
     target = torch.arange(len(text), device=text.device)
     return (F.cross_entropy(logits, target, label_smoothing=SMOOTHING)
             + F.cross_entropy(logits.T, target, label_smoothing=SMOOTHING)) / 2
@@ -75,6 +82,38 @@ def retrieval(text: torch.Tensor, image: torch.Tensor) -> tuple[torch.Tensor, to
     target = torch.arange(len(text))
     loss = (F.cross_entropy(logits, target, reduction="none") + F.cross_entropy(logits.T, target, reduction="none")) / 2
     return (t2i + i2t) / 2, loss
+
+
+def length_pools(tokens: Sequence[int], old: int, length: int) -> tuple[list[int], list[int]]:
+    """The held-out pairs whose caption (``tokens``: each one's token count) fits the old length, and those longer (all
+    in one pool when the run does not extend the text)."""
+    if old >= length:
+        return list(range(len(tokens))), []
+    return [i for i, n in enumerate(tokens) if n <= old], [i for i, n in enumerate(tokens) if n > old]
+
+
+def length_report(text: torch.Tensor, other: torch.Tensor, tokens: Sequence[int], *, objective: str, metric: str,
+                  length: int, old: int, buckets: int) -> EvalReport:
+    """Held-out pairs (row ``i`` of the normalised ``text`` and ``other`` features: pair ``i``, its caption ``tokens[i]``
+    tokens long) scored by caption length: each pair's R@1 (:func:`retrieval`) among the captions of its pool
+    (:func:`length_pools`: short captions among theirs, long among theirs), in ``buckets`` of caption length split at
+    ``old`` when the run extends the text."""
+    hits, losses = torch.zeros(len(tokens)), torch.zeros(len(tokens))
+    for pool in length_pools(tokens, old, length):
+        if pool:
+            hits[pool], losses[pool] = retrieval(text[pool], other[pool])
+    edges = bucket_edges(length + 1, buckets, old_length=old + 1 if old < length else None)
+    lengths = torch.tensor(list(tokens))
+    rows = []
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        inside = (lengths >= lo) & (lengths < hi)
+        n = int(inside.sum())
+        if n:
+            loss = float(losses[inside].mean())
+            rows.append(Bucket(lo, hi, loss, math.exp(min(loss, 50)), n, accuracy=float(hits[inside].mean())))
+    loss = float(losses.mean())
+    return EvalReport(objective, length, len(tokens), loss, math.exp(min(loss, 50)), len(tokens), rows,
+                      old if old < length else None, accuracy=float(hits.mean()), metric=metric)
 
 
 def cut_ids(tokenizer: Any, texts: list[str], length: int) -> list[list[int]]:

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from posextend.errors import DataError, TrainingError
-from posextend.scoring.by_position import Bucket, EvalReport, bucket_edges, evaluating
+from posextend.scoring.by_position import EvalReport, evaluating
 from posextend.scoring.verdict import Reading
 from posextend.tables.strategies import kps_keep
 from posextend.training.context import RunContext
@@ -37,8 +37,8 @@ from posextend.training.objectives.base import CheckpointFacts, draw_mates, regi
 from posextend.training.objectives.captions import (Pairs, by_length, caption_texts, distinct_shorts, first_sentence,
                                                    image_inputs)
 from posextend.training.objectives.dual_encoder import (chunk_ids, cut_ids, directions, in_slices, inner_model,
-                                                       is_sigmoid, mask_kwargs, padded, pair_loss, pca, pooled_output,
-                                                       retrieval, text_features)
+                                                       is_sigmoid, length_report, mask_kwargs, padded, pair_loss, pca,
+                                                       pooled_output, retrieval, text_features)
 from posextend.training.objectives.image import ImageObjective
 from posextend.training.rows import keep_rows
 from posextend.training.towers.sizing import sized
@@ -158,22 +158,8 @@ class ImageText(ImageObjective):
         with evaluating(run.model):
             image = self._images(run, run.model, run.image_size)
             text = text_features(run, run.model, cut_ids(run.processor.tokenizer, caption_texts(pairs), length), length)
-        hits, losses = torch.zeros(len(pairs)), torch.zeros(len(pairs))
-        for pool in by_length(pairs, old, length):
-            if pool:
-                hits[pool], losses[pool] = retrieval(text[pool], image[pool])
-        edges = bucket_edges(length + 1, run.config.buckets, old_length=old + 1 if old < length else None)
-        lengths = torch.tensor(pairs.tokens)
-        buckets = []
-        for lo, hi in zip(edges[:-1], edges[1:]):
-            inside = (lengths >= lo) & (lengths < hi)
-            n = int(inside.sum())
-            if n:
-                loss = float(losses[inside].mean())
-                buckets.append(Bucket(lo, hi, loss, math.exp(min(loss, 50)), n, accuracy=float(hits[inside].mean())))
-        loss = float(losses.mean())
-        return EvalReport(self.name, length, len(pairs), loss, math.exp(min(loss, 50)), len(pairs), buckets,
-                          old if old < length else None, accuracy=float(hits.mean()), metric=self.metric)
+        return length_report(text, image, pairs.tokens, objective=self.name, metric=self.metric, length=length, old=old,
+                             buckets=run.config.buckets)
 
     def baseline(self, run: RunContext, source: torch.nn.Module) -> Reading | None:
         """The source (at its old length and image size) reading the long captions cut at its old length, and
