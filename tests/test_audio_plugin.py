@@ -21,6 +21,7 @@ import transformers
 
 import posextend
 from posextend.training.objectives import base as objectives
+from test_image_text import tokenizer
 
 PLUGIN = '''
 """Audio-caption pairs: a CLAP's text tower learns captions longer than its table (a plug-in on the documented API)."""
@@ -187,23 +188,11 @@ PARTS = ["first", "second", "third", "fourth"]
 WORDS = sorted(set(PITCHES) | set(PARTS) | {"a", "tone", ":", "."})
 
 
-def tokenizer(length: int) -> transformers.PreTrainedTokenizerFast:
-    """A word-level tokenizer of the captions' words: <s> 0, <pad> 1, <unk> 2 … </s> last (RoBERTa's ids)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors
-
-    vocab = {w: i for i, w in enumerate(["<s>", "<pad>", "<unk>", *WORDS, "</s>"])}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation()])
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A </s>", special_tokens=[("<s>", 0), ("</s>", len(vocab) - 1)])
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                                                unk_token="<unk>", cls_token="<s>", sep_token="</s>", model_max_length=length)
-
-
 @pytest.fixture(scope="module")
 def clap(tmp_path_factory) -> Path:
     """A tiny CLAP twin from a config (text: RoBERTa-like, 16 usable positions + 2 reserved), with its processor."""
     path = tmp_path_factory.mktemp("clap")
-    words = tokenizer(OLD)
+    words = tokenizer(OLD, WORDS)  # test_image_text's word-level tokenizer, of these captions' words
     text = dict(vocab_size=len(words), hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
                 max_position_embeddings=OLD + 2, pad_token_id=1, bos_token_id=0, eos_token_id=len(words) - 1)
     audio = dict(hidden_size=16, patch_embeds_hidden_size=8, depths=[1, 1], num_attention_heads=[1, 1], window_size=2,

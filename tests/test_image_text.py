@@ -34,11 +34,11 @@ KEPT = kps_keep(OLD)  # the rows kps keeps exact (and the run frozen) by default
 runner = CliRunner()
 
 
-def tokenizer(length: int) -> transformers.PreTrainedTokenizerFast:
-    """A word-level tokenizer of the captions' words: <s> 0, <pad> 1, <unk> 2 … </s> last (CLIP pools at its EOS)."""
+def tokenizer(length: int, words: list[str] = WORDS) -> transformers.PreTrainedTokenizerFast:
+    """A word-level tokenizer of the captions' ``words``: <s> 0, <pad> 1, <unk> 2 … </s> last (CLIP pools at its EOS)."""
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
-    vocab = {w: i for i, w in enumerate(["<s>", "<pad>", "<unk>", *WORDS, "</s>"])}
+    vocab = {w: i for i, w in enumerate(["<s>", "<pad>", "<unk>", *words, "</s>"])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation()])
     tok.post_processor = processors.TemplateProcessing(single="<s> $A </s>", special_tokens=[("<s>", 0), ("</s>", len(vocab) - 1)])

@@ -117,7 +117,7 @@ def split_images(data: ImageData, *, share: float = SHARE, least: int = 0, seed:
         DataError: too few items to hold one out and train on the rest.
     """
     n = len(data)
-    want = min(max(1, round(share * n), least), math.floor(MOST * n))
+    want = _held_count(n, share, least)
     if want < 1:
         raise DataError(f"The image data ({data.source}) holds {n} item(s): too few to hold some out for judging "
                         "the fine-tune and train on the rest. Give more images, or held-out images of their own.")
@@ -129,20 +129,20 @@ def split_images(data: ImageData, *, share: float = SHARE, least: int = 0, seed:
 
 def split_items(items: Sequence[Any], *, share: float = SHARE, least: int = 0, seed: int = 0
                 ) -> tuple[list[Any], list[Any]]:
-    """``(train, held_out)`` of items of any kind a reader returns (:class:`posextend.data.Items`: audio clips …): a
-    seeded ``share`` of them (at least ``least``, and one; never more than :data:`MOST`) held out whole, drawn as
-    :func:`split_images` draws images without labels; both keep the data's order.
-
-    Raises:
-        DataError: too few items to hold one out and train on the rest.
-    """
+    """``(train, held_out)`` of items of any kind a reader returns (:class:`posextend.data.Items`: audio clips …),
+    drawn as :func:`split_images` draws images without labels; raises :class:`DataError` for too few items."""
     n = len(items)
-    want = min(max(1, round(share * n), least), math.floor(MOST * n))
+    want = _held_count(n, share, least)
     if want < 1:
         raise DataError(f"The data holds {n} item(s): too few to hold some out for judging the fine-tune and train on "
                         "the rest. Give more, or held-out data of its own.")
     held = set(random.Random(seed).sample(range(n), n)[:want])
     return [items[i] for i in range(n) if i not in held], [items[i] for i in sorted(held)]
+
+
+def _held_count(n: int, share: float, least: int) -> int:
+    """How many of ``n`` items a split holds out: ``share`` of them, at least ``least`` and one, at most :data:`MOST`."""
+    return min(max(1, round(share * n), least), math.floor(MOST * n))
 
 
 def _stratified(order: list[int], labels: list[int | None], want: int) -> list[int]:
