@@ -347,7 +347,7 @@ def test_the_original_range_reads_distinct_first_sentences_and_sees_a_short_capt
 
     objective, processor = ImageText(), transformers.AutoProcessor.from_pretrained(clip)
     held = objective.samples(processor, read_images([data["held"]], need="text"), NEW)
-    run = SimpleNamespace(eval_seqs=held, old_length=OLD, length=NEW, processor=processor, state=Held(),
+    run = SimpleNamespace(eval_samples=held, old_length=OLD, length=NEW, processor=processor, state=Held(),
                           accelerator=SimpleNamespace(device=torch.device("cpu")))
     texts = [held[i]["text"] for i in range(len(held))]
     distinct = {first_sentence(t) for t in texts}

@@ -550,7 +550,7 @@ class Brightness(ImageObjective):  # images read, held out, sized and counted as
 
     @torch.no_grad()
     def evaluate(self, run):
-        held = [run.eval_seqs[i] for i in range(len(run.eval_seqs))]
+        held = [run.eval_samples[i] for i in range(len(run.eval_samples))]
         error = float(self._error(run, held))
         size = run.image_size[0]
         return EvalReport(self.name, size, len(held), error, math.exp(error), len(held),

@@ -51,7 +51,7 @@ class RunContext:
       ``accelerator`` (``device``, ``num_processes``, ``reduce``).
     - ``config``: the run's options, resolved (:class:`~posextend.training.options.FinetuneConfig`: ``seed``,
       ``batch_size``, ``buckets``, ``lr`` …); ``spec``: the family's position tables.
-    - ``train_seqs`` / ``eval_seqs``: the samples the objective cut (:meth:`Objective.samples`): a tensor of
+    - ``train_samples`` / ``eval_samples``: the samples the objective cut (:meth:`Objective.samples`): a tensor of
       token windows, or any sequence of items (images, pairs of image and caption); the loop takes micro-batches
       of them by index and hands each to ``loss`` as the objective made it (rows of the tensor, or a list);
       ``eval_documents``: the held-out documents they were cut from (never trained on).
@@ -73,8 +73,8 @@ class RunContext:
     processor: Any
     config: FinetuneConfig
     spec: ArchitectureSpec | None = None
-    train_seqs: torch.Tensor
-    eval_seqs: torch.Tensor
+    train_samples: torch.Tensor | Sequence[Any]
+    eval_samples: torch.Tensor | Sequence[Any]
     eval_documents: Sequence[Any] = ()
     sizes: Sizes
     short_inputs_fixed: bool = False
@@ -104,8 +104,8 @@ class RunContext:
         an :class:`~posextend.training.objectives.base.Objective` (not annotated: that module imports this one)."""
         model = loaded.model if model is None else model
         return cls(accelerator=accelerator, model=model, unwrapped=accelerator.unwrap_model(model),
-                   processor=loaded.processor, config=config, spec=loaded.spec, train_seqs=samples.train,
-                   eval_seqs=samples.held_out, eval_documents=samples.held_out_documents, sizes=sizes,
+                   processor=loaded.processor, config=config, spec=loaded.spec, train_samples=samples.train,
+                   eval_samples=samples.held_out, eval_documents=samples.held_out_documents, sizes=sizes,
                    short_inputs_fixed=config.train == "new-rows", reference=loaded.reference, state=objective.State(),
                    **own)
 

@@ -71,7 +71,7 @@ def _micro_loss(run: Run, k: int) -> tuple[torch.Tensor, tuple[int, int]]:
     as its objective counts them (:meth:`Objective.count`)."""
     acc = run.accelerator
     positions = batch_positions(k, run.config.batch_size, acc.num_processes, acc.process_index)
-    batch = batch_rows(k, run.config.batch_size, run.train_seqs, run.config.seed, acc.num_processes, acc.process_index,
+    batch = batch_rows(k, run.config.batch_size, run.train_samples, run.config.seed, acc.num_processes, acc.process_index,
                        stream=run.objective.stream)
     loss, count = run.objective.loss(run, positions, batch)
     if acc.num_processes > 1:

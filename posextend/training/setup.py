@@ -274,10 +274,10 @@ def _samples(chosen: Objective, processor: Any, documents: tuple[Sequence[Any], 
                    chosen.split(docs, processor=processor, length=length, config=config))
     note = "" if given_held_out else held_out_note(docs, held)
     try:
-        eval_seqs = chosen.samples(processor, held, length)
+        eval_samples = chosen.samples(processor, held, length)
     except DataError as exc:
         raise DataError(f"The held-out text is too short: {exc}") from None
-    return Samples(chosen.samples(processor, train, length), eval_seqs[: config.eval_sequences], train, held, note)
+    return Samples(chosen.samples(processor, train, length), eval_samples[: config.eval_sequences], train, held, note)
 
 
 def _judge(chosen: Objective, config: FinetuneConfig, baseline: tuple[Reading, str] | None, *,

@@ -246,7 +246,7 @@ class Objective:
         raise NotImplementedError
 
     def evaluate(self, run: RunContext) -> EvalReport:
-        """The held-out samples (``run.eval_seqs``) scored by position, as an :class:`EvalReport` whose
+        """The held-out samples (``run.eval_samples``) scored by position, as an :class:`EvalReport` whose
         ``metric`` is this objective's."""
         raise NotImplementedError
 
@@ -315,7 +315,7 @@ class LanguageModel(Objective):
     def evaluate(self, run: RunContext) -> EvalReport:
         from posextend.scoring.by_position import score_model
 
-        report = score_model(run.model, run.eval_seqs, self.scoring, tokenizer=run.tokenizer,
+        report = score_model(run.model, run.eval_samples, self.scoring, tokenizer=run.tokenizer,
                                 buckets=run.config.buckets, old_length=run.old_length if run.old_length < run.length else None,
                                 batch_size=run.config.batch_size, seed=run.config.seed)
         return dataclasses.replace(report, metric=self.metric)
@@ -341,7 +341,7 @@ class LanguageModel(Objective):
         old, length = run.old_length, run.length
         if old >= length:
             return None
-        total, count = position_losses(model, run.eval_seqs, self.scoring, tokenizer=run.tokenizer, window=window,
+        total, count = position_losses(model, run.eval_samples, self.scoring, tokenizer=run.tokenizer, window=window,
                                        batch_size=run.config.batch_size, seed=run.config.seed, device=run.accelerator.device)
         start = far_start(length, old)
         far, original = (float(total[a:b].sum() / count[a:b].sum().clamp(min=1)) for a, b in ((start, length), (0, old)))
@@ -418,7 +418,7 @@ def draw_mates(run: RunContext, positions: range, mates: int) -> tuple[list[Any]
     """``mates`` training samples more for each sample at ``positions``, drawn by that sample's generator (so that a
     run is the same on any number of processes): the drawn samples, in the samples' order, and each sample's
     generator for its other random choices."""
-    pool, drawn, generators = run.train_seqs, [], []
+    pool, drawn, generators = run.train_samples, [], []
     for p in positions:
         g = run.generator(p)
         drawn += [pool[int(i)] for i in torch.randint(len(pool), (mates,), generator=g)]

@@ -56,7 +56,7 @@ class CausalLM(LanguageModel):
 
         try:
             return context_use(run.model, run.tokenizer, old_length=run.old_length, length=run.length,
-                               text=run.eval_seqs, seed=run.config.seed, batch_size=run.config.batch_size,
+                               text=run.eval_samples, seed=run.config.seed, batch_size=run.config.batch_size,
                                device=run.accelerator.device)
         except DataError:  # no extension, or too few new positions to plant the probe in
             return None

@@ -133,7 +133,7 @@ class Contrastive(Objective):
         span = batch.shape[1] - PASSAGE_TOKENS
         documents, sets = batch.clone(), []
         if self.inserted:
-            pool, inserted = run.train_seqs, []
+            pool, inserted = run.train_samples, []
             for document, g in zip(documents, generators):
                 other = pool[int(torch.randint(len(pool), (1,), generator=g))]
                 start = int(torch.randint(other.shape[0] - PASSAGE_TOKENS + 1, (1,), generator=g))
@@ -177,7 +177,7 @@ class Contrastive(Objective):
         """Retrieval of every held-out document by passages taken from each position bucket:
         accuracy@1 and the ranking loss per bucket (``perplexity`` holds exp(loss))."""
         with evaluating(run.model):
-            docs = run.eval_seqs
+            docs = run.eval_samples
             span = docs.shape[1] - PASSAGE_TOKENS
             edges = bucket_edges(docs.shape[1] + 2, run.config.buckets,
                                  old_length=run.old_length if run.old_length < run.length else None)
@@ -255,7 +255,7 @@ class Contrastive(Objective):
             n = run.config.eval_sequences
             enough = 4 * n * run.length  # spans for every varied document, and to spare
             ids = (text_tokens(run.tokenizer, run.eval_documents, limit=enough) if run.eval_documents
-                   else run.eval_seqs.flatten().tolist())
+                   else run.eval_samples.flatten().tolist())
             state.tasks = tuple(task_pairs(run.tokenizer, ids, (run.length, run.old_length),
                                            n=n, seed=run.config.seed))
         return state.tasks

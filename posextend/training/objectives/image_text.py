@@ -154,7 +154,7 @@ class ImageText(ImageObjective):
     def evaluate(self, run: RunContext) -> EvalReport:
         """Every held-out pair, its caption read whole: R@1 (text→image and image→text, averaged) by caption length,
         the short captions (within the old length) retrieved among themselves and the long ones among theirs."""
-        pairs, length, old = run.eval_seqs, run.length, run.old_length
+        pairs, length, old = run.eval_samples, run.length, run.old_length
         with evaluating(run.model):
             image = self._images(run, run.model, run.image_size)
             text = text_features(run, run.model, cut_ids(run.processor.tokenizer, caption_texts(pairs), length), length)
@@ -199,16 +199,16 @@ class ImageText(ImageObjective):
         return self.read(run, run.model, run.image_size, "whole")
 
     def notes(self, run: RunContext) -> list[str]:
-        long = by_length(run.eval_seqs, run.old_length, run.length)[1]
+        long = by_length(run.eval_samples, run.old_length, run.length)[1]
         loss = "sigmoid (SigLIP's)" if is_sigmoid(run.unwrapped) else "InfoNCE"
         lines = [f"Long-CLIP's loss: {loss}, whole captions and first sentences against the images' principal "
                  f"components; each sample with {self.batch_mates} batch-mates"]
         if run.state.frozen:
             lines.append(f"Text positions 0-{run.state.frozen - 1} kept frozen (Long-CLIP; kps copied them exactly)")
         if run.old_length < run.length:
-            shorts = len(distinct_shorts(run.processor.tokenizer, caption_texts(run.eval_seqs), run.old_length)[0])
+            shorts = len(distinct_shorts(run.processor.tokenizer, caption_texts(run.eval_samples), run.old_length)[0])
             lines.append(f"Held-out pairs: {len(long)} captions longer than {run.old_length} tokens (the far range); "
-                         f"the original range, their first sentences: {shorts} distinct of {len(run.eval_seqs)}, one "
+                         f"the original range, their first sentences: {shorts} distinct of {len(run.eval_samples)}, one "
                          "image each")
         else:
             lines.append("No verdict: the text length is not extended (an image size alone is read before and after)")
@@ -220,7 +220,7 @@ class ImageText(ImageObjective):
         key = size or (0, 0)
         if key not in state.pixels:
             processor = sized(run.processor.image_processor, size) if size else run.processor.image_processor
-            images = [run.eval_seqs.data[i]["image"] for i in range(len(run.eval_seqs))]
+            images = [run.eval_samples.data[i]["image"] for i in range(len(run.eval_samples))]
             parts = [image_inputs(processor, images[i:i + 64]) for i in range(0, len(images), 64)]
             state.pixels[key] = {k: torch.cat([part[k] for part in parts]) for k in parts[0]}
         inner, inputs = inner_model(model), state.pixels[key]
@@ -242,7 +242,7 @@ class ImageText(ImageObjective):
         image for each distinct one (:func:`~posextend.training.objectives.captions.distinct_shorts`: NaN with fewer
         than two); ``parts``: the far range's text→image and image→text. None when the run does not extend the text,
         or no held-out caption is longer than the old length."""
-        pairs, old, length = run.eval_seqs, run.old_length, run.length
+        pairs, old, length = run.eval_samples, run.old_length, run.length
         long = by_length(pairs, old, length)[1]
         if old >= length or not long:
             return None

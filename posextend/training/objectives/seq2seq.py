@@ -248,8 +248,8 @@ class GapSentences(Objective):
             total = torch.zeros(run.length, dtype=torch.float64)
             count = torch.zeros(run.length, dtype=torch.float64)
             size = run.config.batch_size
-            for i in range(0, len(run.eval_seqs), size):
-                rows = run.eval_seqs[i : i + size]
+            for i in range(0, len(run.eval_samples), size):
+                rows = run.eval_samples[i : i + size]
                 inputs, wheres = self.batch(run, rows, [sample_generator(run.config.seed, HELD_OUT + i + j) for j in range(len(rows))])
                 logits = run.model(**inputs).logits.float()
                 losses = token_losses(logits, inputs["labels"]).cpu().double()
@@ -266,8 +266,8 @@ class GapSentences(Objective):
         total, count = self._losses(run)
         old = run.old_length if run.old_length < run.length else None
         edges = bucket_edges(run.length, run.config.buckets, old_length=old)
-        report = report_from(total, count, edges, objective="seq2seq", sequences=len(run.eval_seqs), old_length=old,
-                             metric=METRICS[run.eval_seqs.dim() == 3])
+        report = report_from(total, count, edges, objective="seq2seq", sequences=len(run.eval_samples), old_length=old,
+                             metric=METRICS[run.eval_samples.dim() == 3])
         if not math.isfinite(report.loss):
             raise TrainingError("No masked sentence in the held-out text: give more text, or text with sentences.")
         return report
@@ -275,12 +275,12 @@ class GapSentences(Objective):
     def baseline(self, run: RunContext, source: torch.nn.Module) -> Reading | None:
         """The source reading the held-out text in windows of its own length: its masked-sentence perplexity
         there, which both ranges are held to (raw text only; pairs have no far range to compare)."""
-        if run.eval_seqs.dim() == 3 or run.old_length >= run.length or not run.eval_documents:
+        if run.eval_samples.dim() == 3 or run.old_length >= run.length or not run.eval_documents:
             return None
         windows = self.samples(run.tokenizer, run.eval_documents, run.old_length)
-        windows = windows[: len(run.eval_seqs) * max(1, run.length // run.old_length)]
+        windows = windows[: len(run.eval_samples) * max(1, run.length // run.old_length)]
         own = dataclasses.replace(run, model=source.to(run.accelerator.device), length=run.old_length,
-                                  decoder_length=None, eval_seqs=windows)
+                                  decoder_length=None, eval_samples=windows)
         total, count = self._losses(own)
         perplexity = math.exp(min(float(total.sum() / count.sum().clamp(min=1)), 50))
         return Reading(far=perplexity, original=perplexity, metric=METRICS[False])
@@ -292,7 +292,7 @@ class GapSentences(Objective):
         return f"the same model reading the text in {run.old_length}-token windows"
 
     def reading(self, run: RunContext) -> Reading | None:
-        if run.eval_seqs.dim() == 3 or run.old_length >= run.length:
+        if run.eval_samples.dim() == 3 or run.old_length >= run.length:
             return None
         total, count = self._losses(run)
         start = far_start(run.length, run.old_length)

@@ -59,7 +59,7 @@ class TowerReader:
         if cached is not None:
             yield from cached.split(READ_BATCH)
             return
-        held, kept = run.eval_seqs, []
+        held, kept = run.eval_samples, []
         for start in range(0, len(held), READ_BATCH):
             images = [held[i]["image"] for i in range(start, min(start + READ_BATCH, len(held)))]
             pixels = self._pixels(run, images, size)
@@ -106,7 +106,7 @@ class TowerReader:
     def _labelled(self, run: RunContext) -> bool:
         """The held-out images all have labels, of two classes or more."""
         if run.state.labels is None:
-            held = run.eval_seqs
+            held = run.eval_samples
             column = getattr(held, "dataset", None)
             labels = (column["label"][:] if column is not None and "label" in column.column_names
                       else [held[i]["label"] for i in range(len(held))])

@@ -216,7 +216,7 @@ class Vision(LabelFree, TowerReader, ImageObjective):
 
     def _names(self, run: RunContext) -> list[str] | None:
         """The held-out images' class names (their own data's, for held-out images given apart)."""
-        return getattr(run.eval_seqs, "label_names", None) or self.classes
+        return getattr(run.eval_samples, "label_names", None) or self.classes
 
     def _score(self, run: RunContext, read: Features, config: Any, *, head: bool = True) -> tuple[str, float, float]:
         """``(metric, score, loss)`` of a reading: the head's accuracy (and cross-entropy) where it knows the
@@ -324,10 +324,10 @@ class Vision(LabelFree, TowerReader, ImageObjective):
             if read is None:
                 continue
             metric, score, loss = self._score(run, read, run.unwrapped.config)
-            buckets.append(Bucket(size[0], size[0] + 1, loss, math.exp(min(loss, 50)), len(run.eval_seqs), score))
+            buckets.append(Bucket(size[0], size[0] + 1, loss, math.exp(min(loss, 50)), len(run.eval_samples), score))
             last = (score, loss) if size == new else last
         score, loss = last
-        return EvalReport(self.name, new[0], len(run.eval_seqs), loss, math.exp(min(loss, 50)), len(run.eval_seqs),
+        return EvalReport(self.name, new[0], len(run.eval_samples), loss, math.exp(min(loss, 50)), len(run.eval_samples),
                           buckets, None, accuracy=score, metric=metric)
 
     def written_config(self, run: RunContext) -> dict[str, Any]:
