@@ -552,7 +552,7 @@ class Brightness(ImageObjective):  # images read, held out, sized and counted as
     def evaluate(self, run):
         held = [run.eval_samples[i] for i in range(len(run.eval_samples))]
         error = float(self._error(run, held))
-        size = run.image_size[0]
+        size = run.sizes.image.new[0]
         return EvalReport(self.name, size, len(held), error, math.exp(error), len(held),
                           [Bucket(size, size + 1, error, math.exp(error), len(held))], metric=self.metric)
 '''

@@ -219,7 +219,7 @@ def _train_control(run: Run, tokens: int,
     schedule.steps = max(1, round(tokens / per_step))  # its lr schedule over them, as the run's
     if run.accelerator.is_main_process:
         log.info("Training the control: the source at its own %d positions, %d steps of %d tokens (%d in all)",
-                 run.old_length, schedule.steps, per_step, schedule.steps * per_step)
+                 run.sizes.length.old, schedule.steps, per_step, schedule.steps * per_step)
     _loop(control, 0, save_every=0, progress=progress)
     reading = run.objective.baseline(run, control.unwrapped)
     if reading is not None:

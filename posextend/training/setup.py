@@ -206,7 +206,7 @@ def setup(checkpoint: Checkpoint, dst: Path, data: Sequence[str | Path], config:
             f"Training only new rows needs rows beyond the old length, but the model has {length.new} positions and "
             f"its old length is {length.old}: pass length=N above {length.new}, or old_length=N for a "
             "checkpoint extended elsewhere.")
-    chosen.size_processor(loaded.processor, length=length.new, image_size=sizes.image.new if sizes.image else None)
+    chosen.size_processor(loaded.processor, sizes)
     samples = _samples(chosen, loaded.processor, (docs, given_held_out), length.new, config)
     accelerator = make_accelerator(config.mixed_precision, config.grad_accum, unused_parameters=chosen.unused_parameters)
     tables, keep = _trained_tables(loaded, sizes)

@@ -38,14 +38,14 @@ class TowerReader:
     def _source_size(self, run: RunContext) -> tuple[int, int]:
         """The source's own size: what the baseline found the source to read (``posextend eval`` knows the
         checkpoint's size only), else the run's old size."""
-        size = run.state.source_size or run.old_image_size or run.image_size
+        size = run.state.source_size or run.sizes.image.old
         return tuple(size)
 
     def _processor(self, run: RunContext, size: tuple[int, int]) -> Any:
         """The run's image processor making images of ``size``: itself at the run's size, else a copy (kept)."""
         state = run.state
         if size not in state.processors:
-            state.processors[size] = sized(run.processor, tuple(size), old=tuple(run.image_size))
+            state.processors[size] = sized(run.processor, tuple(size), old=run.sizes.image.new)
         return state.processors[size]
 
     def _pixels(self, run: RunContext, images: list[Any], size: tuple[int, int]) -> torch.Tensor:
