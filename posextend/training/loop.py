@@ -122,7 +122,7 @@ def _check(run: Run, step: int, eval_losses: list[tuple[int, float]]) -> bool:
     if run.config.eval_every:
         mid = run.evaluate()
         eval_losses.append((step, mid.loss))
-        log.info("step %d: held-out loss %.4f (perplexity %.2f)", step, mid.loss, mid.perplexity)
+        log.info("step %d: held-out loss %.4f (%s %.2f)", step, mid.loss, mid.metric, getattr(mid, mid.score))
     stop = run.judge.check(step, lambda: run.objective.reading(run), lambda: run.objective.control(run))
     if run.best_weights is not None and run.judge.best is not None and run.judge.best.step == step:
         run.best_weights.take(step)

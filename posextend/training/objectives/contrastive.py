@@ -199,7 +199,7 @@ class Contrastive(Objective):
         loss = sum(losses) / len(losses)
         return EvalReport("contrastive", docs.shape[1] + 2, len(docs), loss, math.exp(min(loss, 50)),
                           len(docs) * len(buckets), buckets, run.sizes.length.new_from,
-                          accuracy=sum(hits) / len(hits), metric=self.metric)
+                          accuracy=sum(hits) / len(hits), metric=self.metric, noun="documents", unit="passages")
 
     def baseline(self, run: RunContext, source: torch.nn.Module) -> Reading | None:
         """Chunk-and-average: ``source`` (the model at its own length) reading each held-out task document in

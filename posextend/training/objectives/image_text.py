@@ -173,7 +173,8 @@ class ImageText(ImageObjective):
                 buckets.append(Bucket(lo, hi, loss, math.exp(min(loss, 50)), n, accuracy=float(hits[inside].mean())))
         loss = float(losses.mean())
         return EvalReport(self.name, length, len(pairs), loss, math.exp(min(loss, 50)), len(pairs), buckets,
-                          run.sizes.length.new_from, accuracy=float(hits.mean()), metric=self.metric)
+                          run.sizes.length.new_from, accuracy=float(hits.mean()), metric=self.metric,
+                          axis="caption tokens", noun="pairs", unit="pairs")
 
     def baseline(self, run: RunContext, source: torch.nn.Module) -> Reading | None:
         """The source (at its old length and image size) reading the long captions cut at its old length, and

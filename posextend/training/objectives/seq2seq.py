@@ -269,8 +269,9 @@ class GapSentences(Objective):
         length = run.sizes.length
         old = length.old if length.old < length.new else None
         edges = bucket_edges(length.new, run.config.buckets, old_length=old)
+        pairs = run.eval_samples.dim() == 3  # sources and targets: each target binned by its source's length
         report = report_from(total, count, edges, objective="seq2seq", sequences=len(run.eval_samples), old_length=old,
-                             metric=METRICS[run.eval_samples.dim() == 3])
+                             metric=METRICS[pairs], **({"axis": "source tokens", "noun": "pairs"} if pairs else {}))
         if not math.isfinite(report.loss):
             raise TrainingError("No masked sentence in the held-out text: give more text, or text with sentences.")
         return report

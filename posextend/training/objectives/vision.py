@@ -328,7 +328,7 @@ class Vision(LabelFree, TowerReader, ImageObjective):
             last = (score, loss) if size == new else last
         score, loss = last
         return EvalReport(self.name, new[0], len(run.eval_samples), loss, math.exp(min(loss, 50)), len(run.eval_samples),
-                          buckets, None, accuracy=score, metric=metric)
+                          buckets, None, accuracy=score, metric=metric, axis="px", noun="images", unit="images")
 
     def written_config(self, run: RunContext) -> dict[str, Any]:
         """Supervised: the head's classes, ``id2label`` and ``label2id`` (a new head's; the same values otherwise)."""
