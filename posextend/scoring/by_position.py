@@ -249,11 +249,10 @@ def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 def report_from(
     total: torch.Tensor, count: torch.Tensor, edges: Sequence[int], *, objective: str, sequences: int,
-    old_length: int | None = None, metric: str = "perplexity", axis: str = "positions", noun: str = "sequences",
+    old_length: int | None = None, metric: str = "perplexity",
 ) -> EvalReport:
     """The report of per-position losses ``total`` over ``count`` tokens, by the buckets ``edges`` cut.
-    ``metric``: what the numbers are (the scoring objective's ``metric``); ``axis`` and ``noun``: what the positions
-    count and what the samples are (:class:`EvalReport`)."""
+    ``metric``: what the numbers are (the scoring objective's ``metric``)."""
     buckets = []
     for lo, hi in zip(edges[:-1], edges[1:]):
         n = float(count[lo:hi].sum())
@@ -264,7 +263,7 @@ def report_from(
     return EvalReport(
         objective=objective, length=len(total), sequences=sequences, loss=loss,
         perplexity=math.exp(min(loss, 50)) if n else float("nan"), tokens=int(n), buckets=buckets,
-        old_length=old_length, metric=metric, axis=axis, noun=noun,
+        old_length=old_length, metric=metric,
     )
 
 

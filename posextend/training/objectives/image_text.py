@@ -156,7 +156,7 @@ class ImageText(ImageObjective):
         the short captions (within the old length) retrieved among themselves and the long ones among theirs."""
         pairs, length, old = run.eval_samples, run.sizes.length.new, run.sizes.length.old
         with evaluating(run.model):
-            image = self._images(run, run.model, run.sizes.image.new)
+            image = self._images(run, run.model, _pixels(run))
             text = text_features(run, run.model, cut_ids(run.processor.tokenizer, caption_texts(pairs), length), length)
         hits, losses = torch.zeros(len(pairs)), torch.zeros(len(pairs))
         for pool in by_length(pairs, old, length):
@@ -179,7 +179,7 @@ class ImageText(ImageObjective):
     def baseline(self, run: RunContext, source: torch.nn.Module) -> Reading | None:
         """The source (at its old length and image size) reading the long captions cut at its old length, and
         averaging its embeddings of each caption's chunks, the better of the two; the short captions read whole."""
-        reading, mode = self._without_context(run, source.to(run.accelerator.device), run.sizes.image.old)
+        reading, mode = self._without_context(run, source.to(run.accelerator.device), _pixels(run, old=True))
         if reading is not None and run.state.baseline is None:
             run.state.baseline = mode
         return reading
@@ -191,14 +191,14 @@ class ImageText(ImageObjective):
 
     def control(self, run: RunContext) -> Reading | None:
         """The trained model read as the source is (captions cut or chunked at the old length, the better)."""
-        return self._without_context(run, run.model, run.sizes.image.new)[0]
+        return self._without_context(run, run.model, _pixels(run))[0]
 
     def control_name(self, run: RunContext) -> str:
         return f"the same model reading captions cut at {run.sizes.length.old} tokens or in chunks (the better)"
 
     def reading(self, run: RunContext) -> Reading | None:
         """The model being trained reading the long captions whole (and the short ones)."""
-        return self.read(run, run.model, run.sizes.image.new, "whole")
+        return self.read(run, run.model, _pixels(run), "whole")
 
     def notes(self, run: RunContext) -> list[str]:
         pairs, old, length = run.eval_samples, run.sizes.length.old, run.sizes.length.new
@@ -261,6 +261,13 @@ class ImageText(ImageObjective):
         far = float((t2i.mean() + i2t.mean()) / 2)
         return Reading(far=far, original=float(original), metric="R@1", higher=True,
                        parts={"text→image": float(t2i.mean()), "image→text": float(i2t.mean())})
+
+
+def _pixels(run: RunContext, *, old: bool = False) -> tuple[int, int] | None:
+    """The run's image size in pixels (``old``: the source's); None for a family without an image grid (SigLIP2's
+    patches, ALIGN's convolutions)."""
+    image = run.sizes.image
+    return None if image is None else image.old if old else image.new
 
 
 def _start(run: RunContext) -> None:

@@ -271,7 +271,9 @@ class GapSentences(Objective):
         edges = bucket_edges(length.new, run.config.buckets, old_length=old)
         pairs = run.eval_samples.dim() == 3  # sources and targets: each target binned by its source's length
         report = report_from(total, count, edges, objective="seq2seq", sequences=len(run.eval_samples), old_length=old,
-                             metric=METRICS[pairs], **({"axis": "source tokens", "noun": "pairs"} if pairs else {}))
+                             metric=METRICS[pairs])
+        if pairs:
+            report = dataclasses.replace(report, axis="source tokens", noun="pairs")
         if not math.isfinite(report.loss):
             raise TrainingError("No masked sentence in the held-out text: give more text, or text with sentences.")
         return report
