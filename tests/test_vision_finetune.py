@@ -113,7 +113,7 @@ def test_supervised_through_the_cli_keeps_the_head_and_writes_the_new_size(tower
     shown = _flat(r.output)
     assert "(vision, all, 4 steps" in shown and "vision: supervised on 3 classes, the head's own" in shown
     assert "before accuracy after accuracy" in shown  # the held-out table, a row per image size
-    assert re.search(r"16–16 [\d.]+ [\d.]+ 12 20–20 [\d.]+ [\d.]+ 12 24–24", shown)
+    assert re.search(r"px before accuracy after accuracy images 16 [\d.]+ [\d.]+ 12 20 [\d.]+ [\d.]+ 12 24 ", shown)
     assert "for the source at its own 16x16 px and" in shown and "for the same model at 16x16 px" in shown
     assert (tmp_path / "run.png").stat().st_size > 0
     model = _loads_at_the_new_size(out, transformers.ViTForImageClassification)
