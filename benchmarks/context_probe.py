@@ -329,8 +329,8 @@ def main() -> None:
         for size in args.models:
             for length in args.lengths:
                 old = length // args.factor
-                eval_seqs = {k: spread(ids[k], length, args.eval_sequences) for k in ("aside", "tuned")}
-                probe_seqs = eval_seqs["tuned"][::4]  # spread too
+                eval_windows = {k: spread(ids[k], length, args.eval_sequences) for k in ("aside", "tuned")}
+                probe_seqs = eval_windows["tuned"][::4]  # spread too
                 for n in ([length] if args.no_short else [length, old]):
                     if any(r["corpus"] == corpus and r["model"] == size and r["length"] == n for r in rows):
                         continue  # the old length of one L is the long one of another
@@ -339,7 +339,7 @@ def main() -> None:
                     row = {"corpus": corpus, "model": size, "length": n, "old": old if n > old else n,
                            "folder": str(folder), **{k: info[k] for k in ("tokens", "seconds", "cpu_seconds", "steps", "batch",
                                                                          "parameters", "train_loss", "probes", "reused")}}
-                    for split, seqs in eval_seqs.items():
+                    for split, seqs in eval_windows.items():
                         row[split] = readings(model, seqs, old, windows=(old // 2, 2 * old) if split == "aside" else ())
                     if n == old:
                         source = args.out / f"source-{corpus}-{size}-{old}"

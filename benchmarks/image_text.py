@@ -192,7 +192,7 @@ def readings(model_dir: Path, source_dir: Path, split: Path, old: int, new: int)
     def run(model, length):  # by hand: two plain transformers models, nothing loaded through the objective
         return RunContext(accelerator=SimpleNamespace(device=torch.device("cpu")), model=model, unwrapped=model,
                           processor=processor, config=FinetuneConfig(buckets=8, eval_sequences=len(pairs)),
-                          train_seqs=[], eval_seqs=pairs, sizes=Sizes(Axis(old, new), image=Axis.at(size)),
+                          train_samples=[], eval_samples=pairs, sizes=Sizes(Axis(old, new), image=Axis.at(size)),
                           state=objective.State())
 
     out = {}

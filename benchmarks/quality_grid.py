@@ -94,7 +94,7 @@ class PoSE(CausalLM):
         for p in positions:
             g = run.generator(p)
             cut = int(torch.randint(1, n, (1,), generator=g))
-            skip = int(torch.randint(run.length - n + 1, (1,), generator=g))
+            skip = int(torch.randint(run.sizes.length.new - n + 1, (1,), generator=g))
             cuts.append(cut)
             ids.append(torch.cat([torch.arange(cut), torch.arange(cut, n) + skip]))
         ids = torch.stack(ids)
@@ -114,7 +114,7 @@ class WindowTeacher(CausalLM):
     def loss(self, run, positions, batch):
         batch = batch.to(run.accelerator.device)
         out = run.model(input_ids=batch, labels=batch)
-        old, n = run.old_length, batch.shape[1]
+        old, n = run.sizes.length.old, batch.shape[1]
         kl = self.reference_kl(run, batch[:, :old], out.logits[:, :old])
         step, far = old // 2, 0.0
         for start in range(old, n, step):

@@ -71,7 +71,7 @@ def test_the_anchor_holds_to_the_recorded_original_not_the_resized_file(gpt, cor
         report = finetune(resized, tmp_path / "out", [corpus], **QUICK)
     (run,) = runs
     reference = run.reference
-    assert (run.old_length, run.length, report.old_length, report.new_length) == (32, 64, 32, 64)
+    assert (run.sizes.length.old, run.sizes.length.new, report.old_length, report.new_length) == (32, 64, 32, 64)
     assert report.anchor_source == str(original.resolve()) and report.anchor_note is None
     assert not [r for r in caplog.records if "Anchor" in r.getMessage()]
     assert reference.transformer.wpe.weight.shape == (32, 16)  # the original at its own length

@@ -94,8 +94,8 @@ class AudioText(Objective):
         loaded.processor = transformers.AutoProcessor.from_pretrained(directory)  # its tokenizer and audio features
         return loaded
 
-    def size_processor(self, processor, *, length, image_size):
-        processor.tokenizer.model_max_length = length
+    def size_processor(self, processor, sizes):
+        processor.tokenizer.model_max_length = sizes.length.new
 
     def split(self, documents, *, processor, length, config):
         return split_items(documents, least=config.eval_sequences, seed=config.seed)
@@ -111,7 +111,7 @@ class AudioText(Objective):
     def loss(self, run, positions, batch):
         items = list(batch) + draw_mates(run, positions, self.mates)[0]
         tokenizer, device = run.processor.tokenizer, run.accelerator.device
-        rows = cut_ids(tokenizer, [i["text"] for i in items], run.length)
+        rows = cut_ids(tokenizer, [i["text"] for i in items], run.sizes.length.new)
         ids, mask = padded(tokenizer, rows, max(map(len, rows)))
         audio = {k: v.to(device) for k, v in self.audio_inputs(run, items).items()}
         out = run.model(input_ids=ids.to(device), attention_mask=mask.to(device), **audio)
@@ -122,13 +122,13 @@ class AudioText(Objective):
     @torch.no_grad()
     def evaluate(self, run):
         """R@1 (text→audio, audio→text) of every held-out pair by caption length, each caption read whole."""
-        pairs, length = run.eval_seqs, run.length
+        pairs, length = run.eval_samples, run.sizes.length.new
         with evaluating(run.model):
             clips = self.clip_features(run, run.model)
             rows = cut_ids(run.processor.tokenizer, [p["text"] for p in pairs], length)
             texts = text_features(run, run.model, rows, length)
         return length_report(texts, clips, [p["tokens"] for p in pairs], objective=self.name, metric=self.metric,
-                             length=length, old=run.old_length, buckets=run.config.buckets)
+                             length=length, old=run.sizes.length.old, buckets=run.config.buckets)
 
     def baseline(self, run, source):
         """The source reading the long captions cut at its length or in chunks of it averaged, the better."""
@@ -136,17 +136,17 @@ class AudioText(Objective):
         return None if readings[0] is None else max(readings, key=lambda r: r.far)
 
     def baseline_name(self, run):
-        return f"the source reading captions cut at {run.old_length} tokens or in chunks (the better)"
+        return f"the source reading captions cut at {run.sizes.length.old} tokens or in chunks (the better)"
 
     def control_name(self, run):
-        return f"the same model reading captions cut at {run.old_length} tokens or in chunks (the better)"
+        return f"the same model reading captions cut at {run.sizes.length.old} tokens or in chunks (the better)"
 
     def reading(self, run):
         return self.read(run, run.model, "whole")
 
     def notes(self, run):
-        long = length_pools([p["tokens"] for p in run.eval_seqs], run.old_length, run.length)[1]
-        return [f"audio-text: {len(long)} of {len(run.eval_seqs)} held-out captions longer than {run.old_length} tokens"]
+        long = length_pools([p["tokens"] for p in run.eval_samples], run.sizes.length.old, run.sizes.length.new)[1]
+        return [f"audio-text: {len(long)} of {len(run.eval_samples)} held-out captions longer than {run.sizes.length.old} tokens"]
 
     def audio_inputs(self, run, items):
         made = run.processor.feature_extractor([i["audio"] for i in items], sampling_rate=items[0]["sampling_rate"],
@@ -156,7 +156,7 @@ class AudioText(Objective):
     def clip_features(self, run, model):
         """The held-out clips' normalised features by ``model`` (their inputs made once a run)."""
         if run.state.inputs is None:
-            run.state.inputs = self.audio_inputs(run, list(run.eval_seqs))
+            run.state.inputs = self.audio_inputs(run, list(run.eval_samples))
         inner = inner_model(model)
         features = in_slices(run, lambda **x: pooled_output(inner.get_audio_features(**x)), run.state.inputs)
         return F.normalize(features, dim=-1)
@@ -165,7 +165,7 @@ class AudioText(Objective):
     def read(self, run, model, mode):
         """R@1 of ``model``: ``far`` on the captions longer than the old length read ``whole``, ``cut`` at it or in
         ``chunks`` of it averaged; ``original`` on the short captions among theirs. None without long captions."""
-        pairs, old, length, tokenizer = run.eval_seqs, run.old_length, run.length, run.processor.tokenizer
+        pairs, old, length, tokenizer = run.eval_samples, run.sizes.length.old, run.sizes.length.new, run.processor.tokenizer
         short, long = length_pools([p["tokens"] for p in pairs], old, length)
         if not long:
             return None

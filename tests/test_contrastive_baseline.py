@@ -41,8 +41,8 @@ def models(tmp_path_factory):
 def _run(model, text: str, *, seed: int = 0, old: int = OLD) -> RunContext:
     return RunContext(accelerator=SimpleNamespace(device=torch.device("cpu")), model=model, unwrapped=model,
                       processor=model.tokenizer, config=FinetuneConfig(seed=seed, eval_sequences=16),
-                      train_seqs=torch.zeros(1, NEW),
-                      eval_seqs=torch.zeros(1, NEW), eval_documents=[text], sizes=Sizes(Axis(old, NEW)),
+                      train_samples=torch.zeros(1, NEW),
+                      eval_samples=torch.zeros(1, NEW), eval_documents=[text], sizes=Sizes(Axis(old, NEW)),
                       state=get_objective("contrastive").State())
 
 

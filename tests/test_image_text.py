@@ -344,10 +344,11 @@ def test_the_original_range_reads_distinct_first_sentences_and_sees_a_short_capt
 
     from posextend.data.images import read_images
     from posextend.training.objectives.image_text import Held, ImageText
+    from posextend.training.sizes import Axis, Sizes
 
     objective, processor = ImageText(), transformers.AutoProcessor.from_pretrained(clip)
     held = objective.samples(processor, read_images([data["held"]], need="text"), NEW)
-    run = SimpleNamespace(eval_seqs=held, old_length=OLD, length=NEW, processor=processor, state=Held(),
+    run = SimpleNamespace(eval_samples=held, sizes=Sizes(Axis(OLD, NEW)), processor=processor, state=Held(),
                           accelerator=SimpleNamespace(device=torch.device("cpu")))
     texts = [held[i]["text"] for i in range(len(held))]
     distinct = {first_sentence(t) for t in texts}

@@ -54,17 +54,17 @@ class TokenParity(Objective):
     def evaluate(self, run):
         was_training = run.model.training
         run.model.eval()
-        total = torch.zeros(run.length, dtype=torch.float64)
-        count = torch.zeros(run.length, dtype=torch.float64)
-        for rows in run.eval_seqs.split(run.config.batch_size):
+        total = torch.zeros(run.sizes.length.new, dtype=torch.float64)
+        count = torch.zeros(run.sizes.length.new, dtype=torch.float64)
+        for rows in run.eval_samples.split(run.config.batch_size):
             logits = run.model(input_ids=rows.to(run.accelerator.device)).logits.float().cpu()
             losses = torch.nn.functional.cross_entropy(logits.transpose(1, 2), rows % 2, reduction="none")
             total += losses.double().sum(0)
             count += rows.shape[0]
         run.model.train(was_training)
-        old = run.old_length if run.old_length < run.length else None
-        edges = bucket_edges(run.length, run.config.buckets, old_length=old)
-        return report_from(total, count, edges, objective=self.name, sequences=len(run.eval_seqs), old_length=old,
+        old = run.sizes.length.new_from  # where the new positions start (None: the run adds none)
+        edges = bucket_edges(run.sizes.length.new, run.config.buckets, old_length=old)
+        return report_from(total, count, edges, objective=self.name, sequences=len(run.eval_samples), old_length=old,
                            metric=self.metric)
 
     def notes(self, run):

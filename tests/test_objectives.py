@@ -101,7 +101,7 @@ def test_contrastive_queries_are_passages_of_the_documents_and_one_inserted_pass
 
     pool = torch.arange(50 * 200).reshape(50, 200)  # every token distinct: a passage is found where it came from
     batch = pool[:3] + 100_000
-    run = SimpleNamespace(train_seqs=pool)
+    run = SimpleNamespace(train_samples=pool)
     objective = get_objective("contrastive")
     assert isinstance(objective, Contrastive) and objective.inserted and objective.passages == 8
     documents, sets = objective._queries(run, batch, [sample_generator(0, p) for p in range(3)])

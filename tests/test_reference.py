@@ -174,6 +174,28 @@ def test_eval_report_prints_a_table_by_position():
     assert both[1].split() == ["0–31", "-", "7.389", "32"]
 
 
+def test_eval_report_says_what_its_samples_and_positions_are():
+    """An image size is printed as pixels of images and captions as caption tokens of pairs (never "sequences of N
+    tokens"); the JSON keeps every key it had and adds the words."""
+    from posextend.scoring.by_position import Bucket, EvalReport
+
+    sizes = [Bucket(h, h + 1, 0.5, 1.6, 24, accuracy=a) for h, a in ((16, 0.5), (32, 0.75))]
+    images = EvalReport("vision", 32, 24, 0.5, 1.6, 24, sizes, accuracy=0.75, metric="accuracy", axis="px",
+                        noun="images", unit="images")
+    lines = str(images).splitlines()
+    assert lines[0] == "24 images at 32 px (vision)"
+    assert [row.split() for row in lines[1:]] == [["px", "accuracy", "images"], ["16", "0.500", "24"],
+                                                 ["32", "0.750", "24"], ["all", "0.750", "24"]]
+    lengths = [Bucket(0, 33, 0.5, 1.6, 50, accuracy=0.7), Bucket(33, 73, 0.5, 1.6, 46, accuracy=0.6)]
+    pairs = EvalReport("image-text", 72, 96, 0.5, 1.6, 96, lengths, 32, accuracy=0.65, metric="R@1",
+                       axis="caption tokens", noun="pairs", unit="pairs")
+    assert str(pairs).splitlines()[:2] == ["96 pairs, captions up to 72 tokens (image-text)",
+                                           "caption tokens    R@1  pairs"]
+    keys = {"objective", "length", "sequences", "loss", "perplexity", "tokens", "buckets", "old_length", "accuracy",
+            "metric", "verdict", "context_use"}
+    assert set(pairs.to_dict()) == keys | {"axis", "noun", "unit"}
+
+
 # ------------------------------------------------------------------ posextend families
 
 

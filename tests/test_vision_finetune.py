@@ -113,7 +113,7 @@ def test_supervised_through_the_cli_keeps_the_head_and_writes_the_new_size(tower
     shown = _flat(r.output)
     assert "(vision, all, 4 steps" in shown and "vision: supervised on 3 classes, the head's own" in shown
     assert "before accuracy after accuracy" in shown  # the held-out table, a row per image size
-    assert re.search(r"16–16 [\d.]+ [\d.]+ 12 20–20 [\d.]+ [\d.]+ 12 24–24", shown)
+    assert re.search(r"px before accuracy after accuracy images 16 [\d.]+ [\d.]+ 12 20 [\d.]+ [\d.]+ 12 24 ", shown)
     assert "for the source at its own 16x16 px and" in shown and "for the same model at 16x16 px" in shown
     assert (tmp_path / "run.png").stat().st_size > 0
     model = _loads_at_the_new_size(out, transformers.ViTForImageClassification)
@@ -550,9 +550,9 @@ class Brightness(ImageObjective):  # images read, held out, sized and counted as
 
     @torch.no_grad()
     def evaluate(self, run):
-        held = [run.eval_seqs[i] for i in range(len(run.eval_seqs))]
+        held = [run.eval_samples[i] for i in range(len(run.eval_samples))]
         error = float(self._error(run, held))
-        size = run.image_size[0]
+        size = run.sizes.image.new[0]
         return EvalReport(self.name, size, len(held), error, math.exp(error), len(held),
                           [Bucket(size, size + 1, error, math.exp(error), len(held))], metric=self.metric)
 '''

@@ -46,7 +46,7 @@ class Bucket:
     end: int  # last position + 1
     loss: float
     perplexity: float
-    tokens: int
+    tokens: int  # what it scored, in its report's ``unit`` (tokens, passages, images …)
     accuracy: float | None = None  # contrastive: retrieval accuracy@1 of passages from this bucket
 
 
@@ -57,12 +57,18 @@ class EvalReport:
 
     Attributes:
         objective: the objective that scored (``causal``, ``masked``, ``contrastive``, ``seq2seq`` …).
-        length: tokens per sample. ``sequences``: samples scored.
-        loss: mean loss over every scored token. ``perplexity``: its exponential. ``tokens``: tokens scored.
-        buckets: the same per bucket of positions (``start`` inclusive, ``end`` exclusive).
+        length: the samples' size along ``axis`` (tokens per sequence; an image's height in pixels).
+            ``sequences``: samples scored.
+        loss: mean loss over every scored item. ``perplexity``: its exponential. ``tokens``: items scored.
+        buckets: the same per bucket of ``axis`` (``start`` inclusive, ``end`` exclusive).
         old_length: the length before an extension, when known: the positions from it on are new.
-        accuracy: contrastive objectives: mean retrieval accuracy@1 (its numbers, in place of perplexity).
+        accuracy: objectives that score by retrieval or classification: their mean accuracy (its numbers, in
+            place of perplexity; ``perplexity`` is then only exp(loss)).
         metric: what its numbers are, as reports print it (``"perplexity"``, ``"masked-LM perplexity"`` …).
+        axis: what the buckets count, as the table's first column says it: ``"positions"`` (text), ``"px"``
+            (an image's height), ``"caption tokens"`` (a caption's length) …
+        noun: what ``sequences`` counts, in the plural: ``"sequences"``, ``"documents"``, ``"images"``, ``"pairs"``.
+        unit: what ``tokens`` (and each bucket's) counts: ``"tokens"``, ``"passages"``, ``"images"``, ``"pairs"``.
         verdict: whether the extension is worth it on this data (``posextend eval`` of an extended checkpoint).
         context_use: causal LMs read past their old length: whether the model uses its new positions
             (:class:`~posextend.scoring.context_use.ContextUse`; None otherwise).
@@ -78,6 +84,9 @@ class EvalReport:
     old_length: int | None = None
     accuracy: float | None = None  # contrastive: mean retrieval accuracy@1
     metric: str = "perplexity"  # what its numbers are, as every report prints it (set by whoever scores)
+    axis: str = "positions"  # what the buckets count (set by whoever scores, as metric)
+    noun: str = "sequences"  # what the samples are
+    unit: str = "tokens"  # what the counts count
     verdict: Any = None  # a Verdict (posextend.scoring.verdict): the far range against the source's own reading
     context_use: Any = None  # causal LMs: a ContextUse (posextend.scoring.context_use): are the new positions used?
 
@@ -86,18 +95,23 @@ class EvalReport:
         """The field holding its numbers, overall and per bucket: ``accuracy`` (retrieval) or ``perplexity``."""
         return "accuracy" if self.accuracy is not None else "perplexity"
 
-    @property
-    def unit(self) -> str:
-        """What it counts: ``passages`` (retrieval) or ``tokens``."""
-        return "passages" if self.accuracy is not None else "tokens"
-
     def to_dict(self) -> dict[str, Any]:
         """The report as plain data (JSON-ready)."""
         return {**asdict(self), "context_use": self.context_use and self.context_use.to_dict()}
 
     def __str__(self) -> str:
         """The table ``posextend eval`` prints: its score per position bucket (the new range marked), then overall."""
-        return f"{self.sequences} sequences of {self.length} tokens ({self.objective})\n{side_by_side({'': self})}"
+        return f"{self.title} ({self.objective})\n{side_by_side({'': self})}"
+
+    @property
+    def title(self) -> str:
+        """What was scored, in words: ``16 sequences of 64 tokens``, ``24 images at 32 px``, ``96 pairs, captions up
+        to 72 tokens``."""
+        if self.axis == "positions":
+            return f"{self.sequences} {self.noun} of {self.length} tokens"
+        if self.axis.endswith(" tokens"):  # the tokens of a part of each sample (a caption, a source)
+            return f"{self.sequences} {self.noun}, {self.axis.removesuffix(' tokens')}s up to {self.length} tokens"
+        return f"{self.sequences} {self.noun} at {self.length} {self.axis}"
 
     def range_perplexity(self, start: int, end: int) -> float:
         """Perplexity over the buckets that lie within positions ``start..end-1`` (token-weighted)."""
@@ -117,10 +131,11 @@ def side_by_side(reports: Mapping[str, EvalReport | None]) -> str:
     def cells(pick) -> list[str]:
         return [_number(getattr(pick(r), key)) if r is not None else "-" for r in reports.values()]
 
-    rows = [["positions", *(f"{label} {first.metric}".strip() for label in reports), first.unit]]
+    rows = [[first.axis, *(f"{label} {first.metric}".strip() for label in reports), first.unit]]
     for i, bucket in enumerate(first.buckets):
         mark = " (new)" if first.old_length and bucket.start >= first.old_length else ""
-        rows.append([f"{bucket.start}–{bucket.end - 1}{mark}", *cells(lambda r: r.buckets[i]), str(bucket.tokens)])
+        span = f"{bucket.start}" if bucket.end == bucket.start + 1 else f"{bucket.start}–{bucket.end - 1}"  # one size
+        rows.append([f"{span}{mark}", *cells(lambda r: r.buckets[i]), str(bucket.tokens)])
     rows.append(["all", *cells(lambda r: r), str(first.tokens)])
     widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
     aligned = [[cell.ljust(w) if c == 0 else cell.rjust(w) for c, (cell, w) in enumerate(zip(row, widths))]
@@ -236,7 +251,7 @@ def report_from(
     total: torch.Tensor, count: torch.Tensor, edges: Sequence[int], *, objective: str, sequences: int,
     old_length: int | None = None, metric: str = "perplexity",
 ) -> EvalReport:
-    """The report of per-position losses ``total`` over ``count`` items, by the buckets ``edges`` cut.
+    """The report of per-position losses ``total`` over ``count`` tokens, by the buckets ``edges`` cut.
     ``metric``: what the numbers are (the scoring objective's ``metric``)."""
     buckets = []
     for lo, hi in zip(edges[:-1], edges[1:]):
@@ -285,14 +300,17 @@ def plot_reports(
     old = None
     for label, report in reports.items():
         xs = [(b.start + b.end - 1) / 2 for b in report.buckets]
-        ax.plot(xs, [b.perplexity for b in report.buckets], marker="o", label=label, **(styles or {}).get(label, {}))
+        ys = [getattr(b, report.score) for b in report.buckets]  # accuracy where it scores so (not exp(loss))
+        ax.plot(xs, ys, marker="o", label=label, **(styles or {}).get(label, {}))
         old = old or report.old_length
     if old:
         ax.axvline(old, color="grey", linestyle="--", linewidth=1, label=f"old length {old}")
     if reference is not None:
         ax.axhline(reference, color="black", linestyle=":", linewidth=1, label=f"original model: {reference:.1f}")
-    ax.set_xlabel("position")
-    ax.set_ylabel(next(iter(reports.values())).metric)
-    ax.set_yscale("log")
+    first = next(iter(reports.values()))
+    ax.set_xlabel(first.axis)
+    ax.set_ylabel(first.metric)
+    if first.score == "perplexity":
+        ax.set_yscale("log")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small") if len(reports) > 3 else ax.legend()
     return _save(fig, Path(path), plt)

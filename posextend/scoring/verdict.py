@@ -227,10 +227,10 @@ def plot_verdict(verdict: Verdict, path: Any, reports: dict[str, Any] | None = N
         for label, report in reports.items():
             ax.plot([(b.start + b.end - 1) / 2 for b in report.buckets], [getattr(b, report.score) for b in report.buckets],
                     marker="o", label=label)
-        old = next(iter(reports.values())).old_length
-        if old:
-            ax.axvline(old, color="grey", linestyle="--", linewidth=1, label=f"old length {old}")
-        ax.set(xlabel="position", ylabel=verdict.baseline.metric, title="held-out score by position")
+        first = next(iter(reports.values()))
+        if first.old_length:
+            ax.axvline(first.old_length, color="grey", linestyle="--", linewidth=1, label=f"old length {first.old_length}")
+        ax.set(xlabel=first.axis, ylabel=verdict.baseline.metric, title="held-out score by position")
         ax.legend(fontsize="small")
     ax = axes[0][-1]
     steps = [p.step for p in verdict.curve]

@@ -49,20 +49,20 @@ def epoch_offset(length: int, seed: int, epoch: int) -> int:
     return int(torch.randint(1, length, (1,), generator=generator))
 
 
-def batch_rows(k: int, batch_size: int, seqs: torch.Tensor | Sequence[Any], seed: int, processes: int = 1,
+def batch_rows(k: int, batch_size: int, samples: torch.Tensor | Sequence[Any], seed: int, processes: int = 1,
                process: int = 0, *, stream: bool = True) -> torch.Tensor | list[Any]:
-    """The samples of micro-batch ``k`` on process number ``process``: rows of ``seqs`` in the order of
+    """The samples of micro-batch ``k`` on process number ``process``: rows of ``samples`` in the order of
     :func:`batch_indices` (a tensor's rows, or a list of the items of any other sequence); when the rows are
-    consecutive windows of one stream of tokens (``stream``, 2-D ``seqs``), each pass after the first cuts them at
+    consecutive windows of one stream of tokens (``stream``, 2-D ``samples``), each pass after the first cuts them at
     its :func:`epoch_offset` (the last one wraps round to the stream's start). A pure function of its arguments,
     as the order is."""
-    n = len(seqs)
+    n = len(samples)
     indices = batch_indices(k, batch_size, n, seed, processes, process)
-    if not isinstance(seqs, torch.Tensor):
-        return [seqs[int(i)] for i in indices]
-    if not stream or seqs.dim() != 2:
-        return seqs[indices]
-    length, flat = seqs.shape[1], seqs.reshape(-1)
+    if not isinstance(samples, torch.Tensor):
+        return [samples[int(i)] for i in indices]
+    if not stream or samples.dim() != 2:
+        return samples[indices]
+    length, flat = samples.shape[1], samples.reshape(-1)
     rows = []
     for p in batch_positions(k, batch_size, processes, process):
         epoch = p // n

@@ -6,12 +6,12 @@ The training loop (:mod:`posextend.training.loop`) builds it and hands it to the
 
 from __future__ import annotations
 
-from dataclasses import InitVar, dataclass, replace
+from dataclasses import dataclass
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from posextend.training.options import FinetuneConfig
-from posextend.training.sizes import Axis, Sizes
+from posextend.training.sizes import Sizes
 
 if TYPE_CHECKING:
     import torch
@@ -51,15 +51,15 @@ class RunContext:
       ``accelerator`` (``device``, ``num_processes``, ``reduce``).
     - ``config``: the run's options, resolved (:class:`~posextend.training.options.FinetuneConfig`: ``seed``,
       ``batch_size``, ``buckets``, ``lr`` …); ``spec``: the family's position tables.
-    - ``train_seqs`` / ``eval_seqs``: the samples the objective cut (:meth:`Objective.samples`): a tensor of
+    - ``train_samples`` / ``eval_samples``: the samples the objective cut (:meth:`Objective.samples`): a tensor of
       token windows, or any sequence of items (images, pairs of image and caption); the loop takes micro-batches
       of them by index and hands each to ``loss`` as the objective made it (rows of the tensor, or a list);
       ``eval_documents``: the held-out documents they were cut from (never trained on).
-    - ``sizes``: the run's sizes and the source's, one axis each (:class:`~posextend.training.sizes.Sizes`); read
-      through ``length`` / ``old_length``: the run's number of positions, and the source's (an image grid's patches,
-      for a vision tower); ``decoder_length``: an encoder-decoder's decoder positions where it has a length of its
-      own (LED; None: ``length``); ``image_size`` / ``old_image_size``: the run's image size in pixels (height,
-      width) and the source's, for a model with an image grid (None without one).
+    - ``sizes``: the run's sizes and the source's, one axis each (:class:`~posextend.training.sizes.Sizes`, each an
+      :class:`~posextend.training.sizes.Axis` of ``old`` and ``new``): ``sizes.length``, the number of positions (an
+      image grid's patches, for a vision tower); ``sizes.decoder``, an encoder-decoder's decoder positions where it
+      has a length of its own (LED; None: ``sizes.length``); ``sizes.image``, the image size in pixels (height,
+      width) for a model with an image grid (None without one).
     - ``short_inputs_fixed``: only new rows train, so outputs on inputs within the old length never change.
     - ``reference``: the frozen model the objective's anchor term compares with, when the run keeps one
       (:meth:`Objective.read_reference`, :meth:`Objective.copy_reference`).
@@ -73,27 +73,13 @@ class RunContext:
     processor: Any
     config: FinetuneConfig
     spec: ArchitectureSpec | None = None
-    train_seqs: torch.Tensor
-    eval_seqs: torch.Tensor
+    train_samples: torch.Tensor | Sequence[Any]
+    eval_samples: torch.Tensor | Sequence[Any]
     eval_documents: Sequence[Any] = ()
     sizes: Sizes
     short_inputs_fixed: bool = False
     reference: torch.nn.Module | None = None
     state: Any = None
-    # read-only properties; as keywords, what ``dataclasses.replace(run, length=..., decoder_length=...)`` sets (an
-    # objective reading at its source's sizes) until the objectives give sizes: folded into ``sizes`` on making
-    length: InitVar[int] = property(lambda self: self.sizes.length.new, doc="The run's usable positions.")
-    decoder_length: InitVar[int | None] = property(
-        lambda self: self.sizes.decoder.new if self.sizes.decoder else None,
-        doc="An encoder-decoder's decoder positions where it has a length of its own (LED; None: ``length``).")
-
-    def __post_init__(self, length: int | property, decoder_length: int | None | property) -> None:
-        if not isinstance(length, property):  # a property: not given (the class attribute is the default)
-            self.sizes = replace(self.sizes, length=replace(self.sizes.length, new=length))
-        if not isinstance(decoder_length, property):
-            decoder = None if decoder_length is None else replace(self.sizes.decoder or Axis.at(decoder_length),
-                                                                  new=decoder_length)
-            self.sizes = replace(self.sizes, decoder=decoder)
 
     @classmethod
     def of(cls, loaded: Loaded, objective: Any, config: FinetuneConfig, sizes: Sizes, samples: Samples, /, *,
@@ -104,16 +90,10 @@ class RunContext:
         an :class:`~posextend.training.objectives.base.Objective` (not annotated: that module imports this one)."""
         model = loaded.model if model is None else model
         return cls(accelerator=accelerator, model=model, unwrapped=accelerator.unwrap_model(model),
-                   processor=loaded.processor, config=config, spec=loaded.spec, train_seqs=samples.train,
-                   eval_seqs=samples.held_out, eval_documents=samples.held_out_documents, sizes=sizes,
+                   processor=loaded.processor, config=config, spec=loaded.spec, train_samples=samples.train,
+                   eval_samples=samples.held_out, eval_documents=samples.held_out_documents, sizes=sizes,
                    short_inputs_fixed=config.train == "new-rows", reference=loaded.reference, state=objective.State(),
                    **own)
-
-    old_length = property(lambda self: self.sizes.length.old, doc="The source's usable positions (its old length).")
-    image_size = property(lambda self: self.sizes.image.new if self.sizes.image else None,
-                          doc="The run's image size in pixels (height, width); None without an image grid.")
-    old_image_size = property(lambda self: self.sizes.image.old if self.sizes.image else None,
-                              doc="The source's image size in pixels (height, width); None without an image grid.")
 
     @property
     def tokenizer(self) -> Any:

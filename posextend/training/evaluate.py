@@ -16,8 +16,7 @@ from typing import Any
 
 from posextend.files.checkpoint import Checkpoint
 from posextend.training.context import RunContext, Samples
-from posextend.training.loading import image_size
-from posextend.training.sizes import Axis, Sizes
+from posextend.training.sizes import read_sizes
 from posextend.errors import PosExtendError
 from posextend.scoring.by_position import EvalReport, plot_reports, reading_device
 from posextend.scoring.verdict import Verdict
@@ -43,9 +42,10 @@ def _verdict(chosen: Objective, checkpoint: Checkpoint, run: RunContext) -> Verd
     (its control), against the checkpoint with its whole context."""
     from posextend.training.loading import anchor_original
 
-    if run.old_length >= run.length:
+    length = run.sizes.length
+    if length.old >= length.new:
         return None
-    original = anchor_original(checkpoint, None, old_length=run.old_length, length=run.length, extended=False)
+    original = anchor_original(checkpoint, None, old_length=length.old, length=length.new, extended=False)
     if original.original is None:
         return None
     try:
@@ -58,7 +58,7 @@ def _verdict(chosen: Objective, checkpoint: Checkpoint, run: RunContext) -> Verd
         return None
     control = chosen.control(run)  # the checkpoint itself without its longer context
     controls = {chosen.control_name(run): control} if control is not None else {}
-    return Verdict(baseline, reading, chosen.baseline_name(run), controls=controls, old_length=run.old_length,
+    return Verdict(baseline, reading, chosen.baseline_name(run), controls=controls, old_length=length.old,
                    extension=chosen.extension, whole=chosen.whole)
 
 
@@ -128,9 +128,7 @@ def evaluate(
         samples = samples[:max_sequences]
     device = reading_device()
     loaded.model.to(device)
-    image = image_size(loaded)
-    sizes = Sizes(Axis(loaded.old_length or length, length), None if loaded.decoder is None else Axis.at(loaded.decoder.usable),
-                  None if image is None else Axis.at(image))
+    sizes = read_sizes(loaded, length)
     config = FinetuneConfig(batch_size=batch_size, buckets=buckets, seed=seed, objective=chosen.name,
                             eval_sequences=chosen.eval_sequences)
     run = RunContext.of(loaded, chosen, config, sizes, Samples(samples[:0], samples, held_out_documents=docs),

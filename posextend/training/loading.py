@@ -104,17 +104,6 @@ def loaded(model: torch.nn.Module, hf_model: torch.nn.Module, processor, objecti
                   int(old) if old else None, decoder=decoder)
 
 
-def image_size(loaded: Loaded, *, asked: bool = False) -> tuple[int, int] | None:
-    """The image size (height, width) in pixels of the loaded model's image grid (:func:`image_grid`): looked for
-    in a vision tower or a model with a vision config, or anywhere when ``asked`` (a run gives an image size);
-    None without one."""
-    config = loaded.hf_model.config.to_dict()
-    if not (asked or loaded.spec.rank == 2 or "vision_config" in config):
-        return None
-    grid = image_grid(loaded)
-    return None if grid is None else grid.spec.grid.sizes(config)[0]
-
-
 def image_grid(loaded: Loaded) -> Stack | None:
     """The image grid of the loaded model (its tables named as in ``loaded.model``): ``spec`` itself for a vision
     tower, the vision tower's beside a text length (CLIP), None for a model without one."""

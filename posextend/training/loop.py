@@ -71,7 +71,7 @@ def _micro_loss(run: Run, k: int) -> tuple[torch.Tensor, tuple[int, int]]:
     as its objective counts them (:meth:`Objective.count`)."""
     acc = run.accelerator
     positions = batch_positions(k, run.config.batch_size, acc.num_processes, acc.process_index)
-    batch = batch_rows(k, run.config.batch_size, run.train_seqs, run.config.seed, acc.num_processes, acc.process_index,
+    batch = batch_rows(k, run.config.batch_size, run.train_samples, run.config.seed, acc.num_processes, acc.process_index,
                        stream=run.objective.stream)
     loss, count = run.objective.loss(run, positions, batch)
     if acc.num_processes > 1:
@@ -122,7 +122,7 @@ def _check(run: Run, step: int, eval_losses: list[tuple[int, float]]) -> bool:
     if run.config.eval_every:
         mid = run.evaluate()
         eval_losses.append((step, mid.loss))
-        log.info("step %d: held-out loss %.4f (perplexity %.2f)", step, mid.loss, mid.perplexity)
+        log.info("step %d: held-out loss %.4f (%s %.2f)", step, mid.loss, mid.metric, getattr(mid, mid.score))
     stop = run.judge.check(step, lambda: run.objective.reading(run), lambda: run.objective.control(run))
     if run.best_weights is not None and run.judge.best is not None and run.judge.best.step == step:
         run.best_weights.take(step)
@@ -219,7 +219,7 @@ def _train_control(run: Run, tokens: int,
     schedule.steps = max(1, round(tokens / per_step))  # its lr schedule over them, as the run's
     if run.accelerator.is_main_process:
         log.info("Training the control: the source at its own %d positions, %d steps of %d tokens (%d in all)",
-                 run.old_length, schedule.steps, per_step, schedule.steps * per_step)
+                 run.sizes.length.old, schedule.steps, per_step, schedule.steps * per_step)
     _loop(control, 0, save_every=0, progress=progress)
     reading = run.objective.baseline(run, control.unwrapped)
     if reading is not None:

@@ -117,8 +117,8 @@ def finetune_report(run: Run, dst: Path, evaluations: tuple[EvalReport | None, E
     :meth:`~posextend.training.objectives.base.Objective.context_use`, read here on the trained model)."""
     (before, after), config = evaluations, run.config
     return FinetuneReport(
-        dst=str(dst.resolve()), config=config, old_length=run.old_length, new_length=run.length, tokens=trained.tokens,
-        items=trained.items, seconds=trained.seconds, tokens_per_second=trained.tokens / max(trained.seconds, 1e-9),
+        dst=str(dst.resolve()), config=config, old_length=run.sizes.length.old, new_length=run.sizes.length.new,
+        tokens=trained.tokens, items=trained.items, seconds=trained.seconds, tokens_per_second=trained.tokens / max(trained.seconds, 1e-9),
         losses=trained.losses,
         eval_losses=([(0, before.loss)] if before else []) + trained.eval_losses + [(config.steps, after.loss)],
         before=before, after=after, processes=run.accelerator.num_processes,
@@ -149,7 +149,7 @@ def save(run: Run, dst: Path, report: FinetuneReport, state_dict: dict[str, torc
         config, reader, directory, plans = source.config, source.reader, source.directory, loaded.plans
         resized = resize_change(reader, config, plans, seed)
         trained, added = changes(state_dict, run.unwrapped, loaded.files, reader)
-        options = ResizeOptions(new_length=run.length, strategy=run.config.strategy, seed=seed)
+        options = ResizeOptions(new_length=run.sizes.length.new, strategy=run.config.strategy, seed=seed)
         resize = resize_report(source, dst, plans, options) if plans else None
         change = dataclasses.replace(resized, tensors={**resized.tensors, **trained}, added=added,
                                      metadata=_provenance(run, report, source, resize),

@@ -206,7 +206,7 @@ def setup(checkpoint: Checkpoint, dst: Path, data: Sequence[str | Path], config:
             f"Training only new rows needs rows beyond the old length, but the model has {length.new} positions and "
             f"its old length is {length.old}: pass length=N above {length.new}, or old_length=N for a "
             "checkpoint extended elsewhere.")
-    chosen.size_processor(loaded.processor, length=length.new, image_size=sizes.image.new if sizes.image else None)
+    chosen.size_processor(loaded.processor, sizes)
     samples = _samples(chosen, loaded.processor, (docs, given_held_out), length.new, config)
     accelerator = make_accelerator(config.mixed_precision, config.grad_accum, unused_parameters=chosen.unused_parameters)
     tables, keep = _trained_tables(loaded, sizes)
@@ -274,10 +274,10 @@ def _samples(chosen: Objective, processor: Any, documents: tuple[Sequence[Any], 
                    chosen.split(docs, processor=processor, length=length, config=config))
     note = "" if given_held_out else held_out_note(docs, held)
     try:
-        eval_seqs = chosen.samples(processor, held, length)
+        eval_samples = chosen.samples(processor, held, length)
     except DataError as exc:
         raise DataError(f"The held-out text is too short: {exc}") from None
-    return Samples(chosen.samples(processor, train, length), eval_seqs[: config.eval_sequences], train, held, note)
+    return Samples(chosen.samples(processor, train, length), eval_samples[: config.eval_sequences], train, held, note)
 
 
 def _judge(chosen: Objective, config: FinetuneConfig, baseline: tuple[Reading, str] | None, *,

@@ -33,6 +33,11 @@ class Axis(Generic[T]):
         """A size the run keeps as the source has it."""
         return cls(size, size)
 
+    @property
+    def new_from(self) -> T | None:
+        """Where the new sizes start: the source's size when the run's is larger (a longer length), else None."""
+        return self.old if self.old < self.new else None
+
 
 @dataclass(frozen=True)
 class Sizes:
@@ -66,7 +71,6 @@ def run_sizes(loaded: Loaded, config: FinetuneConfig) -> Sizes:
     """The run's sizes: ``config.length``, ``config.decoder_length`` and ``config.image_size`` against the loaded
     model's (its old length: ``config.old_length``, else its provenance's, else its own)."""
     from posextend.resize.plan import image_size_pair
-    from posextend.training.loading import image_size
 
     current, length = loaded.usable, config.length
     extended = length is not None and length != current
@@ -74,13 +78,21 @@ def run_sizes(loaded: Loaded, config: FinetuneConfig) -> Sizes:
         raise TrainingError(f"{loaded.hf_model.config.model_type} has an image grid, not a length of tokens: give the "
                             "image size in pixels instead of a length.")
     old_len = current if extended else (config.old_length or loaded.old_length or current)
-    old_image = image_size(loaded, asked=config.image_size is not None)
+    old_image = _source_image(loaded, asked=config.image_size is not None)
     if config.image_size and old_image is None:
         raise TrainingError(f"{loaded.hf_model.config.model_type} has no image grid to give an image size; leave "
                             "the image size unset.")
     image = image_size_pair(config.image_size) if config.image_size else old_image
     return Sizes(Axis(old_len, length if extended else current, extended), _decoder(loaded, config.decoder_length),
                  None if image is None else Axis(old_image, image, image != old_image))
+
+
+def read_sizes(loaded: Loaded, length: int) -> Sizes:
+    """The sizes a loaded model is read at as it is (``posextend eval``): ``length`` of its usable positions (its old
+    length: its provenance's, else ``length``), its decoder's and its image size kept."""
+    image, decoder = _source_image(loaded), loaded.decoder
+    return Sizes(Axis(loaded.old_length or length, length), None if decoder is None else Axis.at(decoder.usable),
+                 None if image is None else Axis.at(image))
 
 
 def _decoder(loaded: Loaded, want: int | None) -> Axis[int] | None:
@@ -94,3 +106,16 @@ def _decoder(loaded: Loaded, want: int | None) -> Axis[int] | None:
                 "or it has one stack): leave the decoder's length unset; length=N sizes every table.")
         return None
     return Axis(decoder.usable, want or decoder.usable, want is not None and want != decoder.usable)
+
+
+def _source_image(loaded: Loaded, *, asked: bool = False) -> tuple[int, int] | None:
+    """The pixels (height, width) of the loaded model's image grid (:func:`~posextend.training.loading.image_grid`):
+    looked for in a vision tower or a model with a vision config, or anywhere when ``asked`` (a run gives an image
+    size); None without one."""
+    from posextend.training.loading import image_grid
+
+    config = loaded.hf_model.config.to_dict()
+    if not (asked or loaded.spec.rank == 2 or "vision_config" in config):
+        return None
+    grid = image_grid(loaded)
+    return None if grid is None else grid.spec.grid.sizes(config)[0]

@@ -55,6 +55,7 @@ if TYPE_CHECKING:
     from posextend.scoring.by_position import EvalReport
     from posextend.scoring.context_use import ContextUse
     from posextend.scoring.verdict import Reading
+    from posextend.training.sizes import Sizes
 
 ENTRY_POINT_GROUP = "posextend.objectives"
 
@@ -223,11 +224,11 @@ class Objective:
         per_token = len(sample) / max(1, tokens) if sample else 4
         return split_documents(documents, least=int(1.1 * config.eval_sequences * length * per_token), seed=config.seed)
 
-    def size_processor(self, processor: Any, *, length: int, image_size: tuple[int, int] | None) -> None:
-        """Make the processor read inputs of the run's size: a tokenizer's ``model_max_length`` (an image
-        processor's size is the image objectives' to set)."""
+    def size_processor(self, processor: Any, sizes: Sizes) -> None:
+        """Make the processor read inputs of the run's ``sizes``: a tokenizer's ``model_max_length``, the run's length
+        (an image processor's size is the image objectives' to set)."""
         if hasattr(processor, "model_max_length"):
-            processor.model_max_length = length
+            processor.model_max_length = sizes.length.new
 
     def samples(self, tokenizer, documents: Sequence[str], length: int) -> torch.Tensor | Sequence[Any]:
         """What the loop takes micro-batches of: ``[n, length]`` token windows by default (documents joined with
@@ -246,13 +247,13 @@ class Objective:
         raise NotImplementedError
 
     def evaluate(self, run: RunContext) -> EvalReport:
-        """The held-out samples (``run.eval_seqs``) scored by position, as an :class:`EvalReport` whose
+        """The held-out samples (``run.eval_samples``) scored by position, as an :class:`EvalReport` whose
         ``metric`` is this objective's."""
         raise NotImplementedError
 
     def baseline(self, run: RunContext, source: torch.nn.Module) -> Reading | None:
         """The held-out data read without the extension (:class:`~posextend.scoring.verdict.Reading`): by
-        ``source``, this objective's model of the source at its own length (``run.old_length``), as a user
+        ``source``, this objective's model of the source at its own length (``run.sizes.length.old``), as a user
         would read a long text with it (in its own windows, or in chunks). What the extension must beat; None:
         this objective names no baseline (no verdict then)."""
         return None
@@ -278,7 +279,7 @@ class Objective:
         return "the same model read as the source is"
 
     def context_use(self, run: RunContext) -> ContextUse | None:
-        """Whether the model being read (``run.model``) uses its positions past ``run.old_length``: the probe of
+        """Whether the model being read (``run.model``) uses its positions past ``run.sizes.length.old``: the probe of
         :mod:`posextend.scoring.context_use`, read on the run's held-out data. None: this objective reads no such
         probe (the default), or the run adds too few positions to hold it."""
         return None
@@ -315,21 +316,21 @@ class LanguageModel(Objective):
     def evaluate(self, run: RunContext) -> EvalReport:
         from posextend.scoring.by_position import score_model
 
-        report = score_model(run.model, run.eval_seqs, self.scoring, tokenizer=run.tokenizer,
-                                buckets=run.config.buckets, old_length=run.old_length if run.old_length < run.length else None,
-                                batch_size=run.config.batch_size, seed=run.config.seed)
+        report = score_model(run.model, run.eval_samples, self.scoring, tokenizer=run.tokenizer,
+                             buckets=run.config.buckets, old_length=run.sizes.length.new_from,
+                             batch_size=run.config.batch_size, seed=run.config.seed)
         return dataclasses.replace(report, metric=self.metric)
 
     def baseline(self, run: RunContext, source: torch.nn.Module) -> Reading | None:
         """The source reading each held-out sequence through a sliding window of its own length (stride half
         of it): each far token with at least half the old length of context, as the source reads a long text."""
-        return self._reading(run, source.to(run.accelerator.device), window=run.old_length)
+        return self._reading(run, source.to(run.accelerator.device), window=run.sizes.length.old)
 
     def baseline_name(self, run: RunContext) -> str:
-        return f"the source through its own {run.old_length}-token window"
+        return f"the source through its own {run.sizes.length.old}-token window"
 
     def control_name(self, run: RunContext) -> str:
-        return f"the same model through a {run.old_length}-token window"
+        return f"the same model through a {run.sizes.length.old}-token window"
 
     def reading(self, run: RunContext) -> Reading | None:
         return self._reading(run, run.model, window=None)
@@ -338,10 +339,10 @@ class LanguageModel(Objective):
         from posextend.scoring.by_position import position_losses
         from posextend.scoring.verdict import Reading, far_start
 
-        old, length = run.old_length, run.length
+        old, length = run.sizes.length.old, run.sizes.length.new
         if old >= length:
             return None
-        total, count = position_losses(model, run.eval_seqs, self.scoring, tokenizer=run.tokenizer, window=window,
+        total, count = position_losses(model, run.eval_samples, self.scoring, tokenizer=run.tokenizer, window=window,
                                        batch_size=run.config.batch_size, seed=run.config.seed, device=run.accelerator.device)
         start = far_start(length, old)
         far, original = (float(total[a:b].sum() / count[a:b].sum().clamp(min=1)) for a, b in ((start, length), (0, old)))
@@ -418,7 +419,7 @@ def draw_mates(run: RunContext, positions: range, mates: int) -> tuple[list[Any]
     """``mates`` training samples more for each sample at ``positions``, drawn by that sample's generator (so that a
     run is the same on any number of processes): the drawn samples, in the samples' order, and each sample's
     generator for its other random choices."""
-    pool, drawn, generators = run.train_seqs, [], []
+    pool, drawn, generators = run.train_samples, [], []
     for p in positions:
         g = run.generator(p)
         drawn += [pool[int(i)] for i in torch.randint(len(pool), (mates,), generator=g)]

@@ -44,8 +44,8 @@ class CausalLM(LanguageModel):
     def loss(self, run: RunContext, positions: range, batch: torch.Tensor) -> tuple[torch.Tensor, int]:
         batch = batch.to(run.accelerator.device)
         out = run.model(input_ids=batch, labels=batch)
-        loss, old = out.loss, run.old_length
-        if run.reference is not None and not run.short_inputs_fixed and old < run.length:
+        loss, old = out.loss, run.sizes.length.old
+        if run.reference is not None and not run.short_inputs_fixed and old < run.sizes.length.new:
             loss = loss + self.anchor * self.reference_kl(run, batch[:, :old], out.logits[:, :old])
         return loss, batch.shape[0] * (batch.shape[1] - 1)
 
@@ -54,9 +54,10 @@ class CausalLM(LanguageModel):
         held-out windows (:func:`~posextend.scoring.context_use.context_use`)."""
         from posextend.scoring.context_use import context_use
 
+        length = run.sizes.length
         try:
-            return context_use(run.model, run.tokenizer, old_length=run.old_length, length=run.length,
-                               text=run.eval_seqs, seed=run.config.seed, batch_size=run.config.batch_size,
+            return context_use(run.model, run.tokenizer, old_length=length.old, length=length.new,
+                               text=run.eval_samples, seed=run.config.seed, batch_size=run.config.batch_size,
                                device=run.accelerator.device)
         except DataError:  # no extension, or too few new positions to plant the probe in
             return None

@@ -133,7 +133,7 @@ class Contrastive(Objective):
         span = batch.shape[1] - PASSAGE_TOKENS
         documents, sets = batch.clone(), []
         if self.inserted:
-            pool, inserted = run.train_seqs, []
+            pool, inserted = run.train_samples, []
             for document, g in zip(documents, generators):
                 other = pool[int(torch.randint(len(pool), (1,), generator=g))]
                 start = int(torch.randint(other.shape[0] - PASSAGE_TOKENS + 1, (1,), generator=g))
@@ -160,7 +160,7 @@ class Contrastive(Objective):
         loss = sum(self._loss_fn(run).compute_loss_from_embeddings([q, d], None) for q in embedded) / len(embedded)
         reference = run.reference
         if reference is not None and not run.short_inputs_fixed:
-            widest = min(run.old_length, run.length) - 2
+            widest = min(run.sizes.length.old, run.sizes.length.new) - 2
             widths = [round(math.exp(math.log(PASSAGE_TOKENS) + float(torch.rand((), generator=g))
                                      * math.log(widest / PASSAGE_TOKENS))) for g in generators]
             heads = _features([row[:w] for row, w in zip(batch, widths)], run.tokenizer, device)
@@ -177,10 +177,9 @@ class Contrastive(Objective):
         """Retrieval of every held-out document by passages taken from each position bucket:
         accuracy@1 and the ranking loss per bucket (``perplexity`` holds exp(loss))."""
         with evaluating(run.model):
-            docs = run.eval_seqs
+            docs = run.eval_samples
             span = docs.shape[1] - PASSAGE_TOKENS
-            edges = bucket_edges(docs.shape[1] + 2, run.config.buckets,
-                                 old_length=run.old_length if run.old_length < run.length else None)
+            edges = bucket_edges(docs.shape[1] + 2, run.config.buckets, old_length=run.sizes.length.new_from)
             device = run.accelerator.device
             d = torch.cat([run.model(_features(list(docs[i : i + run.config.batch_size]), run.tokenizer, device))
                            ["sentence_embedding"] for i in range(0, len(docs), run.config.batch_size)])
@@ -199,20 +198,20 @@ class Contrastive(Objective):
                 hits.append(hit)
         loss = sum(losses) / len(losses)
         return EvalReport("contrastive", docs.shape[1] + 2, len(docs), loss, math.exp(min(loss, 50)),
-                          len(docs) * len(buckets), buckets, run.old_length if run.old_length < run.length else None,
-                          accuracy=sum(hits) / len(hits), metric=self.metric)
+                          len(docs) * len(buckets), buckets, run.sizes.length.new_from,
+                          accuracy=sum(hits) / len(hits), metric=self.metric, noun="documents", unit="passages")
 
     def baseline(self, run: RunContext, source: torch.nn.Module) -> Reading | None:
         """Chunk-and-average: ``source`` (the model at its own length) reading each held-out task document in
-        chunks of ``run.old_length`` tokens, their embeddings averaged; the original range, the same tasks at
+        chunks of ``run.sizes.length.old`` tokens, their embeddings averaged; the original range, the same tasks at
         the old length, read whole (:meth:`_read`)."""
         return self._read(run, source.to(run.accelerator.device), chunk=True)
 
     def baseline_name(self, run: RunContext) -> str:
-        return f"the source reading {run.old_length}-token chunks, averaged"
+        return f"the source reading {run.sizes.length.old}-token chunks, averaged"
 
     def control_name(self, run: RunContext) -> str:
-        return f"the same model reading {run.old_length}-token chunks, averaged"
+        return f"the same model reading {run.sizes.length.old}-token chunks, averaged"
 
     def reading(self, run: RunContext) -> Reading | None:
         """The model being trained reading the same documents whole (:meth:`_read`)."""
@@ -228,7 +227,8 @@ class Contrastive(Objective):
         holds no task."""
         from posextend.scoring.retrieval import accuracy
 
-        if run.old_length >= run.length:
+        old, length = run.sizes.length.old, run.sizes.length.new
+        if old >= length:
             return None
         far_tasks, original_tasks = self._tasks(run)
         if not far_tasks:
@@ -237,8 +237,8 @@ class Contrastive(Objective):
         with evaluating(model):
             named = {f"{t.haystack} {t.name}": t for t in far_tasks}
             parts = {k: accuracy(model, [t], mode="chunk" if chunk else "full",
-                                 max_tokens=run.old_length if chunk else run.length, **read) for k, t in named.items()}
-            original = accuracy(model, original_tasks, mode="full", max_tokens=run.old_length, **read)
+                                 max_tokens=old if chunk else length, **read) for k, t in named.items()}
+            original = accuracy(model, original_tasks, mode="full", max_tokens=old, **read)
         names = "/".join(dict.fromkeys(t.name for t in far_tasks))
         queries = sum(len(t.queries) for t in far_tasks)
         far = sum(parts[k] * len(t.queries) for k, t in named.items()) / queries  # every query's hit, averaged
@@ -253,9 +253,9 @@ class Contrastive(Objective):
         state: Losses = run.state
         if state.tasks is None:
             n = run.config.eval_sequences
-            enough = 4 * n * run.length  # spans for every varied document, and to spare
+            enough = 4 * n * run.sizes.length.new  # spans for every varied document, and to spare
             ids = (text_tokens(run.tokenizer, run.eval_documents, limit=enough) if run.eval_documents
-                   else run.eval_seqs.flatten().tolist())
-            state.tasks = tuple(task_pairs(run.tokenizer, ids, (run.length, run.old_length),
+                   else run.eval_samples.flatten().tolist())
+            state.tasks = tuple(task_pairs(run.tokenizer, ids, (run.sizes.length.new, run.sizes.length.old),
                                            n=n, seed=run.config.seed))
         return state.tasks

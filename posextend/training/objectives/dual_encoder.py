@@ -113,7 +113,8 @@ def length_report(text: torch.Tensor, other: torch.Tensor, tokens: Sequence[int]
             rows.append(Bucket(lo, hi, loss, math.exp(min(loss, 50)), n, accuracy=float(hits[inside].mean())))
     loss = float(losses.mean())
     return EvalReport(objective, length, len(tokens), loss, math.exp(min(loss, 50)), len(tokens), rows,
-                      old if old < length else None, accuracy=float(hits.mean()), metric=metric)
+                      old if old < length else None, accuracy=float(hits.mean()), metric=metric,
+                      axis="caption tokens", noun="pairs", unit="pairs")
 
 
 def cut_ids(tokenizer: Any, texts: list[str], length: int) -> list[list[int]]:

@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 
 from posextend.training.loading import Loaded, load_headed_model, load_processor
 from posextend.training.objectives.base import Objective, without_dropout
+from posextend.training.sizes import Sizes
 from posextend.training.towers.sizing import output_size, set_size
 
 
@@ -49,24 +50,25 @@ class ImageObjective(Objective):
 
         return split_images(documents, least=config.eval_sequences, seed=config.seed)
 
-    def size_processor(self, processor: Any, *, length: int, image_size: tuple[int, int] | None) -> None:
-        """The image processor's ``size`` / ``crop_size`` to ``image_size``, as ``resize-model`` writes them; a text
-        tokenizer's ``model_max_length`` to ``length``; and :attr:`patches`, :meth:`image_patches`."""
+    def size_processor(self, processor: Any, sizes: Sizes) -> None:
+        """The image processor's ``size`` / ``crop_size`` to the run's image size, as ``resize-model`` writes them; a
+        text tokenizer's ``model_max_length`` to the run's length; and :attr:`patches`, :meth:`image_patches`."""
+        length, new = sizes.length.new, sizes.image.new if sizes.image else None
         tokenizer = getattr(processor, "tokenizer", None)
         if tokenizer is not None:
             tokenizer.model_max_length = length
         images = getattr(processor, "image_processor", processor)
         old = output_size(images)
-        if image_size is not None and old is not None and tuple(old) != tuple(image_size):
-            set_size(images, old, image_size)
-        self.patches = self.image_patches(length=length, old=old, image_size=image_size)
+        if new is not None and old is not None and tuple(old) != tuple(new):
+            set_size(images, old, new)
+        self.patches = self.image_patches(length=length, old=old, new=new)
 
-    def image_patches(self, *, length: int, old: tuple[int, int] | None, image_size: tuple[int, int] | None) -> int:
-        """An image's patches at the run's size: a vision tower's ``length`` is its grid's patches at the processor's
-        ``old`` size, so they scale with the image's area."""
-        if image_size is None or old is None or tuple(old) == tuple(image_size):
+    def image_patches(self, *, length: int, old: tuple[int, int] | None, new: tuple[int, int] | None) -> int:
+        """An image's patches at the run's size ``new`` (pixels): a vision tower's ``length`` is its grid's patches at
+        the processor's ``old`` size, so they scale with the image's area."""
+        if new is None or old is None or tuple(old) == tuple(new):
             return length
-        return round(length * image_size[0] * image_size[1] / (old[0] * old[1]))
+        return round(length * new[0] * new[1] / (old[0] * old[1]))
 
     def samples(self, processor: Any, documents: Sequence[Any], length: int) -> Sequence[Any]:
         """The items themselves (``{"image", "text", "label"}``), their images decoded when a batch takes them."""

@@ -110,9 +110,9 @@ class ImageText(ImageObjective):
         self.patch = pair(vision.get("patch_size")) or (16, 16)
         return loaded
 
-    def image_patches(self, *, length: int, old: tuple[int, int] | None, image_size: tuple[int, int] | None) -> int:
-        """An image's patches at ``image_size`` (none counted without one): ``length`` is the text's."""
-        return 0 if image_size is None else (image_size[0] // self.patch[0]) * (image_size[1] // self.patch[1])
+    def image_patches(self, *, length: int, old: tuple[int, int] | None, new: tuple[int, int] | None) -> int:
+        """An image's patches at the run's size ``new`` (none counted without one): ``length`` is the text's."""
+        return 0 if new is None else (new[0] // self.patch[0]) * (new[1] // self.patch[1])
 
     def samples(self, processor: Any, documents: Any, length: int) -> Pairs:
         if len(documents) < 2:
@@ -134,9 +134,9 @@ class ImageText(ImageObjective):
         tokenizer, n = run.processor.tokenizer, len(items)
         pixels = image_inputs(run.processor.image_processor, [i["image"] for i in items])
         shorts = [first_sentence(i["text"]) for i in items]
-        rows = (cut_ids(tokenizer, [i["text"] for i in items], run.length)
-                + cut_ids(tokenizer, shorts, min(run.length, run.old_length)))
-        ids, mask = padded(tokenizer, rows, run.length if is_sigmoid(run.unwrapped) else max(map(len, rows)))
+        old, length = run.sizes.length.old, run.sizes.length.new
+        rows = cut_ids(tokenizer, [i["text"] for i in items], length) + cut_ids(tokenizer, shorts, min(length, old))
+        ids, mask = padded(tokenizer, rows, length if is_sigmoid(run.unwrapped) else max(map(len, rows)))
         device = run.accelerator.device
         # one forward through the prepared model (under DDP its reducer sees every output): both captions, the images
         out = run.model(input_ids=ids.to(device), **{k: v.to(device) for k, v in pixels.items()},
@@ -154,9 +154,9 @@ class ImageText(ImageObjective):
     def evaluate(self, run: RunContext) -> EvalReport:
         """Every held-out pair, its caption read whole: R@1 (text→image and image→text, averaged) by caption length,
         the short captions (within the old length) retrieved among themselves and the long ones among theirs."""
-        pairs, length, old = run.eval_seqs, run.length, run.old_length
+        pairs, length, old = run.eval_samples, run.sizes.length.new, run.sizes.length.old
         with evaluating(run.model):
-            image = self._images(run, run.model, run.image_size)
+            image = self._images(run, run.model, _pixels(run))
             text = text_features(run, run.model, cut_ids(run.processor.tokenizer, caption_texts(pairs), length), length)
         return length_report(text, image, pairs.tokens, objective=self.name, metric=self.metric, length=length, old=old,
                              buckets=run.config.buckets)
@@ -164,37 +164,39 @@ class ImageText(ImageObjective):
     def baseline(self, run: RunContext, source: torch.nn.Module) -> Reading | None:
         """The source (at its old length and image size) reading the long captions cut at its old length, and
         averaging its embeddings of each caption's chunks, the better of the two; the short captions read whole."""
-        reading, mode = self._without_context(run, source.to(run.accelerator.device), run.old_image_size)
+        reading, mode = self._without_context(run, source.to(run.accelerator.device), _pixels(run, old=True))
         if reading is not None and run.state.baseline is None:
             run.state.baseline = mode
         return reading
 
     def baseline_name(self, run: RunContext) -> str:
-        return (f"the source reading captions cut at {run.old_length} tokens" if run.state.baseline != "chunks" else
-                f"the source averaging its embeddings of each caption's {run.old_length}-token chunks")
+        old = run.sizes.length.old
+        return (f"the source reading captions cut at {old} tokens" if run.state.baseline != "chunks" else
+                f"the source averaging its embeddings of each caption's {old}-token chunks")
 
     def control(self, run: RunContext) -> Reading | None:
         """The trained model read as the source is (captions cut or chunked at the old length, the better)."""
-        return self._without_context(run, run.model, run.image_size)[0]
+        return self._without_context(run, run.model, _pixels(run))[0]
 
     def control_name(self, run: RunContext) -> str:
-        return f"the same model reading captions cut at {run.old_length} tokens or in chunks (the better)"
+        return f"the same model reading captions cut at {run.sizes.length.old} tokens or in chunks (the better)"
 
     def reading(self, run: RunContext) -> Reading | None:
         """The model being trained reading the long captions whole (and the short ones)."""
-        return self.read(run, run.model, run.image_size, "whole")
+        return self.read(run, run.model, _pixels(run), "whole")
 
     def notes(self, run: RunContext) -> list[str]:
-        long = by_length(run.eval_seqs, run.old_length, run.length)[1]
+        pairs, old, length = run.eval_samples, run.sizes.length.old, run.sizes.length.new
+        long = by_length(pairs, old, length)[1]
         loss = "sigmoid (SigLIP's)" if is_sigmoid(run.unwrapped) else "InfoNCE"
         lines = [f"Long-CLIP's loss: {loss}, whole captions and first sentences against the images' principal "
                  f"components; each sample with {self.batch_mates} batch-mates"]
         if run.state.frozen:
             lines.append(f"Text positions 0-{run.state.frozen - 1} kept frozen (Long-CLIP; kps copied them exactly)")
-        if run.old_length < run.length:
-            shorts = len(distinct_shorts(run.processor.tokenizer, caption_texts(run.eval_seqs), run.old_length)[0])
-            lines.append(f"Held-out pairs: {len(long)} captions longer than {run.old_length} tokens (the far range); "
-                         f"the original range, their first sentences: {shorts} distinct of {len(run.eval_seqs)}, one "
+        if old < length:
+            shorts = len(distinct_shorts(run.processor.tokenizer, caption_texts(pairs), old)[0])
+            lines.append(f"Held-out pairs: {len(long)} captions longer than {old} tokens (the far range); "
+                         f"the original range, their first sentences: {shorts} distinct of {len(pairs)}, one "
                          "image each")
         else:
             lines.append("No verdict: the text length is not extended (an image size alone is read before and after)")
@@ -206,7 +208,7 @@ class ImageText(ImageObjective):
         key = size or (0, 0)
         if key not in state.pixels:
             processor = sized(run.processor.image_processor, size) if size else run.processor.image_processor
-            images = [run.eval_seqs.data[i]["image"] for i in range(len(run.eval_seqs))]
+            images = [run.eval_samples.data[i]["image"] for i in range(len(run.eval_samples))]
             parts = [image_inputs(processor, images[i:i + 64]) for i in range(0, len(images), 64)]
             state.pixels[key] = {k: torch.cat([part[k] for part in parts]) for k in parts[0]}
         inner, inputs = inner_model(model), state.pixels[key]
@@ -228,7 +230,7 @@ class ImageText(ImageObjective):
         image for each distinct one (:func:`~posextend.training.objectives.captions.distinct_shorts`: NaN with fewer
         than two); ``parts``: the far range's text→image and image→text. None when the run does not extend the text,
         or no held-out caption is longer than the old length."""
-        pairs, old, length = run.eval_seqs, run.old_length, run.length
+        pairs, old, length = run.eval_samples, run.sizes.length.old, run.sizes.length.new
         long = by_length(pairs, old, length)[1]
         if old >= length or not long:
             return None
@@ -246,6 +248,13 @@ class ImageText(ImageObjective):
                        parts={"text→image": float(t2i.mean()), "image→text": float(i2t.mean())})
 
 
+def _pixels(run: RunContext, *, old: bool = False) -> tuple[int, int] | None:
+    """The run's image size in pixels (``old``: the source's); None for a family without an image grid (SigLIP2's
+    patches, ALIGN's convolutions)."""
+    image = run.sizes.image
+    return None if image is None else image.old if old else image.new
+
+
 def _start(run: RunContext) -> None:
     """Once per run: the text table's rows ``kps`` kept exact (its ``keep``: Long-CLIP's 0-19 of CLIP's 77) frozen
     by a gradient hook. The logit scale stays the model's (Long-CLIP's reset to 100 is CLIP's own value; the
@@ -255,7 +264,7 @@ def _start(run: RunContext) -> None:
     model = run.unwrapped
     given = (run.config.params or {}).get("keep")  # kps's, else its default
     kept = run.config.strategy == "kps" and not run.short_inputs_fixed
-    keep = (kps_keep(run.old_length) if given is None else given) if kept else 0
+    keep = (kps_keep(run.sizes.length.old) if given is None else given) if kept else 0
     if keep and run.spec is not None:
         # by name without peft's wrappers (LoRA's base_model.model. and modules_to_save.default.)
         plain = {n.removeprefix("base_model.model.").replace(".modules_to_save.default.", "."): p
@@ -275,12 +284,12 @@ def _anchor(run: RunContext, rows: list[list[int]], text: torch.Tensor, image: t
     reference, device = run.reference.to(run.accelerator.device), run.accelerator.device
     inner = inner_model(reference)
     with torch.no_grad(), evaluating(reference):
-        size = run.old_image_size
-        if size is not None and size != run.image_size:
-            pixels = image_inputs(sized(run.processor.image_processor, size), images)
+        size = run.sizes.image
+        if size is not None and size.old != size.new:
+            pixels = image_inputs(sized(run.processor.image_processor, size.old), images)
         target_image = F.normalize(pooled_output(inner.get_image_features(**{k: v.to(device) for k, v in
                                                                               pixels.items()})), dim=-1)
-        target_text = text_features(run, reference, rows, min(run.old_length, run.length))
+        target_text = text_features(run, reference, rows, min(run.sizes.length.old, run.sizes.length.new))
         scale = (1 / inner.temperature if hasattr(inner, "temperature") else inner.logit_scale.exp()).clamp(max=100)
         target = scale * target_text @ target_image.T
     logits = scale * text @ image.T

@@ -56,8 +56,8 @@ class LabelFree:
         readings; made sure and steady under the move too, they read better than it (benchmarks/vision.py)."""
         mates, generators = draw_mates(run, positions, self.mates)
         images = images + [item["image"] for item in mates]
-        pixels = self._pixels(run, images, run.image_size).to(run.accelerator.device)
-        (height, width), grid = pixels.shape[-2:], self._grid(run, run.image_size)
+        pixels = self._pixels(run, images, run.sizes.image.new).to(run.accelerator.device)
+        (height, width), grid = pixels.shape[-2:], self._grid(run, run.sizes.image.new)
         moves = random_moves(generators, (round(height * self.shift), round(width * self.shift)), 1 + self.mates)
         out, base = forward(run.model, run.unwrapped, shifted(pixels, moves))
         student = moved_back(features(out, base, grid, len(images)), moves, (height // grid[0], width // grid[1]))
@@ -81,10 +81,10 @@ class LabelFree:
         """Held-out images without labels: the teacher's labels (the argmax of the source's logits ``own``, read at
         its own size), and the baseline, the source read at the run's size untrained against them. None when the
         source has no head of its own to label them (no verdict), or the run does not change the size."""
-        if own.logits is None or getattr(source, NEW_HEAD, None) or tuple(run.image_size) == self._source_size(run):
+        if own.logits is None or getattr(source, NEW_HEAD, None) or run.sizes.image.new == self._source_size(run):
             return None
         run.state.teacher = own.logits.argmax(1)
-        untrained = self._read(run, source, source, tuple(run.image_size))
+        untrained = self._read(run, source, source, run.sizes.image.new)
         if untrained is None:
             run.state.teacher = None
             return None
@@ -99,7 +99,7 @@ class LabelFree:
         return TEACHER, agreed, float(F.cross_entropy(read.logits, target))
 
     def _teacher_baseline_name(self, run: RunContext) -> str:
-        (h, w), (nh, nw) = self._source_size(run), tuple(run.image_size)
+        (h, w), (nh, nw) = self._source_size(run), run.sizes.image.new
         return f"the source at {nh}x{nw} px untrained (the teacher's labels: the source's at its own {h}x{w} px)"
 
     def _free_notes(self, run: RunContext, labelled: bool) -> list[str]:

@@ -190,9 +190,10 @@ class GapSentences(Objective):
         if state.framing is None:
             state.framing = framing(tok)
         before, after = state.framing
-        length = length or run.length
+        length = length or run.sizes.length.new
         inner = length - len(before) - len(after)
-        room = min(length, run.decoder_length or length) - len(before) - len(after)  # what the decoder reads
+        decoder = run.sizes.decoder.new if run.sizes.decoder else length  # an LED's own; else both stacks' length
+        room = min(length, decoder) - len(before) - len(after)  # what the decoder reads
         if rows.dim() == 3:
             pairs = [([t for t in source if t >= 0][:inner], [t for t in target if t >= 0][:room])
                      for source, target in rows.tolist()]
@@ -207,7 +208,7 @@ class GapSentences(Objective):
             wheres = [[-1] * len(before) + [w + len(before) for w in where] + [-1] * len(after) for _, _, where in cut]
         sources = [before + s + after for s, _ in pairs]
         targets = [before + t + after for _, t in pairs]
-        if run.unwrapped.training and length == run.length:
+        if run.unwrapped.training and length == run.sizes.length.new:
             state.longest_target = max(state.longest_target, max(map(len, targets)))
         return _collate(sources, targets, tok.pad_token_id, run.accelerator.device), wheres
 
@@ -217,8 +218,9 @@ class GapSentences(Objective):
         it was trained to), so that training the new range keeps the old one."""
         inputs, _ = self.batch(run, batch, [run.generator(p) for p in positions])
         loss = run.model(**inputs).loss
-        if run.reference is not None and not run.short_inputs_fixed and run.old_length < run.length:
-            short, _ = self.batch(run, batch, [run.generator(p) for p in positions], length=run.old_length)
+        old, new = run.sizes.length.old, run.sizes.length.new
+        if run.reference is not None and not run.short_inputs_fixed and old < new:
+            short, _ = self.batch(run, batch, [run.generator(p) for p in positions], length=old)
             keep = (short["labels"] != -100).float()  # the target tokens
             loss = loss + self.anchor * self.reference_kl(run, short, run.model(**short).logits, keep)
         return loss, int((inputs["labels"] != -100).sum())
@@ -229,15 +231,15 @@ class GapSentences(Objective):
         longest = run.state.longest_target
         if not longest:
             return []
-        if run.short_inputs_fixed and run.decoder_length is not None:  # new rows only, a decoder of its own length
+        if run.short_inputs_fixed and run.sizes.decoder is not None:  # new rows only, a decoder of its own length
             return [f"decoder: its targets are at most {longest} tokens; only its rows from its old length to "
                     f"{longest - 1}, if any, trained (new rows only)"]
         if run.short_inputs_fixed:  # new rows only, both stacks of one length
-            old = run.old_length
+            old = run.sizes.length.old
             trained = "none of its new rows" if longest <= old else f"only rows {old}-{longest - 1} of its new rows"
-            return [f"decoder: its targets are at most {longest} tokens, so {trained} ({old}-{run.length - 1}) "
+            return [f"decoder: its targets are at most {longest} tokens, so {trained} ({old}-{run.sizes.length.new - 1}) "
                     "trained; the rest of its table is as extended"]
-        return [f"decoder: positions 0-{longest - 1} of {run.decoder_length or run.length} trained (its targets are at "
+        return [f"decoder: positions 0-{longest - 1} of {(run.sizes.decoder or run.sizes.length).new} trained (its targets are at "
                 f"most {longest} tokens); the rest of its table is as extended"]
 
     @torch.no_grad()
@@ -245,11 +247,11 @@ class GapSentences(Objective):
         """Summed loss and count of target tokens at each source position of the held-out samples (the same
         gaps every time: held-out window ``i`` draws them from its own generator)."""
         with evaluating(run.model):
-            total = torch.zeros(run.length, dtype=torch.float64)
-            count = torch.zeros(run.length, dtype=torch.float64)
+            total = torch.zeros(run.sizes.length.new, dtype=torch.float64)
+            count = torch.zeros(run.sizes.length.new, dtype=torch.float64)
             size = run.config.batch_size
-            for i in range(0, len(run.eval_seqs), size):
-                rows = run.eval_seqs[i : i + size]
+            for i in range(0, len(run.eval_samples), size):
+                rows = run.eval_samples[i : i + size]
                 inputs, wheres = self.batch(run, rows, [sample_generator(run.config.seed, HELD_OUT + i + j) for j in range(len(rows))])
                 logits = run.model(**inputs).logits.float()
                 losses = token_losses(logits, inputs["labels"]).cpu().double()
@@ -264,10 +266,14 @@ class GapSentences(Objective):
         """Each masked sentence's loss, binned by the source position of its mask; for pairs, each target's
         loss binned by its source's length (the position of its last token)."""
         total, count = self._losses(run)
-        old = run.old_length if run.old_length < run.length else None
-        edges = bucket_edges(run.length, run.config.buckets, old_length=old)
-        report = report_from(total, count, edges, objective="seq2seq", sequences=len(run.eval_seqs), old_length=old,
-                             metric=METRICS[run.eval_seqs.dim() == 3])
+        length = run.sizes.length
+        old = length.old if length.old < length.new else None
+        edges = bucket_edges(length.new, run.config.buckets, old_length=old)
+        pairs = run.eval_samples.dim() == 3  # sources and targets: each target binned by its source's length
+        report = report_from(total, count, edges, objective="seq2seq", sequences=len(run.eval_samples), old_length=old,
+                             metric=METRICS[pairs])
+        if pairs:
+            report = dataclasses.replace(report, axis="source tokens", noun="pairs")
         if not math.isfinite(report.loss):
             raise TrainingError("No masked sentence in the held-out text: give more text, or text with sentences.")
         return report
@@ -275,26 +281,29 @@ class GapSentences(Objective):
     def baseline(self, run: RunContext, source: torch.nn.Module) -> Reading | None:
         """The source reading the held-out text in windows of its own length: its masked-sentence perplexity
         there, which both ranges are held to (raw text only; pairs have no far range to compare)."""
-        if run.eval_seqs.dim() == 3 or run.old_length >= run.length or not run.eval_documents:
+        old, new = run.sizes.length.old, run.sizes.length.new
+        if run.eval_samples.dim() == 3 or old >= new or not run.eval_documents:
             return None
-        windows = self.samples(run.tokenizer, run.eval_documents, run.old_length)
-        windows = windows[: len(run.eval_seqs) * max(1, run.length // run.old_length)]
-        own = dataclasses.replace(run, model=source.to(run.accelerator.device), length=run.old_length,
-                                  decoder_length=None, eval_seqs=windows)
+        windows = self.samples(run.tokenizer, run.eval_documents, old)
+        windows = windows[: len(run.eval_samples) * max(1, new // old)]
+        # the source's length for both stacks (no decoder of its own: an LED's source reads its windows whole)
+        sizes = dataclasses.replace(run.sizes, length=dataclasses.replace(run.sizes.length, new=old), decoder=None)
+        own = dataclasses.replace(run, model=source.to(run.accelerator.device), sizes=sizes, eval_samples=windows)
         total, count = self._losses(own)
         perplexity = math.exp(min(float(total.sum() / count.sum().clamp(min=1)), 50))
         return Reading(far=perplexity, original=perplexity, metric=METRICS[False])
 
     def baseline_name(self, run: RunContext) -> str:
-        return f"the source reading the text in its own {run.old_length}-token windows"
+        return f"the source reading the text in its own {run.sizes.length.old}-token windows"
 
     def control_name(self, run: RunContext) -> str:
-        return f"the same model reading the text in {run.old_length}-token windows"
+        return f"the same model reading the text in {run.sizes.length.old}-token windows"
 
     def reading(self, run: RunContext) -> Reading | None:
-        if run.eval_seqs.dim() == 3 or run.old_length >= run.length:
+        old, new = run.sizes.length.old, run.sizes.length.new
+        if run.eval_samples.dim() == 3 or old >= new:
             return None
         total, count = self._losses(run)
-        start = far_start(run.length, run.old_length)
-        far, original = (float(total[a:b].sum() / count[a:b].sum().clamp(min=1)) for a, b in ((start, run.length), (0, run.old_length)))
+        start = far_start(new, old)
+        far, original = (float(total[a:b].sum() / count[a:b].sum().clamp(min=1)) for a, b in ((start, new), (0, old)))
         return Reading(far=math.exp(min(far, 50)), original=math.exp(min(original, 50)), metric=METRICS[False])

@@ -38,14 +38,14 @@ class TowerReader:
     def _source_size(self, run: RunContext) -> tuple[int, int]:
         """The source's own size: what the baseline found the source to read (``posextend eval`` knows the
         checkpoint's size only), else the run's old size."""
-        size = run.state.source_size or run.old_image_size or run.image_size
+        size = run.state.source_size or run.sizes.image.old
         return tuple(size)
 
     def _processor(self, run: RunContext, size: tuple[int, int]) -> Any:
         """The run's image processor making images of ``size``: itself at the run's size, else a copy (kept)."""
         state = run.state
         if size not in state.processors:
-            state.processors[size] = sized(run.processor, tuple(size), old=tuple(run.image_size))
+            state.processors[size] = sized(run.processor, tuple(size), old=run.sizes.image.new)
         return state.processors[size]
 
     def _pixels(self, run: RunContext, images: list[Any], size: tuple[int, int]) -> torch.Tensor:
@@ -59,7 +59,7 @@ class TowerReader:
         if cached is not None:
             yield from cached.split(READ_BATCH)
             return
-        held, kept = run.eval_seqs, []
+        held, kept = run.eval_samples, []
         for start in range(0, len(held), READ_BATCH):
             images = [held[i]["image"] for i in range(start, min(start + READ_BATCH, len(held)))]
             pixels = self._pixels(run, images, size)
@@ -106,7 +106,7 @@ class TowerReader:
     def _labelled(self, run: RunContext) -> bool:
         """The held-out images all have labels, of two classes or more."""
         if run.state.labels is None:
-            held = run.eval_seqs
+            held = run.eval_samples
             column = getattr(held, "dataset", None)
             labels = (column["label"][:] if column is not None and "label" in column.column_names
                       else [held[i]["label"] for i in range(len(held))])

@@ -184,9 +184,9 @@ class Vision(LabelFree, TowerReader, ImageObjective):
         ids = self._train_ids(run)
         if ids is None:
             return self._distilled(run, positions, images), len(batch)
-        pixels = self._pixels(run, images, run.image_size).to(run.accelerator.device)
+        pixels = self._pixels(run, images, run.sizes.image.new).to(run.accelerator.device)
         out, base = forward(run.model, run.unwrapped, pixels)
-        student = features(out, base, self._grid(run, run.image_size), len(images))
+        student = features(out, base, self._grid(run, run.sizes.image.new), len(images))
         labels = torch.tensor([-100 if it["label"] is None else ids[it["label"]] for it in batch], device=pixels.device)
         loss = F.cross_entropy(student.logits.float(), labels, ignore_index=-100) if (labels >= 0).any() else \
             student.logits.sum() * 0.0
@@ -216,7 +216,7 @@ class Vision(LabelFree, TowerReader, ImageObjective):
 
     def _names(self, run: RunContext) -> list[str] | None:
         """The held-out images' class names (their own data's, for held-out images given apart)."""
-        return getattr(run.eval_seqs, "label_names", None) or self.classes
+        return getattr(run.eval_samples, "label_names", None) or self.classes
 
     def _score(self, run: RunContext, read: Features, config: Any, *, head: bool = True) -> tuple[str, float, float]:
         """``(metric, score, loss)`` of a reading: the head's accuracy (and cross-entropy) where it knows the
@@ -287,14 +287,14 @@ class Vision(LabelFree, TowerReader, ImageObjective):
     def reading(self, run: RunContext) -> Reading | None:
         """The trained model's held-out accuracy at the run's size (``far``). No original range: the model is read at
         its new size, so its accuracy at the source's is its control (what the new size adds), not a range to keep."""
-        if tuple(run.image_size) == self._source_size(run) or not self._judged(run):
+        if run.sizes.image.new == self._source_size(run) or not self._judged(run):
             return None
-        far = self._accuracy(run, run.model, run.unwrapped, tuple(run.image_size))
+        far = self._accuracy(run, run.model, run.unwrapped, run.sizes.image.new)
         return None if far is None else Reading(far=far, original=math.nan, metric=self._metric(run), higher=True)
 
     def control(self, run: RunContext) -> Reading | None:
         """The same trained model reading the held-out images at the source's size: what the new size itself adds."""
-        if tuple(run.image_size) == self._source_size(run) or not self._judged(run):
+        if run.sizes.image.new == self._source_size(run) or not self._judged(run):
             return None
         accuracy = self._at_old(run)
         return None if accuracy is None else Reading(far=accuracy, original=accuracy, metric=self._metric(run),
@@ -308,7 +308,7 @@ class Vision(LabelFree, TowerReader, ImageObjective):
     def evaluate(self, run: RunContext) -> EvalReport:
         """The held-out images read at the source's size, half-way and the run's size: a row each (``start``: the
         height in pixels), the run's size overall; accuracy (or agreement) and its loss."""
-        old, new = self._source_size(run), tuple(run.image_size)
+        old, new = self._source_size(run), run.sizes.image.new
         if run.state.source_pooled is None and run.reference is not None:
             self.baseline(run, run.reference)
         between = self._between(run, old, new)
@@ -324,11 +324,11 @@ class Vision(LabelFree, TowerReader, ImageObjective):
             if read is None:
                 continue
             metric, score, loss = self._score(run, read, run.unwrapped.config)
-            buckets.append(Bucket(size[0], size[0] + 1, loss, math.exp(min(loss, 50)), len(run.eval_seqs), score))
+            buckets.append(Bucket(size[0], size[0] + 1, loss, math.exp(min(loss, 50)), len(run.eval_samples), score))
             last = (score, loss) if size == new else last
         score, loss = last
-        return EvalReport(self.name, new[0], len(run.eval_seqs), loss, math.exp(min(loss, 50)), len(run.eval_seqs),
-                          buckets, None, accuracy=score, metric=metric)
+        return EvalReport(self.name, new[0], len(run.eval_samples), loss, math.exp(min(loss, 50)), len(run.eval_samples),
+                          buckets, None, accuracy=score, metric=metric, axis="px", noun="images", unit="images")
 
     def written_config(self, run: RunContext) -> dict[str, Any]:
         """Supervised: the head's classes, ``id2label`` and ``label2id`` (a new head's; the same values otherwise)."""
