@@ -65,7 +65,7 @@ def test_flags_take_no_value_and_values_have_plain_names():
     assert re.search(r"│ --length\s+-n\s+N\s+New length", resize)
     assert re.search(r"│ --param\s+-p\s+KEY=VALUE\s", resize)
     assert re.search(r"│ --image-size\s+SIZE\s", resize)
-    assert re.search(r"│ \*\s+--data\s+-d\s+PATH\s+UTF-8 text", finetune)
+    assert re.search(r"│ \*\s+--data\s+-d\s+PATH\s+The data, as each objective reads it", finetune)
     assert re.search(r"│ --lr\s+FLOAT\s", finetune) and re.search(r"│\s+--train\s+WHAT\s", finetune)
     assert re.search(r"│ --plot\s+PATH\s", help_text("inspect"))
     assert re.search(r"│ --version\s+Print the version", help_text())

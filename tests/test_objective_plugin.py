@@ -104,6 +104,8 @@ def test_an_objective_with_an_unknown_head_is_one_file_outside_the_package(plugi
     assert "token-parity: all 3e-3, lora 1e-3, positions 3e-3, new-rows 3e-3" in _flat(r.output)
     assert "token-parity: all constant, lora constant" in _flat(r.output)
     assert "token-parity: none (no anchor term)" in _flat(r.output) and "causal: 1;" in _flat(r.output)
+    # --data's kinds too: the plug-in reads text as the base class says, listed with the text objectives
+    assert re.search(r"--data .*causal, contrastive, masked, token-parity: UTF-8 text files", _flat(r.output))
 
     out = tmp_path / "out"
     r = runner.invoke(app, ["finetune", str(bert), str(out), "--data", str(corpus), "--objective", "token-parity",

@@ -40,6 +40,10 @@ class _ListsObjectives(Command):
                 from posextend.training.objectives import objectives_help
 
                 param.help, param.lists_objectives = f"{param.help}\n\n{objectives_help()}", True
+            elif param.name in ("data", "eval_data"):
+                from posextend.training.objectives.help import data_help
+
+                param.help, param.lists_objectives = f"{param.help}\n\n{data_help()}", True
             elif param.name in ("lr", "schedule", "strategy", "anchor") and self.name == "finetune":
                 from posextend.training.objectives import defaults_help
 
@@ -47,9 +51,7 @@ class _ListsObjectives(Command):
         return params
 
 
-_DATA = ("UTF-8 text file, directory of them, or JSON Lines with a 'text' field; images (vision, image-text): a folder "
-         "(a subfolder per class, or metadata.jsonl / .csv with captions), a table of image paths, a saved dataset or "
-         "a Hub dataset id (repeatable).")
+_DATA = "The data, as each objective reads it (repeatable):"  # the kinds: from the registry (_ListsObjectives)
 Data = Annotated[list[Path], typer.Option("--data", "-d", help=_DATA)]
 
 

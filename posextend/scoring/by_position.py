@@ -56,7 +56,7 @@ class EvalReport:
     ``posextend eval`` prints.
 
     Attributes:
-        objective: the objective that scored (``causal``, ``masked``, ``contrastive``, ``seq2seq`` …).
+        objective: the name of the objective that scored (as registered).
         length: the samples' size along ``axis`` (tokens per sequence; an image's height in pixels).
             ``sequences``: samples scored.
         loss: mean loss over every scored item. ``perplexity``: its exponential. ``tokens``: items scored.

@@ -90,8 +90,8 @@ def evaluate(
         model_path: the checkpoint folder, or a Hugging Face Hub id (downloaded into its cache).
         data: text files, folders of them, or JSON Lines with a ``"text"`` field: held-out text.
         length: tokens per sample (default: the model's usable positions; no more than those).
-        objective: how to score: ``"causal"``, ``"masked"``, ``"contrastive"``, ``"seq2seq"`` or a
-            plug-in's (:func:`~posextend.training.objectives.available_objectives`).
+        objective: how to score: a registered objective's name, a plug-in's included
+            (:func:`~posextend.training.objectives.available_objectives` lists them; default: the checkpoint's).
         buckets: position buckets to report; with an old length on record, the original range is
             the first bucket and the new range is split into the rest.
         batch_size: samples per forward pass.

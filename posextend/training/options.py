@@ -147,10 +147,9 @@ class FinetuneConfig:
     eval_every: int = _option(0, "Evaluate on held-out data every N steps (0: as the budget needs, about 20 times "
                                  "a run).", panel=EVALUATION)
     eval_data: list[str] | None = _option(
-        None, {"finetune": "Held-out data to judge the extension on, of the kinds --data takes (text files or "
-                           "folders, JSON Lines, image folders, image-caption tables or datasets; default: a few percent "
+        None, {"finetune": "Held-out data to judge the extension on, of the kinds --data takes (default: a few percent "
                            "of --data, whole documents where it has several, never trained on). Give data the source "
-                           "never saw when --data is what it was trained on: it reads that from memory."},
+                           "never saw when --data is what it was trained on: it reads that from memory. By objective:"},
         cli_type=list[Path], metavar="PATH",
         panel={"finetune": EVALUATION})
     train_control: bool = _option(

@@ -101,6 +101,8 @@ class Objective:
 
     name: ClassVar[str] = ""
     description: ClassVar[str] = ""  # its help line (posextend finetune --help)
+    # what its data may be, as ``--data``'s help lists it by objective (the readers: :mod:`posextend.data`)
+    data: ClassVar[str] = "UTF-8 text files, folders of them, or JSON Lines with a 'text' field"
     model_class: ClassVar[str | type | None] = None  # what loads it (its head): a transformers auto class or its name
     head: ClassVar[str] = ""  # how messages call that head ("causal-LM")
     metric: ClassVar[str] = "perplexity"  # what its held-out numbers are, as reports print it

@@ -14,6 +14,15 @@ def objectives_help() -> str:
     return "\n\n".join(f"{name}: {objective.description}" for name, objective in available_objectives().items())
 
 
+def data_help() -> str:
+    """What each registered objective reads as data (plug-ins included), one paragraph per kind of data with the
+    objectives that read it: ``--data``'s and ``--eval-data``'s help, made from the registry."""
+    kinds: dict[str, list[str]] = {}
+    for name, objective in available_objectives().items():
+        kinds.setdefault(objective.data, []).append(name)
+    return "\n\n".join(f"{', '.join(names)}: {kind}." for kind, names in kinds.items())
+
+
 DEFAULTED = ("lr", "schedule", "strategy", "anchor")  # the options whose defaults are each objective's
 _MODES = ("all", "lora", "positions", "new-rows")  # the train modes, as the defaults' help lists them
 _FALLBACK = {"schedule": "constant", "strategy": "tile"}  # what a run takes where an objective's table lacks a mode

@@ -66,6 +66,8 @@ class Held:
                 "contrastive loss; judged by R@1 on held-out captions longer than the old length.",
 )
 class ImageText(ImageObjective):
+    data = ("a folder of images with a metadata.jsonl or .csv of captions (file_name, text), a table of image paths and "
+            "captions, a saved dataset or a Hub dataset id")
     """Long-CLIP's fine-tune for any dual encoder posextend resizes (:data:`FAMILIES`). Each sample is a pair and
     :attr:`batch_mates` more drawn from the training pairs by its own generator, so that a micro-batch of 4 samples
     contrasts 32 pairs (in-batch negatives)."""

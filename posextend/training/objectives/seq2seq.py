@@ -137,6 +137,8 @@ class Gaps:
 @register_objective("seq2seq", description="Encoder-decoders: masked sentences spread over the source are generated "
                                            "(gap-sentence generation, as PEGASUS).")
 class GapSentences(Objective):
+    data = ("UTF-8 text files, folders of them, or JSON Lines with a 'text' field (masked sentences), or with "
+            "'source' and 'target' fields (supervised pairs)")
     """Gap-sentence generation (see the module doc). ``tile`` fills the new rows, as LED copies BART's."""
 
     model_class = "AutoModelForSeq2SeqLM"

@@ -71,6 +71,8 @@ class Seen:
                 "held-out accuracy against the source at its own size.",
 )
 class Vision(LabelFree, TowerReader, ImageObjective):
+    data = ("a folder of images (a subfolder per class; flat without labels), a table of image paths (.csv, .jsonl), a "
+            "saved dataset or a Hub dataset id")
     """A vision tower at a new resolution; see the module."""
 
     model_class = "AutoModelForImageClassification"
