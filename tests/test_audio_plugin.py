@@ -130,9 +130,9 @@ class AudioText(Objective):
         return length_report(texts, clips, [p["tokens"] for p in pairs], objective=self.name, metric=self.metric,
                              length=length, old=run.sizes.length.old, buckets=run.config.buckets)
 
-    def baseline(self, run, source):
+    def baseline(self, run, unextended):
         """The source reading the long captions cut at its length or in chunks of it averaged, the better."""
-        readings = [self.read(run, source.to(run.accelerator.device), mode) for mode in ("cut", "chunks")]
+        readings = [self.read(run, unextended.to(run.accelerator.device), mode) for mode in ("cut", "chunks")]
         return None if readings[0] is None else max(readings, key=lambda r: r.far)
 
     def baseline_name(self, run):

@@ -23,7 +23,7 @@ MOST_UNUSABLE = 0.5  # refuse data whose share of unreadable images (or items la
 BATCH = 512  # images checked per batch (and per progress call)
 
 
-def usable(dataset: datasets.Dataset, *, source: str, need: str | None, progress: Callable[[int, int], None] | None
+def usable(dataset: datasets.Dataset, *, origin: str, need: str | None, progress: Callable[[int, int], None] | None
            ) -> tuple[datasets.Dataset, int]:
     """``(the items whose image decodes and that have what need= asks for, how many others were left out)``: the
     others left out with one warning, or the data refused when they are more than half of it."""
@@ -32,8 +32,8 @@ def usable(dataset: datasets.Dataset, *, source: str, need: str | None, progress
     bad.update(_undecodable(raw, skip=bad, progress=progress))
     if bad:
         first = min(bad)
-        where = f"{named(raw[first]['image'], first, source)}: {bad[first]}"
-        counted = f"{len(bad):,} of {len(dataset):,} images of {source}"
+        where = f"{named(raw[first]['image'], first, origin)}: {bad[first]}"
+        counted = f"{len(bad):,} of {len(dataset):,} images of {origin}"
         if len(bad) > MOST_UNUSABLE * len(dataset):
             raise DataError(f"{counted} cannot be used (the first: {where}): check that the paths name image files"
                             + (f", with the {NEEDS[need][0]}." if need else "."))
@@ -78,9 +78,9 @@ def _why_not(image: dict[str, Any]) -> str | None:
     of its size (every byte is still read: a truncated one shows)."""
     import PIL.Image
 
-    source = io.BytesIO(image["bytes"]) if image.get("bytes") is not None else image.get("path") or ""
+    readable = io.BytesIO(image["bytes"]) if image.get("bytes") is not None else image.get("path") or ""
     try:
-        with PIL.Image.open(source) as opened:
+        with PIL.Image.open(readable) as opened:
             opened.draft(opened.mode, (1, 1))
             opened.load()
     except Exception as exc:  # noqa: BLE001  (whatever Pillow raised on a file: the reason, never a traceback)
@@ -98,9 +98,9 @@ def reason(exc: BaseException, *, image: bool = True) -> str:
         (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
-def named(image: dict[str, Any] | None, index: int, source: str) -> str:
-    """An image as a message names it: its file when it has one of its own, else its place in ``source``."""
+def named(image: dict[str, Any] | None, index: int, origin: str) -> str:
+    """An image as a message names it: its file when it has one of its own, else its place in ``origin``."""
     path = (image or {}).get("path")
     if path and (image or {}).get("bytes") is None:
         return path
-    return f"{source} item {index}" + (f" ({path})" if path else "")
+    return f"{origin} item {index}" + (f" ({path})" if path else "")

@@ -20,18 +20,18 @@ LABEL_COLUMNS = ("label", "labels", "class")
 NEEDS = {"text": ("captions", TEXT_COLUMNS), "labels": ("labels", LABEL_COLUMNS)}  # need= -> (what, its columns)
 
 
-def normalized(dataset: datasets.Dataset, base: Path | None, *, source: str, need: str | None
+def normalized(dataset: datasets.Dataset, base: Path | None, *, origin: str, need: str | None
                 ) -> tuple[datasets.Dataset, list[str] | None]:
     """``dataset`` with the columns :class:`~posextend.data.images.ImageData` reads: ``image``, and ``text`` /
     ``label`` where found (by feature type, then by name); and the label names."""
     import datasets
 
     if len(dataset) == 0:
-        raise DataError(f"{source} holds no records: give data with at least a few images.")
+        raise DataError(f"{origin} holds no records: give data with at least a few images.")
     typed = {type(f): c for c, f in reversed(dataset.features.items())}  # the first column of each feature type
     image = typed.get(datasets.Image) or _column(dataset, IMAGE_COLUMNS)
     if image is None:
-        raise DataError(f"{source} has no image column: none holds images or is named {', '.join(IMAGE_COLUMNS)} "
+        raise DataError(f"{origin} has no image column: none holds images or is named {', '.join(IMAGE_COLUMNS)} "
                         f"(its columns are {', '.join(dataset.column_names)}); name the column of image paths so.")
     text = _column(dataset, TEXT_COLUMNS)
     label = typed.get(datasets.ClassLabel) or _column(dataset, LABEL_COLUMNS)
@@ -39,14 +39,14 @@ def normalized(dataset: datasets.Dataset, base: Path | None, *, source: str, nee
         what, names = NEEDS[need]
         hint = ("captions in a metadata.jsonl or metadata.csv (file_name, text), or a caption column" if need == "text"
                 else "a subfolder of images for each class (two at least), or a label column")
-        raise DataError(f"{source} has no {what}: no column is named {', '.join(names)} (its columns are "
+        raise DataError(f"{origin} has no {what}: no column is named {', '.join(names)} (its columns are "
                         f"{', '.join(dataset.column_names)}); give {hint}.")
     columns = {image: "image", **({text: "text"} if text else {}), **({label: "label"} if label else {})}
     dataset = dataset.select_columns(list(columns)).rename_columns({k: v for k, v in columns.items() if k != v})
     if not isinstance(dataset.features["image"], datasets.Image):
-        dataset = _as_images(dataset, base, source)
-    dataset = _captions(dataset, source) if text else dataset
-    return _classes(dataset, source) if label else (dataset, None)
+        dataset = _as_images(dataset, base, origin)
+    dataset = _captions(dataset, origin) if text else dataset
+    return _classes(dataset, origin) if label else (dataset, None)
 
 
 def _column(dataset: datasets.Dataset, names: Sequence[str]) -> str | None:
@@ -54,7 +54,7 @@ def _column(dataset: datasets.Dataset, names: Sequence[str]) -> str | None:
     return next((lower[n] for n in names if n in lower), None)
 
 
-def _as_images(dataset: datasets.Dataset, base: Path | None, source: str) -> datasets.Dataset:
+def _as_images(dataset: datasets.Dataset, base: Path | None, origin: str) -> datasets.Dataset:
     """The ``image`` column (paths, relative to ``base``; or ``{"bytes", "path"}`` records) as images."""
     import datasets
 
@@ -62,7 +62,7 @@ def _as_images(dataset: datasets.Dataset, base: Path | None, source: str) -> dat
     if isinstance(feature, dict) and {"bytes", "path"} >= set(feature):
         return dataset.cast_column("image", datasets.Image())
     if getattr(feature, "dtype", None) not in ("string", "large_string"):
-        raise DataError(f"The image column of {source} holds {getattr(feature, 'dtype', feature)} values: give image "
+        raise DataError(f"The image column of {origin} holds {getattr(feature, 'dtype', feature)} values: give image "
                         "paths (relative to the file's folder) or images.")
     paths = [_resolved(p, base) for p in dataset["image"][:]]
     return dataset.remove_columns("image").add_column("image", paths).cast_column("image", datasets.Image())
@@ -75,7 +75,7 @@ def _resolved(path: str | None, base: Path | None) -> str | None:
     return path if base is None or os.path.isabs(path) else str(base / path)
 
 
-def _captions(dataset: datasets.Dataset, source: str) -> datasets.Dataset:
+def _captions(dataset: datasets.Dataset, origin: str) -> datasets.Dataset:
     """The ``text`` column as strings: of a list of captions, the first."""
     import datasets
 
@@ -85,10 +85,10 @@ def _captions(dataset: datasets.Dataset, source: str) -> datasets.Dataset:
         return dataset.remove_columns("text").add_column("text", firsts).cast_column("text", datasets.Value("string"))
     if getattr(feature, "dtype", None) in ("string", "large_string", "int64", "int32", "float64", "bool", "null"):
         return dataset.cast_column("text", datasets.Value("string")) if feature.dtype != "string" else dataset
-    raise DataError(f"The caption column of {source} holds {feature} values: give one caption (text) per image.")
+    raise DataError(f"The caption column of {origin} holds {feature} values: give one caption (text) per image.")
 
 
-def _classes(dataset: datasets.Dataset, source: str) -> tuple[datasets.Dataset, list[str]]:
+def _classes(dataset: datasets.Dataset, origin: str) -> tuple[datasets.Dataset, list[str]]:
     """The ``label`` column as a ``ClassLabel``: names kept, strings sorted, integers named by their number."""
     import datasets
 
@@ -105,7 +105,7 @@ def _classes(dataset: datasets.Dataset, source: str) -> tuple[datasets.Dataset, 
         ids = [None if v is None else int(v) for v in values]
         names = [str(i) for i in range(max((i for i in ids if i is not None), default=0) + 1)]
     else:
-        raise DataError(f"The label column of {source} holds {dataset.features['label']} values: give class names, "
+        raise DataError(f"The label column of {origin} holds {dataset.features['label']} values: give class names, "
                         "or class numbers from 0.")
     return with_labels(dataset, ids, names), names
 

@@ -56,13 +56,13 @@ def _saved(path: Path, split: str | None) -> datasets.Dataset:
     return splits[_chosen(list(splits), split, str(path))]
 
 
-def _chosen(splits: list[str], split: str | None, source: str) -> str:
-    """``split`` (default ``train``, or the only one) of ``source``'s ``splits``."""
+def _chosen(splits: list[str], split: str | None, origin: str) -> str:
+    """``split`` (default ``train``, or the only one) of ``origin``'s ``splits``."""
     chosen = split or ("train" if "train" in splits or len(splits) != 1 else splits[0])
     if chosen not in splits:
-        raise DataError(f"{source} has no split {chosen!r}: its splits are {', '.join(splits)}; name one of them.")
+        raise DataError(f"{origin} has no split {chosen!r}: its splits are {', '.join(splits)}; name one of them.")
     if len(splits) > 1 or chosen != "train":
-        log.info("Reading split %r of %s (its splits: %s)", chosen, source, ", ".join(splits))
+        log.info("Reading split %r of %s (its splits: %s)", chosen, origin, ", ".join(splits))
     return chosen
 
 

@@ -108,11 +108,11 @@ def read_images(paths: Sequence[str | Path], *, need: str | None = None, revisio
                         "a saved dataset, or a Hugging Face Hub dataset id.")
     with _reading():
         found = [part for path in paths for part in parts(path, revision=revision, split=split)]
-        dataset, names = joined([(name, *normalized(d, base, source=name, need=need)) for name, d, base in found])
-        source = ", ".join(map(str, paths))
-        dataset, skipped = usable(dataset, source=source, need=need, progress=progress)
-    log.info("Read %d images from %s", len(dataset), source)
-    return ImageData(dataset, label_names=names, source=source, skipped=skipped)
+        dataset, names = joined([(name, *normalized(d, base, origin=name, need=need)) for name, d, base in found])
+        origin = ", ".join(map(str, paths))
+        dataset, skipped = usable(dataset, origin=origin, need=need, progress=progress)
+    log.info("Read %d images from %s", len(dataset), origin)
+    return ImageData(dataset, label_names=names, source=origin, skipped=skipped)
 
 
 def rgb(image: PIL.Image.Image) -> PIL.Image.Image:

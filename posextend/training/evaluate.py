@@ -36,30 +36,38 @@ class _OneProcess:
         return model
 
 
-def _verdict(chosen: Objective, checkpoint: Checkpoint, run: RunContext) -> Verdict | None:
+def _objective_for(name: str | None, checkpoint: Checkpoint, data: Sequence[str | Path]) -> tuple[Objective, Any]:
+    """The objective ``name`` (default: the checkpoint's family's) for ``data``'s documents, and those documents."""
+    objective = get_objective(name or default_objective(checkpoint))
+    docs = objective.documents(data)
+    objective = objective.for_data(docs)
+    return (objective.with_anchor(0) if objective.anchor else objective), docs  # nothing trains: no frozen copy
+
+
+def _verdict(objective: Objective, checkpoint: Checkpoint, run: RunContext) -> Verdict | None:
     """The verdict of a checkpoint whose provenance records the original it was extended from (and that
     original is still there): the original reading the data its own way, and the checkpoint reading it so
     (its control), against the checkpoint with its whole context."""
-    from posextend.training.loading import anchor_original
+    from posextend.training.loading import find_original
 
     length = run.sizes.length
     if length.old >= length.new:
         return None
-    original = anchor_original(checkpoint, None, old_length=length.old, length=length.new, extended=False)
-    if original.original is None:
+    original = find_original(checkpoint, None, old_length=length.old, length=length.new, extended=False).original
+    if original is None:
         return None
     try:
-        source = chosen.read_reference(original.original, init_head=False)
+        unextended = objective.read_reference(original, init_head=False)
     except PosExtendError:  # the original lacks this objective's head (it was added by the fine-tune): nothing to compare
         return None
-    baseline = chosen.baseline(run, source)
-    reading = chosen.reading(run)
+    baseline = objective.baseline(run, unextended)
+    reading = objective.reading(run)
     if baseline is None or reading is None:
         return None
-    control = chosen.control(run)  # the checkpoint itself without its longer context
-    controls = {chosen.control_name(run): control} if control is not None else {}
-    return Verdict(baseline, reading, chosen.baseline_name(run), controls=controls, old_length=length.old,
-                   extension=chosen.extension, whole=chosen.whole)
+    control = objective.control(run)  # the checkpoint itself without its longer context
+    controls = {objective.control_name(run): control} if control is not None else {}
+    return Verdict(baseline, reading, objective.baseline_name(run), controls=controls, old_length=length.old,
+                   extension=objective.extension, whole=objective.whole)
 
 
 def evaluate(
@@ -112,29 +120,25 @@ def evaluate(
         >>> [round(b.perplexity, 1) for b in report.buckets]
     """
     checkpoint = Checkpoint.resolve(model_path, revision=revision)  # resolved once, passed down
-    chosen = get_objective(objective or default_objective(checkpoint))
-    docs = chosen.documents(data)
-    chosen = chosen.for_data(docs)
-    if chosen.anchor:
-        chosen = chosen.with_anchor(0)  # no frozen copy of the model: nothing trains
-    loaded = chosen.load(checkpoint, init_head=False)
+    objective, docs = _objective_for(objective, checkpoint, data)
+    loaded = objective.load(checkpoint, init_head=False)
     length = length or loaded.usable
     if length > loaded.usable:
         raise PosExtendError(
             f"A length of {length} exceeds the model's {loaded.usable} positions; extend the model first."
         )
-    samples = chosen.samples(loaded.processor, docs, length)
+    samples = objective.samples(loaded.processor, docs, length)
     if max_sequences:
         samples = samples[:max_sequences]
     device = reading_device()
     loaded.model.to(device)
     sizes = read_sizes(loaded, length)
-    config = FinetuneConfig(batch_size=batch_size, buckets=buckets, seed=seed, objective=chosen.name,
-                            eval_sequences=chosen.eval_sequences)
-    run = RunContext.of(loaded, chosen, config, sizes, Samples(samples[:0], samples, held_out_documents=docs),
+    config = FinetuneConfig(batch_size=batch_size, buckets=buckets, seed=seed, objective=objective.name,
+                            eval_sequences=objective.eval_sequences)
+    run = RunContext.of(loaded, objective, config, sizes, Samples(samples[:0], samples, held_out_documents=docs),
                         accelerator=_OneProcess(device))
-    report = dataclasses.replace(chosen.evaluate(run), verdict=_verdict(chosen, checkpoint, run),
-                                 context_use=chosen.context_use(run))
+    report = dataclasses.replace(objective.evaluate(run), verdict=_verdict(objective, checkpoint, run),
+                                 context_use=objective.context_use(run))
     if json_path:
         from posextend.files.atomic import write_file
 

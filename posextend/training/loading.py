@@ -90,8 +90,8 @@ def load_tokenizer(directory: Path):
     return tokenizer
 
 
-def loaded(model: torch.nn.Module, hf_model: torch.nn.Module, processor, objective: str,
-           directory: Path | Checkpoint) -> Loaded:
+def make_loaded(model: torch.nn.Module, hf_model: torch.nn.Module, processor, objective: str,
+                directory: Path | Checkpoint) -> Loaded:
     """Locate the table(s) of ``hf_model`` (inside ``model``) and read the old length from provenance; ``processor``:
     the model's tokenizer, image processor, or both."""
     config = hf_model.config.to_dict()
@@ -169,7 +169,7 @@ def load_headed_model(src: str | Path | Checkpoint, model_class: Any, head: str,
                 f"pass init_head=True to train a freshly initialised one."
             )
         log.warning("Initialising a fresh %s head (%d weights, e.g. %s)", head, len(missing), missing[0])
-    return loaded(model, model, tokenizer, objective, checkpoint)
+    return make_loaded(model, model, tokenizer, objective, checkpoint)
 
 
 def attention_kwargs(model_class: Any, config: dict[str, Any]) -> dict[str, str]:
@@ -246,7 +246,7 @@ def _keeps_rows(meta: dict[str, str]) -> bool:
     return bool(strategy and strategy.keeps_rows) and "posextend.finetune" not in meta
 
 
-def anchor_original(checkpoint: Checkpoint, given: str | Path | None, *, old_length: int, length: int,
+def find_original(checkpoint: Checkpoint, given: str | Path | None, *, old_length: int, length: int,
                   extended: bool) -> AnchorOriginal:
     """The anchor's reference for a fine-tune of ``checkpoint`` whose old range is ``old_length`` of
     ``length`` positions: ``given`` (checked; an unfit one is refused), else the original that the
@@ -269,10 +269,10 @@ def anchor_original(checkpoint: Checkpoint, given: str | Path | None, *, old_len
             f"Anchor: {directory} records no original model, so the anchor holds its first {old_length} positions "
             "to this checkpoint as given, whose rows there may already have moved; give the original as the "
             "anchor's source to hold to it."))
-    return _recorded_source(checkpoint, meta, old_length)
+    return _recorded_original(checkpoint, meta, old_length)
 
 
-def _recorded_source(checkpoint: Checkpoint, meta: dict[str, str], old_length: int) -> AnchorOriginal:
+def _recorded_original(checkpoint: Checkpoint, meta: dict[str, str], old_length: int) -> AnchorOriginal:
     """The original ``meta`` (the checkpoint's provenance) records, or the checkpoint with a note."""
     recorded, old, directory = meta["posextend.source"], meta.get("posextend.old_length"), checkpoint.directory
     try:

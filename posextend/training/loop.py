@@ -280,15 +280,15 @@ def finetune(
     started = time.perf_counter()  # a time budget is the whole run's: loading, the baseline and the checks count
     checkpoint = Checkpoint.resolve(src, revision=revision)  # the one resolution of src: passed down, its facts read once
     given = FinetuneConfig.of(options)
-    chosen = get_objective(given.objective or default_objective(checkpoint))
+    objective = get_objective(given.objective or default_objective(checkpoint))
     if given.anchor is not None:
-        chosen = chosen.with_anchor(given.anchor)
-    config = given.resolved(chosen)
+        objective = objective.with_anchor(given.anchor)
+    config = given.resolved(objective)
     dst = Path(dst).expanduser()
     check_destination(checkpoint.directory, dst, overwrite=config.overwrite)
     with checkpoint:  # the weights' headers, released before training
         check_extension_size(checkpoint, dst, config.length, decoder_length=config.decoder_length)
-    run = setup(checkpoint, dst, data, config, chosen)
+    run = setup(checkpoint, dst, data, config, objective)
     config = run.config  # with its lr
     run.judge.start = started
     before = None if config.resume else run.evaluate()

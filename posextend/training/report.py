@@ -145,18 +145,18 @@ def save(run: Run, dst: Path, report: FinetuneReport, state_dict: dict[str, torc
         from posextend.training.adapters import merge
 
         state_dict, adapter = merge(run.trainable.adapter, run.unwrapped, keep_adapter=run.config.save_adapter)
-    with run.checkpoint as source:
-        config, reader, directory, plans = source.config, source.reader, source.directory, loaded.plans
+    with run.checkpoint as checkpoint:
+        config, reader, directory, plans = checkpoint.config, checkpoint.reader, checkpoint.directory, loaded.plans
         resized = resize_change(reader, config, plans, seed)
         trained, added = changes(state_dict, run.unwrapped, loaded.files, reader)
         options = ResizeOptions(new_length=run.sizes.length.new, strategy=run.config.strategy, seed=seed)
-        resize = resize_report(source, dst, plans, options) if plans else None
+        resize = resize_report(checkpoint, dst, plans, options) if plans else None
         change = dataclasses.replace(resized, tensors={**resized.tensors, **trained}, added=added,
-                                     metadata=_provenance(run, report, source, resize),
+                                     metadata=_provenance(run, report, checkpoint, resize),
                                      config=run.objective.written_config(run))
         with atomic_output(dst, overwrite=run.config.overwrite) as tmp:
-            written = write_trained(source, tmp, change, type(loaded.hf_model))
-            _save_modules(loaded, source, tmp, run.config.train)
+            written = write_trained(checkpoint, tmp, change, type(loaded.hf_model))
+            _save_modules(loaded, checkpoint, tmp, run.config.train)
             if adapter is not None:
                 adapter.write(tmp / "adapter")
             if resize is not None:
@@ -181,10 +181,10 @@ def _provenance(run: Run, report: FinetuneReport, checkpoint: Checkpoint, resize
         return {**resize.provenance(), **finetune}
     recorded, original = checkpoint.provenance, run.anchor_original.original
     if original is None and "posextend.source" in recorded:
-        source = source_provenance(recorded["posextend.source"], recorded.get("posextend.source_revision"))
+        read_from = source_provenance(recorded["posextend.source"], recorded.get("posextend.source_revision"))
     else:  # the original the anchor held to, or the checkpoint itself
-        source = source_provenance((original or checkpoint).name, (original or checkpoint).commit)
-    return {"posextend.version": __version__, **source, "posextend.old_length": str(report.old_length),
+        read_from = source_provenance((original or checkpoint).name, (original or checkpoint).commit)
+    return {"posextend.version": __version__, **read_from, "posextend.old_length": str(report.old_length),
             "posextend.new_length": str(report.new_length), **finetune}
 
 
@@ -202,12 +202,12 @@ def _save_modules(loaded: Loaded, checkpoint: Checkpoint, out: Path, train: str)
 def _card(report: FinetuneReport, resize: ResizeReport | None, directory: Path) -> str:
     """The output's model card: the resize the run made (and the source's card under it), or the source's
     card as it is; then the fine-tune."""
-    source = directory / "README.md"
-    original = source.read_text(errors="replace") if source.is_file() else ""
+    card = directory / "README.md"
+    given_card = card.read_text(errors="replace") if card.is_file() else ""
     if resize is not None:
-        head = model_card(resize, original, trained=True).rstrip()
+        head = model_card(resize, given_card, trained=True).rstrip()
     else:
-        head = original.rstrip() or f"---\ntags:\n- posextend\n---\n\n# Fine-tuned with posextend {__version__}"
+        head = given_card.rstrip() or f"---\ntags:\n- posextend\n---\n\n# Fine-tuned with posextend {__version__}"
     lines = [head, "", "## Fine-tune", "",
              f"- Trained: `{report.train}` for {report.steps} steps ({report.tokens} tokens, lr {report.lr}"
              f"{report.precision_note}) "

@@ -168,12 +168,12 @@ def changes(state: Mapping[str, torch.Tensor], model: torch.nn.Module, files: Fi
     return tensors, added
 
 
-def write_trained(source: Checkpoint, out: Path, change: Change, cls: type) -> Written:
-    """Write checkpoint ``source`` into ``out`` as ``change`` makes it; when it adds tensors (a fresh head),
+def write_trained(checkpoint: Checkpoint, out: Path, change: Change, cls: type) -> Written:
+    """Write ``checkpoint`` into ``out`` as ``change`` makes it; when it adds tensors (a fresh head),
     check that ``cls``, the class that trained, loads every weight it has from the output."""
-    written = write_checkpoint(source, out, change)
+    written = write_checkpoint(checkpoint, out, change)
     if change.added:
-        _check_loads(out / source.transformer_dir, cls)
+        _check_loads(out / checkpoint.transformer_dir, cls)
     return written
 
 

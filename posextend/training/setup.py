@@ -28,7 +28,7 @@ from posextend.training.batches import batch_rows
 from posextend.training.best import BestWeights
 from posextend.training.budget import Budget, Judge, Schedule
 from posextend.training.context import RunContext, Samples
-from posextend.training.loading import AnchorOriginal, Loaded, anchor_original, image_grid
+from posextend.training.loading import AnchorOriginal, Loaded, find_original, image_grid
 from posextend.training.objectives.base import Objective
 from posextend.training.options import FinetuneConfig
 from posextend.training.sizes import Sizes, run_sizes
@@ -166,7 +166,7 @@ def cpu_has_native_bf16() -> bool:
 
 
 def setup(checkpoint: Checkpoint, dst: Path, data: Sequence[str | Path], config: FinetuneConfig,
-          chosen: Objective, *, documents: tuple[Sequence[Any], Sequence[Any]] | None = None) -> Run:
+          objective: Objective, *, documents: tuple[Sequence[Any], Sequence[Any]] | None = None) -> Run:
     """Load, extend, cut the data into samples, choose what trains, and prepare model, optimizer and
     schedule. ``config`` is resolved (:meth:`FinetuneConfig.resolved`); its ``lr`` is set here when None.
     ``documents``: the data already split, ``(train, held_out)`` (a control trains on a run's own), in place of
@@ -178,7 +178,7 @@ def setup(checkpoint: Checkpoint, dst: Path, data: Sequence[str | Path], config:
        (an anchor weight given);
     1. ``documents`` (the data, then ``eval_data``), ``for_data``; ``load`` (``with_anchor(0)`` first when an
        original may replace its frozen copy), then ``read_reference`` (the original) or ``copy_reference``, and
-       ``copy_reference`` or ``read_reference`` again for the baseline's source when the anchor keeps none;
+       ``copy_reference`` or ``read_reference`` again for the baseline's unextended model when the anchor keeps none;
     2. ``size_processor``, ``split`` (unless the held-out data is given), ``samples`` (held-out, then training);
        ``default_lr`` (through ``config.with_lr``, when no lr is given), ``State``;
     3. ``baseline`` and ``baseline_name`` (a run that grows), ``count`` (one batch: tokens per step), ``control_name``;
@@ -190,15 +190,15 @@ def setup(checkpoint: Checkpoint, dst: Path, data: Sequence[str | Path], config:
     """
     from accelerate.utils import set_seed
 
-    docs = chosen.documents(data) if documents is None else documents[0]
+    docs = objective.documents(data) if documents is None else documents[0]
     given_held_out = (documents[1] if documents is not None else
-                      chosen.documents(config.eval_data) if config.eval_data else None)
-    chosen = chosen.for_data(docs)
-    loaded = _load(chosen, checkpoint, config)
+                      objective.documents(config.eval_data) if config.eval_data else None)
+    objective = objective.for_data(docs)
+    loaded = _load(objective, checkpoint, config)
     sizes = run_sizes(loaded, config)
-    anchor = _hold_to(chosen, checkpoint, loaded, config, sizes)
-    source = _baseline_source(chosen, checkpoint, loaded, config, sizes)
-    config = config.with_strategy(chosen, sizes.grows_ranks | ({1} if config.decoder_length else set()))
+    anchor_original = _hold_to(objective, checkpoint, loaded, config, sizes)
+    unextended = _unextended(objective, checkpoint, loaded, config, sizes)
+    config = config.with_strategy(objective, sizes.grows_ranks | ({1} if config.decoder_length else set()))
     _extend(loaded, checkpoint, sizes, config)
     length = sizes.length
     if config.train == "new-rows" and length.old >= length.new:
@@ -206,30 +206,33 @@ def setup(checkpoint: Checkpoint, dst: Path, data: Sequence[str | Path], config:
             f"Training only new rows needs rows beyond the old length, but the model has {length.new} positions and "
             f"its old length is {length.old}: pass length=N above {length.new}, or old_length=N for a "
             "checkpoint extended elsewhere.")
-    chosen.size_processor(loaded.processor, sizes)
-    samples = _samples(chosen, loaded.processor, (docs, given_held_out), length.new, config)
-    accelerator = make_accelerator(config.mixed_precision, config.grad_accum, unused_parameters=chosen.unused_parameters)
+    objective.size_processor(loaded.processor, sizes)
+    samples = _samples(objective, loaded.processor, (docs, given_held_out), length.new, config)
+    accelerator = make_accelerator(config.mixed_precision, config.grad_accum,
+                                   unused_parameters=objective.unused_parameters)
     tables, keep = _trained_tables(loaded, sizes)
-    config = config.with_lr(chosen, tables[0].shape[-1])
+    config = config.with_lr(objective, tables[0].shape[-1])
     # the run is a function of the global batch, so a resume may use another number of processes
     fingerprint = config.fingerprint(src=checkpoint.directory, data=[str(d) for d in data], processes=accelerator.num_processes,
-                                     anchor_source=anchor.path, precision=accelerator.mixed_precision)
-    if anchor.note and accelerator.is_main_process:
-        (log.info if anchor.exact else log.warning)("%s", anchor.note)
+                                     anchor_source=anchor_original.path, precision=accelerator.mixed_precision)
+    if anchor_original.note and accelerator.is_main_process:
+        (log.info if anchor_original.exact else log.warning)("%s", anchor_original.note)
     set_seed(config.seed)
-    trainable = _trainable(loaded, config, chosen, accelerator, (tables, keep))
+    trainable = _trainable(loaded, config, objective, accelerator, (tables, keep))
     prepared, optimizer, scheduler = accelerator.prepare(loaded.model, trainable.optimizer, trainable.scheduler)
-    run = Run.of(loaded, chosen, config, sizes, samples, accelerator=accelerator, model=prepared, objective=chosen,
-                 checkpoint=checkpoint, loaded=loaded, trainable=replace(trainable, optimizer=optimizer, scheduler=scheduler),
-                 state_dir=dst.with_name(dst.name + ".state"), fingerprint=fingerprint, anchor_original=anchor,
+    run = Run.of(loaded, objective, config, sizes, samples, accelerator=accelerator, model=prepared,
+                 objective=objective, checkpoint=checkpoint, loaded=loaded,
+                 trainable=replace(trainable, optimizer=optimizer, scheduler=scheduler),
+                 state_dir=dst.with_name(dst.name + ".state"), fingerprint=fingerprint, anchor_original=anchor_original,
                  train_documents=samples.train_documents, held_out_note=samples.note)
-    baseline = _baseline(run, source)
-    del source
-    _, tokens = chosen.count(batch_rows(0, config.batch_size, samples.train, config.seed, stream=chosen.stream))
-    run.judge = _judge(chosen, config, baseline, tokens_per_step=tokens * config.grad_accum * accelerator.num_processes,
-                       control=dict(control_name=chosen.control_name(run), old_length=length.old,
-                                    extension=chosen.extension, whole=chosen.whole))
-    trainable.schedule.steps = run.judge.steps or chosen.steps
+    baseline = _baseline(run, unextended)
+    del unextended
+    _, tokens = objective.count(batch_rows(0, config.batch_size, samples.train, config.seed, stream=objective.stream))
+    run.judge = _judge(objective, config, baseline,
+                       tokens_per_step=tokens * config.grad_accum * accelerator.num_processes,
+                       control=dict(control_name=objective.control_name(run), old_length=length.old,
+                                    extension=objective.extension, whole=objective.whole))
+    trainable.schedule.steps = run.judge.steps or objective.steps
     if run.judge.keep_best:
         run.best_weights = BestWeights(prepared, run.state_dir)
     if accelerator.is_main_process and samples.note and baseline is not None:
@@ -237,7 +240,7 @@ def setup(checkpoint: Checkpoint, dst: Path, data: Sequence[str | Path], config:
     return run
 
 
-def _trainable(loaded: Loaded, config: FinetuneConfig, chosen: Objective, accelerator: Any,
+def _trainable(loaded: Loaded, config: FinetuneConfig, objective: Objective, accelerator: Any,
                tables: tuple[list[torch.nn.Parameter], list[int]]) -> Trainable:
     """What trains and how: every parameter or the tables (``tables``: the trained tables and each one's kept
     rows), the kept rows of a new-rows run, LoRA's adapter, the optimizer and its lr schedule (its steps are the
@@ -256,14 +259,14 @@ def _trainable(loaded: Loaded, config: FinetuneConfig, chosen: Objective, accele
     if config.gradient_checkpointing:
         loaded.hf_model.gradient_checkpointing_enable()
     adapter = _lora(loaded, trained, accelerator) if config.train == "lora" else None  # seeded: LoRA's init
-    schedule = Schedule(config.steps or chosen.steps, config.schedule)
+    schedule = Schedule(config.steps or objective.steps, config.schedule)
     optimizer = _adamw(param_groups(adapter, config.lr) if adapter else
                        [p for p in model.parameters() if p.requires_grad], config.lr)
     return Trainable(trained, saved_rows, adapter, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule),
                      schedule)
 
 
-def _samples(chosen: Objective, processor: Any, documents: tuple[Sequence[Any], Sequence[Any] | None], length: int,
+def _samples(objective: Objective, processor: Any, documents: tuple[Sequence[Any], Sequence[Any] | None], length: int,
              config: FinetuneConfig) -> Samples:
     """The documents split into training and held-out ones (unless ``documents`` gives the held-out ones), each part
     cut by the objective into samples (at most ``config.eval_sequences`` held out)."""
@@ -271,16 +274,17 @@ def _samples(chosen: Objective, processor: Any, documents: tuple[Sequence[Any], 
 
     docs, given_held_out = documents
     train, held = ((docs, given_held_out) if given_held_out else
-                   chosen.split(docs, processor=processor, length=length, config=config))
+                   objective.split(docs, processor=processor, length=length, config=config))
     note = "" if given_held_out else held_out_note(docs, held)
     try:
-        eval_samples = chosen.samples(processor, held, length)
+        eval_samples = objective.samples(processor, held, length)
     except DataError as exc:
         raise DataError(f"The held-out text is too short: {exc}") from None
-    return Samples(chosen.samples(processor, train, length), eval_samples[: config.eval_sequences], train, held, note)
+    return Samples(objective.samples(processor, train, length), eval_samples[: config.eval_sequences], train, held,
+                   note)
 
 
-def _judge(chosen: Objective, config: FinetuneConfig, baseline: tuple[Reading, str] | None, *,
+def _judge(objective: Objective, config: FinetuneConfig, baseline: tuple[Reading, str] | None, *,
            tokens_per_step: int, control: dict[str, Any]) -> Judge:
     """How long the run trains: exactly ``steps`` when given; else ``budget`` (default :data:`DEFAULT_BUDGET`
     for a run with a baseline to beat), stopping early once its reading stops improving (unless the objective trains its whole
@@ -291,19 +295,19 @@ def _judge(chosen: Objective, config: FinetuneConfig, baseline: tuple[Reading, s
     if config.steps is not None:
         budget, early = Budget(f"{config.steps} steps", steps=config.steps), False
     elif config.budget is not None or baseline is not None:
-        budget, early = parse_budget(config.budget or DEFAULT_BUDGET), baseline is not None and chosen.early_stop
+        budget, early = parse_budget(config.budget or DEFAULT_BUDGET), baseline is not None and objective.early_stop
     else:
-        budget, early = Budget(f"{chosen.steps} steps", steps=chosen.steps), False
+        budget, early = Budget(f"{objective.steps} steps", steps=objective.steps), False
     reading, name = baseline or (None, "")
     return Judge(budget, early, baseline=reading, baseline_name=name, margin=config.margin, tolerance=config.tolerance,
                  eval_every=config.eval_every, tokens_per_step=tokens_per_step,
                  keep_best=config.steps is None and reading is not None, **control)
 
 
-def _baseline(run: Run, source: torch.nn.Module | None) -> tuple[Reading, str] | None:
+def _baseline(run: Run, unextended: torch.nn.Module | None) -> tuple[Reading, str] | None:
     """The held-out data read without the extension, once, before training, and how it was read; None when
     there is nothing to compare (no extension, no original, or an objective that names no baseline)."""
-    reading = None if source is None else run.objective.baseline(run, source)
+    reading = None if unextended is None else run.objective.baseline(run, unextended)
     if reading is None:
         return None
     name = run.objective.baseline_name(run)
@@ -320,42 +324,42 @@ def _lora(loaded: Loaded, tables: list[torch.nn.Parameter], accelerator) -> Any:
     return add_lora(loaded.hf_model, tables)
 
 
-def _load(chosen: Objective, checkpoint: Checkpoint, config: FinetuneConfig) -> Loaded:
+def _load(objective: Objective, checkpoint: Checkpoint, config: FinetuneConfig) -> Loaded:
     """Load through the objective, and observe where the loaded tensors sit in the checkpoint's files (before the
     table is extended or trained)."""
-    if config.source is not None and chosen.anchor is None:
-        raise TrainingError(f"The {chosen.name} objective has no anchor term to hold to a source; "
+    if config.source is not None and objective.anchor is None:
+        raise TrainingError(f"The {objective.name} objective has no anchor term to hold to a source; "
                             "leave the source unset.")
-    loaded = (chosen.with_anchor(0) if _may_swap(chosen, checkpoint, config) else chosen).load(
+    loaded = (objective.with_anchor(0) if _may_swap(objective, checkpoint, config) else objective).load(
         checkpoint, init_head=config.init_head)
     loaded.files = _file_names(loaded, checkpoint)
     loaded.swap_head()  # a head the objective made for the data, now that the files say where the old one sits
     return loaded
 
 
-def _hold_to(chosen: Objective, checkpoint: Checkpoint, loaded: Loaded, config: FinetuneConfig, sizes: Sizes
+def _hold_to(objective: Objective, checkpoint: Checkpoint, loaded: Loaded, config: FinetuneConfig, sizes: Sizes
              ) -> AnchorOriginal:
     """What the anchor holds to, settled while the table is as loaded: the original (its model read as
     ``loaded.reference``), else the checkpoint as loaded (its frozen copy, unless :meth:`Objective.load` made one)."""
-    if not chosen.anchor:
+    if not objective.anchor:
         return AnchorOriginal()
-    anchor = anchor_original(checkpoint, config.source, old_length=sizes.length.old, length=sizes.length.new,
-                             extended=sizes.resized)
-    if anchor.original is not None:  # the original, at its own length
-        loaded.reference = chosen.read_reference(anchor.original, init_head=config.init_head)
-    elif _may_swap(chosen, checkpoint, config):  # no original to hold to: the checkpoint as loaded, before it is extended
-        loaded.reference = chosen.copy_reference(loaded)
-    return anchor
+    anchor_original = find_original(checkpoint, config.source, old_length=sizes.length.old, length=sizes.length.new,
+                                    extended=sizes.resized)
+    if anchor_original.original is not None:  # the original, at its own length
+        loaded.reference = objective.read_reference(anchor_original.original, init_head=config.init_head)
+    elif _may_swap(objective, checkpoint, config):  # no original to hold to: the checkpoint as loaded, before it is extended
+        loaded.reference = objective.copy_reference(loaded)
+    return anchor_original
 
 
-def _may_swap(chosen: Objective, checkpoint: Checkpoint, config: FinetuneConfig) -> bool:
+def _may_swap(objective: Objective, checkpoint: Checkpoint, config: FinetuneConfig) -> bool:
     """An anchored run that may hold to an original (given, or recorded in the provenance): the original would
     replace the frozen copy of the checkpoint, so it is loaded without one."""
-    return bool(chosen.anchor) and (config.source is not None or "posextend.source" in checkpoint.provenance)
+    return bool(objective.anchor) and (config.source is not None or "posextend.source" in checkpoint.provenance)
 
 
-def _baseline_source(chosen: Objective, checkpoint: Checkpoint, loaded: Loaded, config: FinetuneConfig,
-                     sizes: Sizes) -> torch.nn.Module | None:
+def _unextended(objective: Objective, checkpoint: Checkpoint, loaded: Loaded, config: FinetuneConfig,
+                sizes: Sizes) -> torch.nn.Module | None:
     """The model without the extension, which the baseline reads: the anchor's reference when the run keeps
     one, else the checkpoint as loaded (a run that extends it), else the original its provenance records;
     None when there is no extension, or no original to read."""
@@ -364,10 +368,11 @@ def _baseline_source(chosen: Objective, checkpoint: Checkpoint, loaded: Loaded, 
     if loaded.reference is not None:
         return loaded.reference
     if sizes.resized:
-        return chosen.copy_reference(loaded)
-    given = config.source if chosen.anchor else None  # the anchor's source: without an anchor it goes unread
-    original = anchor_original(checkpoint, given, old_length=sizes.length.old, length=sizes.length.new, extended=False)
-    return chosen.read_reference(original.original, init_head=config.init_head) if original.original else None
+        return objective.copy_reference(loaded)
+    given = config.source if objective.anchor else None  # the anchor's original: without an anchor it goes unread
+    original = find_original(checkpoint, given, old_length=sizes.length.old, length=sizes.length.new,
+                             extended=False).original
+    return objective.read_reference(original, init_head=config.init_head) if original else None
 
 
 def _file_names(loaded: Loaded, checkpoint: Checkpoint) -> FileNames:

@@ -253,9 +253,9 @@ class Objective:
         ``metric`` is this objective's."""
         raise NotImplementedError
 
-    def baseline(self, run: RunContext, source: torch.nn.Module) -> Reading | None:
+    def baseline(self, run: RunContext, unextended: torch.nn.Module) -> Reading | None:
         """The held-out data read without the extension (:class:`~posextend.scoring.verdict.Reading`): by
-        ``source``, this objective's model of the source at its own length (``run.sizes.length.old``), as a user
+        ``unextended``, this objective's model of the source at its own length (``run.sizes.length.old``), as a user
         would read a long text with it (in its own windows, or in chunks). What the extension must beat; None:
         this objective names no baseline (no verdict then)."""
         return None
@@ -323,10 +323,10 @@ class LanguageModel(Objective):
                              batch_size=run.config.batch_size, seed=run.config.seed)
         return dataclasses.replace(report, metric=self.metric)
 
-    def baseline(self, run: RunContext, source: torch.nn.Module) -> Reading | None:
+    def baseline(self, run: RunContext, unextended: torch.nn.Module) -> Reading | None:
         """The source reading each held-out sequence through a sliding window of its own length (stride half
         of it): each far token with at least half the old length of context, as the source reads a long text."""
-        return self._reading(run, source.to(run.accelerator.device), window=run.sizes.length.old)
+        return self._reading(run, unextended.to(run.accelerator.device), window=run.sizes.length.old)
 
     def baseline_name(self, run: RunContext) -> str:
         return f"the source through its own {run.sizes.length.old}-token window"

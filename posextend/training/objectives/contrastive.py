@@ -23,7 +23,7 @@ from posextend.scoring.by_position import Bucket, EvalReport, bucket_edges, eval
 from posextend.scoring.text import framed
 from posextend.scoring.verdict import Reading
 from posextend.training.context import RunContext
-from posextend.training.loading import Loaded, attention_kwargs, loaded
+from posextend.training.loading import Loaded, attention_kwargs, make_loaded
 from posextend.training.objectives.base import CheckpointFacts, Objective, register_objective, without_dropout
 
 PASSAGE_TOKENS = 32
@@ -93,7 +93,7 @@ class Contrastive(Objective):
         model = SentenceTransformer(str(directory), device="cpu",
                                     model_kwargs=attention_kwargs(transformers.AutoModel, checkpoint.config))
         without_dropout(model[0].auto_model, attention_only=True)
-        return loaded(model, model[0].auto_model, model.tokenizer, self.name, directory)
+        return make_loaded(model, model[0].auto_model, model.tokenizer, self.name, directory)
 
     def check(self, result: Loaded, directory: Path) -> None:
         """The anchor compares embeddings of passages: the old length must hold one."""
@@ -201,11 +201,11 @@ class Contrastive(Objective):
                           len(docs) * len(buckets), buckets, run.sizes.length.new_from,
                           accuracy=sum(hits) / len(hits), metric=self.metric, noun="documents", unit="passages")
 
-    def baseline(self, run: RunContext, source: torch.nn.Module) -> Reading | None:
-        """Chunk-and-average: ``source`` (the model at its own length) reading each held-out task document in
+    def baseline(self, run: RunContext, unextended: torch.nn.Module) -> Reading | None:
+        """Chunk-and-average: ``unextended`` (the model at its own length) reading each held-out task document in
         chunks of ``run.sizes.length.old`` tokens, their embeddings averaged; the original range, the same tasks at
         the old length, read whole (:meth:`_read`)."""
-        return self._read(run, source.to(run.accelerator.device), chunk=True)
+        return self._read(run, unextended.to(run.accelerator.device), chunk=True)
 
     def baseline_name(self, run: RunContext) -> str:
         return f"the source reading {run.sizes.length.old}-token chunks, averaged"

@@ -163,10 +163,10 @@ class ImageText(ImageObjective):
         return length_report(text, image, pairs.tokens, objective=self.name, metric=self.metric, length=length, old=old,
                              buckets=run.config.buckets)
 
-    def baseline(self, run: RunContext, source: torch.nn.Module) -> Reading | None:
+    def baseline(self, run: RunContext, unextended: torch.nn.Module) -> Reading | None:
         """The source (at its old length and image size) reading the long captions cut at its old length, and
         averaging its embeddings of each caption's chunks, the better of the two; the short captions read whole."""
-        reading, mode = self._without_context(run, source.to(run.accelerator.device), _pixels(run, old=True))
+        reading, mode = self._without_context(run, unextended.to(run.accelerator.device), _pixels(run, old=True))
         if reading is not None and run.state.baseline is None:
             run.state.baseline = mode
         return reading

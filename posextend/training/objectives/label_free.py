@@ -42,7 +42,7 @@ TEACHER = "teacher agreement"  # the share of held-out images read as the teache
 
 class LabelFree:
     """Label-free training and its judge, mixed into the ``vision`` objective (see the module). Uses the objective's
-    ``_pixels``, ``_grid``, ``_read``, ``_source_size`` and its ``anchor``, ``mates`` and ``shift``."""
+    ``_pixels``, ``_grid``, ``_read``, ``_unextended_size`` and its ``anchor``, ``mates`` and ``shift``."""
 
     def _label_free(self) -> None:
         if "anchor" in vars(self) and not self.anchor:
@@ -69,22 +69,23 @@ class LabelFree:
     @torch.no_grad()
     def _teacher(self, run: RunContext, images: list[Any]) -> Features:
         """The source (``run.reference``) reading ``images`` at its own size."""
-        source = run.reference.to(run.accelerator.device)
-        size = self._source_size(run)
+        teacher = run.reference.to(run.accelerator.device)
+        size = self._unextended_size(run)
         pixels = self._pixels(run, images, size).to(run.accelerator.device)
-        out, base = forward(source, source, pixels)
+        out, base = forward(teacher, teacher, pixels)
         return features(out, base, self._grid(run, size), len(images))
 
     # ------------------------------------------------------------------ judged by the teacher's labels
 
-    def _teacher_baseline(self, run: RunContext, source: torch.nn.Module, own: Features) -> Reading | None:
+    def _teacher_baseline(self, run: RunContext, unextended: torch.nn.Module, own: Features) -> Reading | None:
         """Held-out images without labels: the teacher's labels (the argmax of the source's logits ``own``, read at
         its own size), and the baseline, the source read at the run's size untrained against them. None when the
         source has no head of its own to label them (no verdict), or the run does not change the size."""
-        if own.logits is None or getattr(source, NEW_HEAD, None) or run.sizes.image.new == self._source_size(run):
+        if (own.logits is None or getattr(unextended, NEW_HEAD, None)
+                or run.sizes.image.new == self._unextended_size(run)):
             return None
         run.state.teacher = own.logits.argmax(1)
-        untrained = self._read(run, source, source, run.sizes.image.new)
+        untrained = self._read(run, unextended, unextended, run.sizes.image.new)
         if untrained is None:
             run.state.teacher = None
             return None
@@ -99,12 +100,12 @@ class LabelFree:
         return TEACHER, agreed, float(F.cross_entropy(read.logits, target))
 
     def _teacher_baseline_name(self, run: RunContext) -> str:
-        (h, w), (nh, nw) = self._source_size(run), run.sizes.image.new
+        (h, w), (nh, nw) = self._unextended_size(run), run.sizes.image.new
         return f"the source at {nh}x{nw} px untrained (the teacher's labels: the source's at its own {h}x{w} px)"
 
     def _free_notes(self, run: RunContext, labelled: bool) -> list[str]:
         """How a label-free run trained, and what it was judged on when its held-out images have no labels."""
-        h, w = self._source_size(run)
+        h, w = self._unextended_size(run)
         taught = ("its head's outputs, made sure and spread" if "ForImageClassification" in type(run.unwrapped).__name__
                   else "its pooled embedding and patch features")
         lines = [f"vision: label-free, the source at {h}x{w} px as the teacher ({taught}); {self.mates} mates a "

@@ -280,7 +280,7 @@ class GapSentences(Objective):
             raise TrainingError("No masked sentence in the held-out text: give more text, or text with sentences.")
         return report
 
-    def baseline(self, run: RunContext, source: torch.nn.Module) -> Reading | None:
+    def baseline(self, run: RunContext, unextended: torch.nn.Module) -> Reading | None:
         """The source reading the held-out text in windows of its own length: its masked-sentence perplexity
         there, which both ranges are held to (raw text only; pairs have no far range to compare)."""
         old, new = run.sizes.length.old, run.sizes.length.new
@@ -290,7 +290,7 @@ class GapSentences(Objective):
         windows = windows[: len(run.eval_samples) * max(1, new // old)]
         # the source's length for both stacks (no decoder of its own: an LED's source reads its windows whole)
         sizes = dataclasses.replace(run.sizes, length=dataclasses.replace(run.sizes.length, new=old), decoder=None)
-        own = dataclasses.replace(run, model=source.to(run.accelerator.device), sizes=sizes, eval_samples=windows)
+        own = dataclasses.replace(run, model=unextended.to(run.accelerator.device), sizes=sizes, eval_samples=windows)
         total, count = self._losses(own)
         perplexity = math.exp(min(float(total.sum() / count.sum().clamp(min=1)), 50))
         return Reading(far=perplexity, original=perplexity, metric=METRICS[False])

@@ -35,10 +35,10 @@ class TowerReader:
     def _own_size(self, run: RunContext, model: torch.nn.Module) -> tuple[int, int]:
         return tuple(run.spec.grid.sizes(model.config.to_dict())[0])
 
-    def _source_size(self, run: RunContext) -> tuple[int, int]:
+    def _unextended_size(self, run: RunContext) -> tuple[int, int]:
         """The source's own size: what the baseline found the source to read (``posextend eval`` knows the
         checkpoint's size only), else the run's old size."""
-        size = run.state.source_size or run.sizes.image.old
+        size = run.state.unextended_size or run.sizes.image.old
         return tuple(size)
 
     def _processor(self, run: RunContext, size: tuple[int, int]) -> Any:

@@ -34,7 +34,7 @@ from posextend.files.checkpoint import Checkpoint
 from posextend.scoring.by_position import Bucket, EvalReport
 from posextend.scoring.verdict import Reading
 from posextend.training.context import RunContext
-from posextend.training.loading import Loaded, attention_kwargs, load_processor, loaded
+from posextend.training.loading import Loaded, attention_kwargs, load_processor, make_loaded
 from posextend.training.objectives.base import CheckpointFacts, register_objective, without_dropout
 from posextend.training.objectives.image import ImageObjective
 from posextend.training.objectives.label_free import TEACHER, LabelFree
@@ -56,8 +56,8 @@ class Seen:
     processors: dict[tuple[int, int], Any] = field(default_factory=dict)
     pixels: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     labels: list[int | None] | None = None
-    source_size: tuple[int, int] | None = None
-    source_pooled: torch.Tensor | None = None  # the source's held-out embeddings, for the agreement
+    unextended_size: tuple[int, int] | None = None
+    unextended_pooled: torch.Tensor | None = None  # the source's held-out embeddings, for the agreement
     teacher: torch.Tensor | None = None  # the teacher's labels of unlabelled held-out images (its head's argmax)
     at_old: tuple[Any, float | None] | None = None
     baseline_metric: str = ACCURACY  # how the baseline read the source: its head, the k-NN, or the teacher's labels
@@ -115,11 +115,11 @@ class Vision(LabelFree, TowerReader, ImageObjective):
         if not hasattr(documents, "has_labels"):
             raise DataError("The vision objective reads images: give a folder of them (a subfolder per class), or a "
                             "table or dataset of images.")
-        chosen = super().for_data(documents)
-        chosen.classes = list(documents.label_names) if documents.has_labels and documents.label_names else None
-        if chosen.classes is None:
-            chosen._label_free()
-        return chosen
+        fitted = super().for_data(documents)
+        fitted.classes = list(documents.label_names) if documents.has_labels and documents.label_names else None
+        if fitted.classes is None:
+            fitted._label_free()
+        return fitted
 
     def load_model(self, directory: Path, *, init_head: bool) -> Loaded:
         """Supervised: the family's image classifier, its head mapped to the data's classes by name, or a new one
@@ -149,7 +149,7 @@ class Vision(LabelFree, TowerReader, ImageObjective):
         cls, names = transformers.AutoModelForImageClassification, list(self.classes or [])
         model, info = cls.from_pretrained(checkpoint.model_dir, output_loading_info=True,
                                           **attention_kwargs(cls, checkpoint.config))
-        result = loaded(model, model, load_processor(checkpoint.model_dir, "image"), self.name, checkpoint)
+        result = make_loaded(model, model, load_processor(checkpoint.model_dir, "image"), self.name, checkpoint)
         if not info["missing_keys"] and label_map(names, model.config) is not None:
             return result
         own = ", ".join(map(str, list(model.config.id2label.values())[:4]))
@@ -177,7 +177,7 @@ class Vision(LabelFree, TowerReader, ImageObjective):
                                               **attention_kwargs(cls, config))
             if not info["missing_keys"] or cls is transformers.AutoModel:
                 break
-        return loaded(model, model, load_processor(checkpoint.model_dir, "image"), self.name, checkpoint)
+        return make_loaded(model, model, load_processor(checkpoint.model_dir, "image"), self.name, checkpoint)
 
     def loss(self, run: RunContext, positions: range, batch: Sequence[Any]) -> tuple[torch.Tensor, int]:
         """Supervised: cross-entropy of the head at the run's size (plus ``anchor`` × the KL divergence from the
@@ -227,10 +227,10 @@ class Vision(LabelFree, TowerReader, ImageObjective):
         if not self._labelled(run):
             if run.state.teacher is not None and read.logits is not None:
                 return self._agreed(run, read)
-            if run.state.source_pooled is None:
+            if run.state.unextended_pooled is None:
                 raise DataError("Scoring a vision model needs labelled held-out images (a subfolder per class), or "
                                 "a fine-tune's source to compare with.")
-            agreed = agreement(read.pooled, run.state.source_pooled)
+            agreed = agreement(read.pooled, run.state.unextended_pooled)
             return AGREEMENT, agreed, 1 - agreed
         labels, ids = run.state.labels, label_map(self._names(run), config) if head else None
         if ids is not None and read.logits is not None:
@@ -259,59 +259,59 @@ class Vision(LabelFree, TowerReader, ImageObjective):
         optimizer step leaves the tensors' version counters as they were)."""
         key = torch.cat([p.detach().flatten()[:8].float().cpu() for p in run.unwrapped.parameters() if p.requires_grad])
         if run.state.at_old is None or not torch.equal(run.state.at_old[0], key):
-            run.state.at_old = (key, self._accuracy(run, run.model, run.unwrapped, self._source_size(run)))
+            run.state.at_old = (key, self._accuracy(run, run.model, run.unwrapped, self._unextended_size(run)))
         return run.state.at_old[1]
 
     # ------------------------------------------------------------------ the verdict and the report
 
-    def baseline(self, run: RunContext, source: torch.nn.Module) -> Reading | None:
+    def baseline(self, run: RunContext, unextended: torch.nn.Module) -> Reading | None:
         """The source reading the held-out images at its own size: the accuracy of its head where it knows their
         classes (not a head made for them), else the k-NN accuracy of its embeddings. Without labels, the source
         read at the run's size untrained against its own labels at its own size (:meth:`_teacher_baseline`)."""
-        source = source.to(run.accelerator.device)
+        unextended = unextended.to(run.accelerator.device)
         state: Seen = run.state
-        state.source_size = self._own_size(run, source)
-        read = self._read(run, source, source, state.source_size)
-        state.source_pooled = read.pooled
+        state.unextended_size = self._own_size(run, unextended)
+        read = self._read(run, unextended, unextended, state.unextended_size)
+        state.unextended_pooled = read.pooled
         if not self._labelled(run):
-            return self._teacher_baseline(run, source, read)
-        own_head = not getattr(source, NEW_HEAD, None)  # a head made for the data's classes has learned nothing yet
-        state.baseline_metric, accuracy, _ = self._score(run, read, source.config, head=own_head)
+            return self._teacher_baseline(run, unextended, read)
+        own_head = not getattr(unextended, NEW_HEAD, None)  # a head made for the data's classes has learned nothing yet
+        state.baseline_metric, accuracy, _ = self._score(run, read, unextended.config, head=own_head)
         return Reading(far=accuracy, original=math.nan, metric=ACCURACY, higher=True)  # one size read: no old range
 
     def baseline_name(self, run: RunContext) -> str:
         if run.state.baseline_metric == TEACHER:
             return self._teacher_baseline_name(run)
-        h, w = self._source_size(run)
+        h, w = self._unextended_size(run)
         knn = " (the k-NN accuracy of its embeddings)" if run.state.baseline_metric == KNN else ""
         return f"the source at its own {h}x{w} px{knn}"
 
     def reading(self, run: RunContext) -> Reading | None:
         """The trained model's held-out accuracy at the run's size (``far``). No original range: the model is read at
         its new size, so its accuracy at the source's is its control (what the new size adds), not a range to keep."""
-        if run.sizes.image.new == self._source_size(run) or not self._judged(run):
+        if run.sizes.image.new == self._unextended_size(run) or not self._judged(run):
             return None
         far = self._accuracy(run, run.model, run.unwrapped, run.sizes.image.new)
         return None if far is None else Reading(far=far, original=math.nan, metric=self._metric(run), higher=True)
 
     def control(self, run: RunContext) -> Reading | None:
         """The same trained model reading the held-out images at the source's size: what the new size itself adds."""
-        if run.sizes.image.new == self._source_size(run) or not self._judged(run):
+        if run.sizes.image.new == self._unextended_size(run) or not self._judged(run):
             return None
         accuracy = self._at_old(run)
         return None if accuracy is None else Reading(far=accuracy, original=accuracy, metric=self._metric(run),
                                                      higher=True)
 
     def control_name(self, run: RunContext) -> str:
-        h, w = self._source_size(run)
+        h, w = self._unextended_size(run)
         return f"the same model at {h}x{w} px"
 
     @torch.no_grad()
     def evaluate(self, run: RunContext) -> EvalReport:
         """The held-out images read at the source's size, half-way and the run's size: a row each (``start``: the
         height in pixels), the run's size overall; accuracy (or agreement) and its loss."""
-        old, new = self._source_size(run), run.sizes.image.new
-        if run.state.source_pooled is None and run.reference is not None:
+        old, new = self._unextended_size(run), run.sizes.image.new
+        if run.state.unextended_pooled is None and run.reference is not None:
             self.baseline(run, run.reference)
         between = self._between(run, old, new)
         buckets, metric, last = [], ACCURACY, (math.nan, math.nan)
