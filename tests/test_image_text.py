@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 import posextend
 from posextend.cli import app
 from posextend.tables.strategies import kps_keep
-from posextend.training.objectives import default_objective, get_objective, objectives_help
+from posextend.training.objectives import default_objective, objectives_help
 from posextend.training.objectives.captions import first_sentence
 from posextend.training.objectives.dual_encoder import pca
 from posextend.training.objectives.image_text import FAMILIES
@@ -127,7 +127,7 @@ def test_first_sentence_and_pca():
 
 def test_kept_rows_get_no_gradient_and_a_model_is_read_in_eval_mode_then_as_it_was():
     from posextend.scoring.by_position import evaluating
-    from posextend.training.rows import keep_rows
+    from posextend.training.adapters import keep_rows
 
     table = torch.nn.Parameter(torch.arange(12.0).reshape(6, 2))
     kept = keep_rows(table, 4)

@@ -19,6 +19,9 @@ module), in place: the objective still calls the model it loaded. The output is 
 originals) and written as a plain checkpoint by the fine-tune's writer; the adapter itself, on request,
 as peft saves it (:class:`AdapterFiles`), converted to a plain LoRA of the source's weights (PiSSA trains a
 residual of them: :func:`adapter_files`).
+
+What else decides what trains lives here too: :func:`keep_rows`, a table's first rows kept while the rest learns
+(``new-rows`` training, and Long-CLIP's kps rows in the image-text objective).
 """
 
 from __future__ import annotations
@@ -257,3 +260,11 @@ def merge(lora: Lora, root: torch.nn.Module, *, keep_adapter: bool
     files = adapter_files(lora) if keep_adapter else None
     unload(lora)
     return root.state_dict(), files
+
+
+def keep_rows(table: torch.Tensor, keep: int) -> torch.Tensor:
+    """Zero the gradient of ``table``'s first ``keep`` rows for as long as it trains (a hook on the tensor: the rows
+    from ``keep`` on learn); returns those rows as they are now, a copy. An optimizer may still move a row with zero
+    gradient (weight decay, Adam's moments), so a run that must keep them exact writes the copy back after each step."""
+    table.register_hook(lambda grad: torch.cat([torch.zeros_like(grad[:keep]), grad[keep:]]))
+    return table.detach()[:keep].clone()

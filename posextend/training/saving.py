@@ -186,3 +186,18 @@ def _check_loads(model_dir: Path, cls: type) -> None:
     if info["missing_keys"]:
         raise VerificationError(f"The fine-tune's output does not give {cls.__name__} its weight "
                                 f"{sorted(info['missing_keys'])[0]}; nothing was written.")
+
+
+def save_state(accelerator: Any, state_dir: Path, *, step: int, fingerprint: str, planned: int) -> None:
+    """A resumable run's state after ``step``: accelerate's (model, optimizer, schedule, random states) and ours
+    (the step, the options' fingerprint a resume must match, the steps planned), in ``state_dir``."""
+    import json
+
+    from posextend.files.atomic import write_file
+    from posextend.files.oserrors import output_errors
+
+    with output_errors(state_dir):
+        accelerator.save_state(str(state_dir))
+        if accelerator.is_main_process:
+            write_file(state_dir / "posextend.json", json.dumps({"step": step, "fingerprint": fingerprint,
+                                                                 "planned": planned}))

@@ -6,7 +6,6 @@ The loop that trains it is :mod:`posextend.training.loop`; what it writes, :mod:
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -17,13 +16,11 @@ import torch
 
 from posextend.data.heldout import held_out_note
 from posextend.errors import TrainingError
-from posextend.files.atomic import write_file
-from posextend.files.oserrors import output_errors
 from posextend.files.checkpoint import Checkpoint
 from posextend.resize.plan import Request
 from posextend.scoring.by_position import EvalReport
 from posextend.scoring.verdict import Reading
-from posextend.training.adapters import add_lora, param_groups
+from posextend.training.adapters import add_lora, keep_rows, param_groups
 from posextend.training.batches import batch_rows
 from posextend.training.best import BestWeights
 from posextend.training.budget import Budget, Judge, Schedule
@@ -32,7 +29,6 @@ from posextend.training.loading import AnchorOriginal, Loaded, find_original, im
 from posextend.training.objectives.base import Objective
 from posextend.training.options import FinetuneConfig
 from posextend.training.sizes import Sizes, run_sizes
-from posextend.training.rows import keep_rows
 
 if TYPE_CHECKING:
     from posextend.training.saving import FileNames
@@ -79,11 +75,10 @@ class Run(RunContext):
         return self.objective.evaluate(self)
 
     def save_state(self, step: int) -> None:
-        with output_errors(self.state_dir):
-            self.accelerator.save_state(str(self.state_dir))
-            if self.accelerator.is_main_process:
-                write_file(self.state_dir / "posextend.json", json.dumps(
-                    {"step": step, "fingerprint": self.fingerprint, "planned": self.trainable.schedule.steps}))
+        from posextend.training.saving import save_state
+
+        save_state(self.accelerator, self.state_dir, step=step, fingerprint=self.fingerprint,
+                   planned=self.trainable.schedule.steps)
 
 
 def make_accelerator(mixed_precision: str, grad_accum: int, *, unused_parameters: bool = False):

@@ -10,7 +10,7 @@ images; a dual encoder of another kind, CLAP's audio, takes the pair loss, R@1 a
 :mod:`posextend.training.objectives.dual_encoder`, and its batch-mates from ``draw_mates``: ``docs/guides/plugins.md``
 lists what a plug-in imports). An objective sees a run only through
 :class:`posextend.training.context.RunContext`; it imports nothing from the loop. May import: ``posextend.training.context``, ``posextend.training.options``,
-``posextend.training.loading``, ``posextend.training.rows``, ``posextend.training.towers`` and every layer below
+``posextend.training.loading``, ``posextend.training.towers`` and every layer below
 ``posextend.training``.
 """
 

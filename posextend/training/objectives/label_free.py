@@ -49,6 +49,7 @@ class LabelFree:
             raise TrainingError("Label-free training learns from the source model itself, which an anchor of 0 "
                                 "leaves out: leave the anchor unset, or give images with labels.")
         # SHOT's spread needs a batch's worth; readings creep up from the teacher's by less than a check's noise
+        # SHOT's spread needs a batch's worth; readings creep up from the teacher's by less than a check's noise
         self.anchor, self.mates, self.early_stop = self.anchor or 1.0, 7, False
 
     def _distilled(self, run: RunContext, positions: range, images: list[Any]) -> torch.Tensor:
@@ -64,6 +65,7 @@ class LabelFree:
         teacher = self._teacher(run, images)
         if student.logits is None or teacher.logits is None:
             return match(student, teacher)
+        # a classifier matches its head's outputs alone: its features held to the 16 px ones would keep it there
         return self.anchor * divergence(student.logits, teacher.logits) + information(student.logits)
 
     @torch.no_grad()
