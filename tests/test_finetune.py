@@ -339,3 +339,32 @@ def test_anchor_weight_is_checked(gpt, bert, corpus, tmp_path):
     with pytest.raises(posextend.TrainingError, match="The masked objective has no anchor term"):
         finetune(bert, tmp_path / "b", [corpus], length=64, steps=1, anchor=1.0)
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_the_objectives_hooks_are_called_in_the_order_setup_writes_down(gpt, corpus, tmp_path, monkeypatch):
+    """``setup``'s docstring lists the objective's hooks in the order a fine-tune calls them: a causal run that
+    extends, anchored, with a baseline and checks, calls each hook first in that order."""
+    import re
+
+    from posextend.training import setup as setup_module
+    from posextend.training.objectives.base import Objective
+
+    objective = get_objective("causal")
+    hooks = [name for name, value in vars(Objective).items() if callable(value) and not name.startswith("_")
+             and not isinstance(value, (type, staticmethod, classmethod))]
+    called: list[str] = []
+
+    def recording(name, method):
+        def hook(*args, **kwargs):
+            called.append(name)
+            return method(*args, **kwargs)
+        return hook
+
+    for name in hooks:
+        monkeypatch.setattr(type(objective), name, recording(name, getattr(type(objective), name)))
+    finetune(gpt, tmp_path / "out", [corpus], objective="causal", length=48, steps=2, eval_every=1, eval_sequences=2,
+             seed=0)
+    documented = list(dict.fromkeys(re.findall(r"``(\w+)``", setup_module.setup.__doc__)))
+    first = list(dict.fromkeys(called))
+    assert {"documents", "load", "size_processor", "samples", "baseline", "loss", "evaluate", "notes"} <= set(first)
+    assert [h for h in documented if h in first] == first, (documented, first)

@@ -171,8 +171,8 @@ def setup(checkpoint: Checkpoint, dst: Path, data: Sequence[str | Path], config:
 
     0. :func:`~posextend.training.loop.finetune`: ``accepts`` (each objective's, when none is named), ``with_anchor``
        (an anchor weight given);
-    1. ``documents`` (the data, then ``eval_data``), ``for_data``; ``load`` (``with_anchor(0)`` first when an
-       original may replace its frozen copy), then ``read_reference`` (the original) or ``copy_reference``, and
+    1. ``documents`` (the data, then ``eval_data``), ``for_data``; ``load`` (which calls ``load_model``,
+       ``auto_class`` and ``check``; ``with_anchor(0)`` first when an original may replace its frozen copy), then ``read_reference`` (the original) or ``copy_reference``, and
        ``copy_reference`` or ``read_reference`` again for the baseline's unextended model when the anchor keeps none;
     2. ``size_processor``, ``split`` (unless the held-out data is given), ``samples`` (held-out, then training);
        ``default_lr`` (through ``config.with_lr``, when no lr is given), ``State``;
