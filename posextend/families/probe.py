@@ -349,10 +349,10 @@ def verify(
 
 def verify_grid(
     directory: Path, spec: ArchitectureSpec, tables: list[str], shapes: Mapping[str, tuple[int, ...]],
-    source_shapes: Mapping[str, tuple[int, ...]], image_size: tuple[int, int], rows: int, cls: type | None = None,
+    source_shapes: Mapping[str, tuple[int, ...]], size: tuple[int, int], rows: int, cls: type | None = None,
 ) -> None:
     """Check a written image-grid checkpoint: a twin of its written config has the written shapes,
-    a table of ``rows`` rows, and a tiny twin runs on an image of ``image_size`` without resampling
+    a table of ``rows`` rows, and a tiny twin runs on an image of ``size`` without resampling
     its positions (so it uses the written grid as it is); raise VerificationError."""
     config = json.loads((directory / "config.json").read_text())
     _check_shapes(config, spec, tables, shapes, source_shapes, cls)
@@ -363,11 +363,11 @@ def verify_grid(
                  if n in tables and not spec.is_relative(n)}  # relative companions: checked by the shapes
         if any(r != rows for r in found.values()) or not found:
             raise RuntimeError(f"its tables have {sorted(set(found.values()))} rows, not {rows}")
-        twin_runs.run_pixels(model, tables, image_size, twin_runs.num_channels(small))
+        twin_runs.run_pixels(model, tables, size, twin_runs.num_channels(small))
     except (RuntimeError, ValueError) as exc:
         raise VerificationError(
             f"A twin of the written {spec.model_type} checkpoint does not run at its image size "
-            f"{image_size[0]}x{image_size[1]} ({exc}); nothing was written."
+            f"{size[0]}x{size[1]} ({exc}); nothing was written."
         ) from None
 
 

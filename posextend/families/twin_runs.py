@@ -253,10 +253,10 @@ def num_channels(config: Mapping[str, Any]) -> int:
     return next((v for _, sub in sub_configs(config) if isinstance(v := sub.get("num_channels"), int)), 3)
 
 
-def run_pixels(model: nn.Module, tables: list[str], image_size: tuple[int, int], channels: int = 3,
+def run_pixels(model: nn.Module, tables: list[str], size: tuple[int, int], channels: int = 3,
                *, resampling: bool = False) -> torch.Tensor:
     """Run the outermost module around ``tables`` that takes ``pixel_values`` on one random image
-    of ``image_size`` (height, width); return its main output.
+    of ``size`` (height, width); return its main output.
 
     Raises ``RuntimeError`` when no module on the way runs, or when the one that runs resamples
     anything to another size (``F.interpolate``; DPT's call on every forward keeps the size): at
@@ -277,7 +277,7 @@ def run_pixels(model: nn.Module, tables: list[str], image_size: tuple[int, int],
                 Resampling.calls += 1
             return out
 
-    pixels = torch.randn(1, channels, *image_size, generator=torch.Generator().manual_seed(0))
+    pixels = torch.randn(1, channels, *size, generator=torch.Generator().manual_seed(0))
     failures = []
     for path in _paths_around(tables):
         module = model.get_submodule(path) if path else model

@@ -110,7 +110,7 @@ class Request:
     to the same length) in a model with several, and whether it may shrink."""
 
     new_length: int | None = None
-    image_size: int | ImageSize | None = None
+    pixels: int | ImageSize | None = None  # the new image size, in pixels (height, width; one int: square)
     strategy: str | None = None
     params: Mapping[str, Any] | None = None
     group: str | Sequence[str] | None = None
@@ -133,9 +133,9 @@ def plan_resize(config: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]
     (``"decoder"``; several, ``("encoder", "decoder")``, each resized to the new length), or the grid's group
     when only an image size is given. ``cls``: the model's class, in memory.
     """
-    if request.new_length is None and request.image_size is None:
+    if request.new_length is None and request.pixels is None:
         raise InvalidLengthError("Give a new length (positions) or a new image size (image grids) to resize to.")
-    ranks = [r for r, v in ((1, request.new_length), (2, request.image_size)) if v is not None]
+    ranks = [r for r, v in ((1, request.new_length), (2, request.pixels)) if v is not None]
     strategy = request.strategy
     if request.params and strategy is None and len(ranks) > 1:
         raise StrategyError("Strategy parameters were given for a length and an image size: name the strategy they are for.")
@@ -162,7 +162,7 @@ def _target(spec: ArchitectureSpec, layout: Layout, config: Mapping[str, Any], r
     if rank == 1:
         check_length(request.new_length, layout.usable, allow_shrink=request.allow_shrink)
         return request.new_length, (request.new_length,)
-    target = image_size_pair(request.image_size)
+    target = image_size_pair(request.pixels)
     new_grid = spec.grid.grid(config, target)
     _check_grid(new_grid, layout.grid, target, allow_shrink=request.allow_shrink)
     if in_memory and spec.grid.follow:

@@ -386,7 +386,7 @@ def _extend(loaded: Loaded, checkpoint: Checkpoint, sizes: Sizes, config: Finetu
 
     length, image, decoder = sizes.length, sizes.image, sizes.decoder
     requests = [Request(length.new if length.resized else None, strategy=config.strategy, params=config.params,
-                        image_size=image.new if image and image.resized else None,
+                        pixels=image.new if image and image.resized else None,
                         group=loaded.spec.group if loaded.decoder else None)] if sizes.resized else []
     if decoder is not None and decoder.resized:
         requests.append(Request(decoder.new, strategy=config.strategy, params=config.params,

@@ -59,7 +59,7 @@ def resized_copy(model: torch.nn.Module, size: tuple[int, int], strategy: str | 
     quiet = logging.getLogger("posextend.resize.in_memory")
     level, quiet.level = quiet.level, logging.WARNING
     try:
-        resize_in_memory(moved, Request(image_size=size, strategy=strategy, allow_shrink=True), seed)
+        resize_in_memory(moved, Request(pixels=size, strategy=strategy, allow_shrink=True), seed)
     finally:
         quiet.level = level
     return moved
