@@ -270,7 +270,8 @@ def main() -> None:
                                     ("held-out", held_out(s["held_long"], s["held_short"], args.seed + 20), "held", args.seed + 21),
                                     ("kept aside", held_out(s["kept_long"], s["kept_short"], args.seed + 30), "held", args.seed + 31)):
         # the kept-aside split is 4x the run's: short-caption R@1 among 224 images reads within about 0.03
-        folder = work / "data" / (name.replace(" ", "-") + (f"-{s['kept_long']}" if name == "kept aside" else ""))
+        folder = work / "data" / (name.replace(" ", "-") + (f"-{s['kept_long']}" if name == "kept aside" else "")
+                                  + (f"-seed{args.seed}" if args.seed else ""))  # seed 0: the folders runs before wrote
         splits[name] = folder if (folder / "metadata.jsonl").is_file() else write_split(folder, cells, digits, part, seed)
     pretrained = time.perf_counter() - t0
     options = {k: _value(v) for k, v in (o.split("=", 1) for o in args.option)}

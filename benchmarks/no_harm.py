@@ -33,12 +33,21 @@ Candidates (``--candidates`` picks some):
   ``old`` keys, to the source: it keeps the self control as good as the source);
 - ``temperature, no anchor``: both;
 - ``window teacher``: the anchor on every position, the far range taught by the source reading it through its
-  own window (``quality_grid.py``'s objective), at 1/1.6 of the steps (its step costs 1.6x at 4x).
+  own window (``quality_grid.py``'s objective), at 1/1.6 of the steps (its step costs 1.6x at 4x);
+- ``anchor 0.3``: the defaults with a weaker anchor;
+- ``table lr x10``, ``table lr x0.1``: the position table at that multiple of the run's lr
+  (``table_causes.table_lr``: the new rows train on fewer updates than the old ones had);
+- ``self teacher``: the defaults, plus the far range taught by the model itself reading each block through its
+  old window (:class:`SelfTeacher`: the whole context must read at least as its own window does), at 1/1.9 of
+  the steps;
+- ``byparts``: ``quality_grid.py``'s strategy (the table's 4 lowest DCT components stretched, the rest continued
+  at their own wavelengths: YaRN's "by parts" for a learned table) in place of interpolate.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import shutil
@@ -49,10 +58,12 @@ import torch
 import transformers
 from quality import SETTINGS, build_reference, machine
 from quality_grid import WindowTeacher, plugin_objective
+from table_causes import table_lr
 from worth_it import ranges
 
 import posextend
-from posextend.scoring.by_position import token_losses, windows
+from posextend.scoring.by_position import evaluating, token_losses, windows
+from posextend.training.objectives.causal import CausalLM
 from posextend.data.text import read_documents
 from posextend.scoring.text import pack
 from posextend.scoring.verdict import far_start
@@ -76,8 +87,37 @@ CANDIDATES = {
     # (quality_grid.py's objective); a step costs 1.6x the defaults' at 4x (quality_grid's measure), so it trains
     # 1/1.6 of their steps
     "window teacher": ("interpolate", False, {"objective": "window-teacher"}),
+    # added in the sixth session of 2026-11-28: a weaker anchor, the table's own lr, YaRN's by-parts for a table
+    "anchor 0.3": ("interpolate", False, {"anchor": 0.3}),
+    "table lr x10": ("interpolate", False, {}),
+    "table lr x0.1": ("interpolate", False, {}),
+    "byparts": ("byparts", False, {}),
+    "self teacher": ("interpolate", False, {"objective": "self-teacher"}),
 }
-COST = {"window teacher": 1.6}  # a step's cost over the defaults' (the others: 1; no-anchor's is lower, given 1)
+TABLE_LR = {"table lr x10": 10.0, "table lr x0.1": 0.1}  # the position table at this multiple of the run's lr
+# a step's cost over the defaults' (the others: 1; no-anchor's is lower, given 1); the self teacher's, measured side
+# by side with the defaults' on one core each: 1,030-1,181 tokens/s against 2,149
+COST = {"window teacher": 1.6, "self teacher": 1.9}
+
+
+class SelfTeacher(CausalLM):
+    """The causal objective, plus the KL divergence of the far range's predictions from the model's own reading of
+    each block of half the old length through the old-length window that ends with it (no gradient through that
+    reading, dropout off for it), weighted by the block's share of the new range."""
+
+    def loss(self, run, positions, batch):
+        batch = batch.to(run.accelerator.device)
+        out = run.model(input_ids=batch, labels=batch)
+        old, n = run.sizes.length.old, batch.shape[1]
+        loss = out.loss + self.anchor * self.reference_kl(run, batch[:, :old], out.logits[:, :old])
+        blocks = [(start, min(start + old // 2, n)) for start in range(old, n, old // 2)]
+        with evaluating(run.model), torch.no_grad():
+            taught = [run.model(input_ids=batch[:, end - old:end]).logits[:, start - end:] for start, end in blocks]
+        for (start, end), target in zip(blocks, taught):
+            kl = torch.nn.functional.kl_div(out.logits[:, start:end].float().log_softmax(-1),
+                                            target.float().log_softmax(-1), log_target=True, reduction="none")
+            loss = loss + kl.sum(-1).mean() * ((end - start) / (n - old))
+        return loss, batch.shape[0] * (n - 1)
 
 
 def temperature(factor: float) -> float:
@@ -104,6 +144,17 @@ def start_model(ref: Path, dst: Path, new: int, strategy: str, fold: bool, seed:
         fold_temperature(model, temperature(FACTOR))
         model.save_pretrained(dst)
     return dst
+
+
+def _finetune(ref: Path, start: Path, dst: Path, train_files: list[Path], new: int, strategy: str, fold: bool, old: int,
+              seed: int, options: dict):
+    """One candidate's fine-tune: from the folded copy when ``fold`` (its length and strategy are the copy's
+    already; the anchor holds to the reference), else from the reference with ``strategy``."""
+    if fold:
+        return posextend.finetune(start, dst, train_files, seed=seed, progress=progress, source=ref, old_length=old,
+                                  overwrite=True, **options)
+    return posextend.finetune(ref, dst, train_files, length=new, strategy=strategy, seed=seed, overwrite=True,
+                              progress=progress, **options)
 
 
 @torch.no_grad()
@@ -213,15 +264,12 @@ def main() -> None:
                "untrained": scored(start, texts, old, source)}
         if options.get("objective") == "window-teacher":
             options = {**options, "objective": plugin_objective(WindowTeacher, "causal-window-teacher")}
+        if options.get("objective") == "self-teacher":
+            options = {**options, "objective": plugin_objective(SelfTeacher, "causal-self-teacher")}
         options = {**options, "steps": max(1, round(steps / COST.get(name, 1)))}
         t0 = time.perf_counter()
-        if fold:  # from the folded copy: length and strategy are its already; the anchor holds to the reference
-            report = posextend.finetune(start, args.out / "tuned", train_files, seed=args.seed, progress=progress,
-                                        source=ref, old_length=old, overwrite=True, **options)
-        else:
-            report = posextend.finetune(ref, args.out / "tuned", train_files, length=new, strategy=strategy,
-                                        seed=args.seed, overwrite=True, progress=progress,
-                                        **options)
+        with table_lr(TABLE_LR[name], new) if name in TABLE_LR else contextlib.nullcontext():
+            report = _finetune(ref, start, args.out / "tuned", train_files, new, strategy, fold, old, args.seed, options)
         row.update(steps=report.steps, tokens=report.tokens, seconds=time.perf_counter() - t0, lr=report.lr,
                    schedule=report.schedule)
         row["trained"] = scored(args.out / "tuned", texts, old, source)

@@ -17,7 +17,8 @@ that does, on a task where the far tokens carry what a window cannot see:
   ``OLD`` = 64 positions (:func:`pretrain`): first a few hundred steps of a language whose every word follows from
   the one two back (:func:`skip_rows`: it needs a head that attends to the previous token, the first half of an
   induction head, and forms one fast), then a mix of that, random passages repeated (:func:`repeat_rows`, the
-  classic induction-head task) and 64-word documents of the language; the last fifth without the skip rows. The copy of a held-out random passage
+  classic induction-head task) and 64-word passages of the language cut from longer documents (:func:`passage`);
+  the last fifth without the skip rows. The copy of a held-out random passage
   falls from the vocabulary's perplexity to near 1 in a phase change (here after about 1,800 steps: the curve
   is printed). The probe is shown first, *within its window*: a passage repeated 40 tokens later, whole against
   a 16-token window.
@@ -31,6 +32,9 @@ that does, on a task where the far tokens carry what a window cannot see:
   and the probe (:func:`posextend.scoring.context_use.context_use`) before and after: a passage repeated
   beyond the old window, read whole and windowed. Issue 60's target for a model that passes the probe:
   far range <= 0.97 x its own window.
+- **Why**, per run: the source's previous-token head (``table_causes.previous_token``: the first layer's attention
+  from the position rows alone, its weight on the previous token within the old length and past it) in the
+  source, in the untrained resize and in the fine-tuned model.
 """
 
 from __future__ import annotations
@@ -48,7 +52,9 @@ import torch
 import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import quality_grid  # noqa: E402, F401  (registers byparts, a strategy --strategies may name)
 from quality import machine  # noqa: E402
+from table_causes import previous_token  # noqa: E402
 from worth_it import ranges  # noqa: E402
 
 import posextend  # noqa: E402
@@ -140,11 +146,19 @@ def repeat_rows(gen: torch.Generator, n: int) -> torch.Tensor:
     return torch.stack(rows) if rows else torch.zeros(0, OLD, dtype=torch.long)
 
 
+def passage(rng: random.Random) -> list[int]:
+    """``OLD`` words from a random place in a document of ``4 x OLD`` whose copies reach ``OLD`` back: as the
+    fine-tune's sequences are cut from long documents, some copies start before the window (the source learns
+    that a copy it cannot see is not there, rather than expecting one everywhere)."""
+    start = rng.randrange(3 * OLD + 1)
+    return document(rng, 4 * OLD, OLD)[start:start + OLD]
+
+
 def pretrain(path: Path, s: dict, seed: int) -> dict:
     """The source: :data:`MODEL` at ``OLD`` positions. First ``prelude`` steps on :func:`skip_rows` (a previous-token
-    head), then batches of half :func:`repeat_rows`, a quarter skip rows and a quarter 64-word documents of the
-    language (copies within the window); after :data:`LAST_SKIPS` of the steps, documents in place of the skip rows
-    (a source that reads the language, not the skip rule). AdamW, warm-up then cosine. Saved with its tokenizer at
+    head), then batches of half :func:`repeat_rows`, a quarter skip rows and a quarter 64-word passages of the
+    language (:func:`passage`: copies within the window, or begun before it); after :data:`LAST_SKIPS` of the steps,
+    passages in place of the skip rows (a source that reads the language, not the skip rule). AdamW, warm-up then cosine. Saved with its tokenizer at
     ``path``."""
     torch.manual_seed(seed)
     config = transformers.GPT2Config(vocab_size=len(VOCABULARY), n_positions=OLD, bos_token_id=1, eos_token_id=1,
@@ -174,7 +188,7 @@ def pretrain(path: Path, s: dict, seed: int) -> dict:
         skips = batch if step < s["prelude"] else quarter if step < LAST_SKIPS * steps else 0
         docs = 0 if step < s["prelude"] else batch - skips - 2 * quarter  # repeats: the rest
         rows = torch.cat([skip_rows(gen, skips, perm), repeat_rows(gen, batch - skips - docs),
-                          torch.tensor([document(rng, OLD, OLD) for _ in range(docs)], dtype=torch.long).view(docs, OLD)])
+                          torch.tensor([passage(rng) for _ in range(docs)], dtype=torch.long).view(docs, OLD)])
         loss = model(input_ids=rows, labels=rows).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -228,6 +242,12 @@ def extend_and_read(src: Path, work: Path, corpora: dict, tok, source, s: dict, 
                                 **({"strategy": strategy} if strategy else {}))
     seconds = time.perf_counter() - t0
     tuned = transformers.AutoModelForCausalLM.from_pretrained(dst).eval()
+    posextend.resize_checkpoint(src, work / "untrained", new, report.strategy, seed=seed, overwrite=True)
+    head = previous_token(source, OLD, OLD)["head"]
+    local = {"source": previous_token(source, OLD, OLD),
+             "resized": previous_token(transformers.AutoModelForCausalLM.from_pretrained(work / "untrained"), new, OLD,
+                                       head),
+             "fine-tuned": previous_token(tuned, new, OLD, head)}
     rows = {name: read(tuned, source, pack(tok, read_documents([path]), new)[: s["eval_sequences"]])
             for name, path in corpora.items() if name != "train"}
     aside = pack(tok, read_documents([corpora["kept aside"]]), new)
@@ -237,11 +257,13 @@ def extend_and_read(src: Path, work: Path, corpora: dict, tok, source, s: dict, 
           f"{table(rows)}\n")
     for name, p in after.items():
         print(probe_line(f"the extended model, {name} ({new} over {OLD})", p))
+    print("the source's previous-token head (first layer, from the positions alone), its weight on p-1 within "
+          f"{OLD} / past it: " + "; ".join(f"{k} {v['within']:.2f} / {v['past']:.2f}" for k, v in local.items()))
     return {"finetune": {"strategy": report.strategy, "steps": report.steps, "tokens": report.tokens,
                          "seconds": seconds, "lr": report.lr, "written_step": report.written_step,
                          "verdict": report.verdict.to_dict() if report.verdict else None,
                          "context_use": report.context_use.to_dict() if report.context_use else None},
-            "rows": rows, "probe_after": after}
+            "rows": rows, "probe_after": after, "previous_token": local}
 
 
 def main() -> None:

@@ -147,6 +147,45 @@ print("ok")
     assert _run("-c", check, cwd=ROOT).strip() == "ok"
 
 
+def test_no_harm_quick(tmp_path, austen):
+    """Two of the no-harm candidates as written: the position table at 10x the lr (the optimizer's groups) and the
+    self teacher (its cost: fewer steps), each read whole against its own window, before and after training."""
+    out = _run(ROOT / "benchmarks" / "no_harm.py", "--data", austen, "--quick", "--candidates", "table lr x10",
+               "self teacher", "--seen", "", "--cache", tmp_path / "c", "--out", tmp_path / "o", "--json",
+               tmp_path / "n.json", cwd=tmp_path)
+    data = json.loads((tmp_path / "n.json").read_text())
+    rows = data["rows"]
+    assert set(rows) == {"table lr x10", "self teacher"}
+    assert rows["table lr x10"]["steps"] == 6 and rows["self teacher"]["steps"] == round(6 / 1.9)
+    for row in rows.values():
+        for reading in (row["untrained"], row["trained"]):
+            for r in reading.values():
+                assert r["whole_over_self"] == pytest.approx(r["whole"] / r["self"]) and r["in_place"] > 1
+        assert row["trained"] != row["untrained"]
+    assert "| table lr x10 | 6 |" in out and "| self teacher | 3 |" in out
+
+
+def test_table_lr_gives_the_table_its_own_group():
+    """``table_causes.table_lr``: within the block the optimizer holds the table at ``factor`` x the lr and the rest
+    at the lr; after it, one group again; a model without one table of that many rows is refused."""
+    import importlib.util
+
+    import torch
+
+    from posextend.training import setup
+
+    spec = importlib.util.spec_from_file_location("table_causes", ROOT / "benchmarks" / "table_causes.py")
+    table_causes = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table_causes)
+    table, other = torch.nn.Parameter(torch.zeros(12, 4)), torch.nn.Parameter(torch.zeros(5, 4))
+    with table_causes.table_lr(10.0, 12):
+        groups = setup._adamw([other, table], 1e-3).param_groups
+    assert [(g["lr"], [tuple(p.shape) for p in g["params"]]) for g in groups] == [(1e-3, [(5, 4)]), (1e-2, [(12, 4)])]
+    assert len(setup._adamw([other, table], 1e-3).param_groups) == 1
+    with pytest.raises(RuntimeError, match="one parameter of 7 rows"), table_causes.table_lr(10.0, 7):
+        setup._adamw([other, table], 1e-3)
+
+
 def test_resize_speed_tiny(tmp_path):
     out = _run(ROOT / "benchmarks" / "resize_speed.py", "--sizes", "tiny", "vit-tiny", "--reps", "1", "--workdir",
                tmp_path, cwd=ROOT)
@@ -277,6 +316,10 @@ def test_uses_context_quick(tmp_path):
     for probe in (before, after, data["probe_after"]["kept-aside text"]):
         assert math.isfinite(probe["repeat_whole"]) and math.isfinite(probe["repeat_window"])
     assert data["finetune"]["steps"] >= 1 and data["pretrain"]["curve"][-1]["step"] == data["meta"]["settings"]["pretrain_steps"]
+    local = data["previous_token"]  # the source's previous-token head: its own, on the untrained resize, fine-tuned
+    assert set(local) == {"source", "resized", "fine-tuned"} and local["source"]["past"] == 0
+    assert len({v["head"] for v in local.values()}) == 1 and all(0 < v["within"] < 1 for v in local.values())
+    assert f"source {local['source']['within']:.2f} / 0.00; resized {local['resized']['within']:.2f}" in out
     assert "| text | far range, whole | / itself through 64 | / the source through 64 | original Δ |" in out
     import transformers  # the corpora's text reads back as the words the source was pretrained on: none unknown
 

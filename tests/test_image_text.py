@@ -222,6 +222,20 @@ def test_a_strategy_parameter_reaches_the_resize(clip, data, tmp_path):
     with safe_open(tmp_path / "out" / "model.safetensors", "pt") as f:
         assert json.loads(f.metadata()["posextend.params"]) == {"keep": 10}
 
+def test_a_held_out_set_with_few_first_sentences_is_named(clip, data, tmp_path, monkeypatch):
+    """Among a few first sentences a short-caption loss can hide: the notes say so, and ask for more held-out
+    pairs; from FEW_SHORTS on they do not."""
+    from posextend.training.objectives import image_text
+
+    warning = "so few that a loss on short captions can hide"
+    for few, named in ((image_text.FEW_SHORTS, True), (1, False)):
+        monkeypatch.setattr(image_text, "FEW_SHORTS", few)
+        report = posextend.finetune(clip, tmp_path / "out", [data["train"]], eval_data=[str(data["held"])],
+                                    length=NEW, steps=1, overwrite=True)
+        line = next(n for n in report.notes if n.startswith("Held-out pairs:"))
+        assert (warning in line) is named and ("give more held-out pairs" in line) is named, line
+
+
 def test_length_and_image_size_in_one_run(clip, data, tmp_path):
     finetune_cli(clip, tmp_path / "both", data, "--length", NEW, "--image-size", BIGGER)
     model = transformers.CLIPModel.from_pretrained(tmp_path / "both")

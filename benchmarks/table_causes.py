@@ -1,0 +1,57 @@
+"""Causes of an extended LM's harm, as the no-harm and uses-context benchmarks try them (issue 60, item 1).
+
+- :func:`table_lr`: the position table trained at a multiple of the run's lr (new rows trained on fewer updates
+  than old ones).
+- :func:`previous_token`: how much of each first-layer head's attention goes to the previous token from the
+  positions alone (the first half of an induction head), before and past the old length: what a strategy keeps of
+  the source's local attention before any training.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+
+import torch
+
+
+@contextlib.contextmanager
+def table_lr(factor: float, rows: int) -> Iterator[None]:
+    """Within the block, a fine-tune's optimizer gives the parameter of ``rows`` rows (the resized position
+    table; the benchmark's model has one such) ``factor`` x the run's lr."""
+    from posextend.training import setup
+
+    adamw = setup._adamw
+
+    def grouped(params, lr):
+        params = list(params)
+        table = [p for p in params if p.dim() == 2 and p.shape[0] == rows]
+        if len(table) != 1:
+            raise RuntimeError(f"expected one parameter of {rows} rows, found {len(table)}")
+        rest = [p for p in params if p is not table[0]]
+        return adamw([{"params": rest, "lr": lr}, {"params": table, "lr": lr * factor}], lr)
+
+    setup._adamw = grouped
+    try:
+        yield
+    finally:
+        setup._adamw = adamw
+
+
+@torch.no_grad()
+def previous_token(model, length: int, old: int, head: int | None = None) -> dict[str, float]:
+    """A GPT-2's first-layer heads read from its position rows alone (``ln_1`` of ``wpe``, the query and key
+    projections, their scaling, the causal mask): the largest mean softmax weight a head gives position ``p - 1``, over
+    ``p < old`` and over ``old <= p < length`` (0 when ``length <= old``), or head ``head``'s (the source's
+    previous-token head, read on a resized copy)."""
+    block, width = model.transformer.h[0], model.config.n_embd
+    heads = model.config.n_head
+    qkv = block.attn.c_attn(block.ln_1(model.transformer.wpe.weight[:length]))
+    q, k = (qkv[:, i * width:(i + 1) * width].view(length, heads, -1).transpose(0, 1) for i in (0, 1))
+    future = torch.ones(length, length, dtype=torch.bool).triu(1)
+    scores = (q @ k.transpose(1, 2) / math.sqrt(width // heads)).masked_fill(future, -math.inf)
+    weight = scores.softmax(-1)[:, torch.arange(1, length), torch.arange(length - 1)]  # [heads, length - 1]: on p-1
+    near, far = weight[:, : old - 1].mean(1), weight[:, old - 1:].mean(1) if length > old else torch.zeros(heads)
+    best = int(near.argmax()) if head is None else head
+    return {"head": best, "within": float(near[best]), "past": float(far[best])}
