@@ -49,8 +49,8 @@ FAMILIES = ("clip", "siglip", "siglip2", "chinese_clip", "altclip", "metaclip_2"
 PCA_MOST, PCA_SHARE = 32, 4  # Long-CLIP: 32 principal components of each GPU's 128 image features (a quarter)
 MODES = ("cut", "chunks")  # how a caption longer than the old length is read without the extension
 # the original range read among fewer distinct first sentences hides losses (benchmarks/image_text.py: every run read
-# 0.875-0.884 against the source's 0.884 among 56 while losing 0.14 among 224; the defaults -1.0% among 32 one-row
-# pairs against -3.4% among 128 kept aside)
+# 0.875-0.884 against the source's 0.884 among its 56 while losing 0.14 among the kept-aside 224; on another seed's
+# splits the defaults read -1.0% among 56 against -3.4% among 216)
 FEW_SHORTS = 200
 
 
@@ -209,8 +209,9 @@ class ImageText(ImageObjective):
             shorts = len(distinct_shorts(run.processor.tokenizer, caption_texts(pairs), old)[0])
             lines.append(f"Held-out pairs: {len(long)} captions longer than {old} tokens (the far range); "
                          f"the original range, their first sentences: {shorts} distinct of {len(pairs)}, one "
-                         "image each" + (f"; so few that a loss on short captions can hide (among {FEW_SHORTS} or "
-                                         "more it shows): give more held-out pairs" if shorts < FEW_SHORTS else ""))
+                         "image each" + ("; so few that a loss on short captions can hide among them: give more "
+                                         f"held-out pairs ({FEW_SHORTS} or more first sentences)" if shorts < FEW_SHORTS
+                                         else ""))
         else:
             lines.append("No verdict: the text length is not extended (an image size alone is read before and after)")
         return lines
