@@ -19,6 +19,10 @@ after training and untrained (step 0):
   sequence: against ``self`` it isolates the far positions, against ``whole`` the longer context;
 - ``original Δ``: the first ``old`` positions against the source's (target: within 2%).
 
+Why, per candidate (a second table): the far range with the first layer, and with the later layers, made to see
+only the last ``old`` keys (``table_causes.banded``), and the first layer's attention entropy at positions
+``old - 1`` and ``4 * old - 1`` (a head averaging its whole prefix spreads as the log of the position).
+
 ``--seen`` scores a training novel too (not a target: what the longer context does on text trained on).
 
 Candidates (``--candidates`` picks some):
@@ -58,7 +62,7 @@ import torch
 import transformers
 from quality import SETTINGS, build_reference, machine
 from quality_grid import WindowTeacher, plugin_objective
-from table_causes import table_lr
+from table_causes import banded, entropy_by_position, table_lr
 from worth_it import ranges
 
 import posextend
@@ -183,11 +187,27 @@ def read(model, seqs: torch.Tensor, old: int) -> dict:
             "in_place": far_in_place(model, seqs, old)}
 
 
+def why(path: Path, seqs: torch.Tensor, old: int) -> dict:
+    """Which layers use keys past the old window at the far positions: the far range with the first layer, and
+    with the later layers, made to see only the last ``old`` keys; the first layer's attention entropy at the old
+    window's last position and the new length's (a head averaging its whole prefix spreads with the position)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
+    layers = model.config.n_layer
+    with banded({0}, old):
+        first, _ = ranges(model, seqs, old)
+    with banded(set(range(1, layers)), old):
+        later, _ = ranges(model, seqs, old)
+    n = seqs.shape[1]
+    return {"first_layer_in_window": first, "later_layers_in_window": later,
+            "entropy": entropy_by_position(model, seqs[:16], [old - 1, n - 1])}
+
+
 def scored(path: Path, texts: dict[str, torch.Tensor], old: int, source: dict) -> dict:
     model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
     out = {}
     for label, seqs in texts.items():
         r = read(model, seqs, old)
+        r["why"] = why(path, seqs, old)
         r["whole_over_source"] = r["whole"] / source[label]["window"]
         r["original_change"] = r["original"] / source[label]["original"] - 1
         out[label] = r
@@ -210,6 +230,24 @@ def table(rows: dict, source: dict, labels: list[str]) -> str:
             steps, secs = (row["steps"], f"{row['seconds']:.0f}") if when == "trained" else (0, "–")
             lines.append(f"| {name}{', untrained' if when == 'untrained' else ''} | {steps} | {secs} | "
                          + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def why_table(rows: dict, labels: list[str]) -> str:
+    """Per candidate, before and after training: the far range whole, with the first layer and with the later
+    layers seeing only the old window's keys, and the first layer's entropy at the old and the new last position."""
+    head = " | ".join(f"{t}: whole; first layer in window; later layers in window; entropy" for t in labels)
+    lines = [f"| candidate | {head} |", "|---|" + "---|" * len(labels)]
+    for name, row in rows.items():
+        for when in ("untrained", "trained"):
+            if when in row:
+                cells = []
+                for t in labels:
+                    r, w = row[when][t], row[when][t]["why"]
+                    low, high = (w["entropy"][k] for k in sorted(w["entropy"], key=int))
+                    cells.append(f"{r['whole']:.1f}; {w['first_layer_in_window']:.1f}; {w['later_layers_in_window']:.1f};"
+                                 f" {low:.2f} → {high:.2f}")
+                lines.append(f"| {name}{', untrained' if when == 'untrained' else ''} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -280,16 +318,19 @@ def main() -> None:
     shutil.rmtree(args.out / "start", ignore_errors=True)
     labels = list(texts)
     text = table(rows, source, labels)
+    causes = why_table(rows, labels)
     hardware = machine()
     meta = {"mode": mode, "settings": s, "reference": info, "old_length": old, "new_length": new,
             "steps": steps, "train": args.train, "tuned": args.tuned, "aside": args.aside,
             "eval_tokens": {k: int(v.numel()) for k, v in texts.items()}, "seed": args.seed,
             "wall_seconds": time.perf_counter() - t_start, "hardware": hardware, "torch": torch.__version__,
             "threads": torch.get_num_threads(), "posextend": posextend.__version__}
-    print(f"\n{text}\n\n{meta['wall_seconds'] / 60:.1f} min on {hardware}, {torch.get_num_threads()} thread(s)")
+    print(f"\n{text}\n\nWhich layers read past the old window at the far positions (the far range; the first layer's "
+          f"attention entropy at positions {old - 1} and {new - 1}):\n\n{causes}\n\n"
+          f"{meta['wall_seconds'] / 60:.1f} min on {hardware}, {torch.get_num_threads()} thread(s)")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"meta": meta, "source": source, "rows": rows, "table": text}, indent=2) + "\n")
+        args.json.write_text(json.dumps({"meta": meta, "source": source, "rows": rows, "table": text, "why": causes}, indent=2) + "\n")
         print(f"written: {args.json}")
 
 

@@ -7,9 +7,11 @@ default fine-tune (``posextend.finetune(src, dst, data, length=...)``: 200 steps
 ``tile`` also with the anchor at 1). The
 score is the masked-sentence perplexity of held-out text (one novel, ``--heldout``), by where each masked
 sentence sat in the source: near (the original range) and far (the last ``1 / factor`` of the new length),
-against the source reading the same text in windows of its own length.
+against the source reading the same text in windows of its own length, and against the same fine-tuned model
+reading it in windows of the old length (``self``: issue 60's target is far / self <= 1.00).
 
     python benchmarks/seq2seq.py --data ../shared/data/austen [--quick] [--json docs/seq2seq.json]
+    python benchmarks/seq2seq.py --data ../shared/data/austen --recipes tile:lr=3e-4 tile:steps=600   # other options
 """
 
 from __future__ import annotations
@@ -86,6 +88,19 @@ def build_reference(work: Path, train_files: list[Path], s: dict, seed: int) -> 
     return ref, {**info, "reused": False}
 
 
+RECIPES = ["tile", "tile:anchor=1", "interpolate"]
+
+
+def recipe(text: str) -> tuple[str, dict]:
+    """``"tile:anchor=1,lr=1e-3"`` -> ``("tile", {"anchor": 1.0, "lr": 0.001})`` (numbers as numbers)."""
+    strategy, _, rest = text.partition(":")
+    options = {}
+    for item in filter(None, rest.split(",")):
+        key, _, value = item.partition("=")
+        options[key] = int(value) if value.isdigit() else float(value) if value.replace(".", "").replace("e-", "").isdigit() else value
+    return strategy, options
+
+
 def ranges(report, old: int, new: int) -> dict[str, float]:
     """Masked-sentence perplexity near (the original range) and far (the last ``old`` positions)."""
     return {"near": report.range_perplexity(0, old), "far": report.range_perplexity(new - old, new),
@@ -101,6 +116,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workdir", type=Path, default=Path(".bench/seq2seq"))
     ap.add_argument("--json", type=Path, help="write the results here")
+    ap.add_argument("--recipes", nargs="+", default=RECIPES, metavar="STRATEGY[:KEY=VALUE,...]",
+                    help="fine-tunes to run, each a strategy and the options that differ from the defaults "
+                         f"(default: {' '.join(RECIPES)})")
     args = ap.parse_args()
     s = SETTINGS["quick" if args.quick else "full"]
     held = args.data / args.heldout
@@ -115,26 +133,30 @@ def main() -> None:
     rows = {f"source at its own length ({old}-token windows)": {"near": own.perplexity, "far": own.perplexity,
                                                                 "all": own.perplexity}}
     seconds = {}
-    recipes = [("tile", {}), ("tile", {"anchor": 1.0}), ("interpolate", {})]
+    recipes = [recipe(r) for r in args.recipes]
     for strategy, extra in recipes:
         resized = args.workdir / f"{strategy}-{new}"
         if f"{strategy}, untrained" not in rows:
             posextend.resize_checkpoint(ref, resized, new, strategy, seed=args.seed, overwrite=True)
             rows[f"{strategy}, untrained"] = ranges(posextend.evaluate(resized, [held], length=new, **score), old, new)
-        label = f"{strategy} + seq2seq fine-tune ({'defaults' if not extra else ', '.join(f'{k} {v:g}' for k, v in extra.items())})"
+        label = f"{strategy} + seq2seq fine-tune ({'defaults' if not extra else ', '.join(f'{k} {v}' for k, v in extra.items())})"
         t0 = time.perf_counter()
         tuned = args.workdir / f"{strategy}-{new}-ft{len(seconds)}"
         posextend.finetune(ref, tuned, train_files, length=new, strategy=strategy, seed=args.seed, overwrite=True,
-                           **({"steps": s["steps"]} if s["steps"] else {}), **extra)
+                           **{**({"steps": s["steps"]} if s["steps"] else {}), **extra})
         seconds[label] = time.perf_counter() - t0
         rows[label] = ranges(posextend.evaluate(tuned, [held], length=new, **score), old, new)
+        # its control: the same fine-tuned model reading the text in windows of the old length
+        rows[label]["self"] = posextend.evaluate(tuned, [held], length=old, **{**score, "buckets": 1}).perplexity
     reference = rows[f"source at its own length ({old}-token windows)"]["all"]
     print(f"\n### BART {s['layers']}+{s['layers']}x{s['width']}, {old} -> {new} positions; held-out "
           f"{args.heldout}, masked-sentence perplexity by source position\n")
-    print(f"| model | near (0-{old - 1}) | far ({new - old}-{new - 1}) | far / source |")
-    print("|---|---|---|---|")
+    print(f"| model | near (0-{old - 1}) | far ({new - old}-{new - 1}) | far / source | itself in {old}-token windows | "
+          "far / itself |")
+    print("|---|---|---|---|---|---|")
     for name, r in rows.items():
-        print(f"| {name} | {r['near']:.1f} | {r['far']:.1f} | {r['far'] / reference:.2f} |")
+        own_windows = f"{r['self']:.1f} | {r['far'] / r['self']:.3f}" if "self" in r else "– | –"
+        print(f"| {name} | {r['near']:.1f} | {r['far']:.1f} | {r['far'] / reference:.3f} | {own_windows} |")
     total = time.perf_counter() - start
     print(f"\nreference: pretrained {s['pretrain_steps']} steps in {info['seconds']:.0f} s (loss {info['first_loss']:.2f} "
           f"-> {info['last_loss']:.2f}); fine-tunes {', '.join(f'{k} {v:.0f} s' for k, v in seconds.items())}; "

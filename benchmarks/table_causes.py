@@ -5,6 +5,10 @@
 - :func:`previous_token`: how much of each first-layer head's attention goes to the previous token from the
   positions alone (the first half of an induction head), before and past the old length: what a strategy keeps of
   the source's local attention before any training.
+- :func:`banded`: a GPT-2's chosen layers made to see only the last ``width`` keys (eager attention), so a reading
+  says which layers at the far positions use keys past the old window.
+- :func:`entropy_by_position`: the first layer's attention entropy at chosen query positions (how widely it
+  spreads: a head that averages its whole prefix grows as the log of the position).
 """
 
 from __future__ import annotations
@@ -55,3 +59,35 @@ def previous_token(model, length: int, old: int, head: int | None = None) -> dic
     near, far = weight[:, : old - 1].mean(1), weight[:, old - 1:].mean(1) if length > old else torch.zeros(heads)
     best = int(near.argmax()) if head is None else head
     return {"head": best, "within": float(near[best]), "past": float(far[best])}
+
+
+@contextlib.contextmanager
+def banded(layers: set[int], width: int) -> Iterator[None]:
+    """Within the block, GPT-2 layers ``layers`` (``layer_idx``), read with ``attn_implementation="eager"``,
+    attend causally to the last ``width`` keys only (every other layer causally to all); no padding."""
+    from transformers.models.gpt2 import modeling_gpt2
+
+    eager = modeling_gpt2.eager_attention_forward
+
+    def within(module, query, key, value, attention_mask, **kwargs):
+        n, m = query.shape[-2], key.shape[-2]
+        q, k = torch.arange(m - n, m)[:, None], torch.arange(m)[None]
+        allowed = (k <= q) & ((q - k < width) if module.layer_idx in layers else True)
+        mask = torch.zeros(n, m, dtype=query.dtype, device=query.device).masked_fill(~allowed.to(query.device),
+                                                                                      -math.inf)
+        return eager(module, query, key, value, mask, **kwargs)
+
+    modeling_gpt2.eager_attention_forward = within
+    try:
+        yield
+    finally:
+        modeling_gpt2.eager_attention_forward = eager
+
+
+@torch.no_grad()
+def entropy_by_position(model, seqs: torch.Tensor, positions: list[int]) -> dict[int, float]:
+    """The first layer's attention entropy (nats, mean over heads and sequences) at each query position in
+    ``positions`` (the model loaded with ``attn_implementation="eager"``)."""
+    weights = model(input_ids=seqs, output_attentions=True).attentions[0]  # [B, heads, n, n]
+    entropy = -(weights.clamp_min(1e-12).log() * weights).sum(-1).mean((0, 1))
+    return {p: float(entropy[p]) for p in positions}

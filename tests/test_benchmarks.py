@@ -162,21 +162,58 @@ def test_no_harm_quick(tmp_path, austen):
             for r in reading.values():
                 assert r["whole_over_self"] == pytest.approx(r["whole"] / r["self"]) and r["in_place"] > 1
         assert row["trained"] != row["untrained"]
+        for r in row["trained"].values():  # which layers read past the old window
+            assert r["why"]["first_layer_in_window"] > 1 and r["why"]["later_layers_in_window"] > 1
+            assert set(r["why"]["entropy"]) == {"31", "127"}  # JSON keys: positions old - 1 and new - 1
     assert "| table lr x10 | 6 |" in out and "| self teacher | 3 |" in out
+    assert "Which layers read past the old window" in out
+
+
+def _table_causes():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("table_causes", ROOT / "benchmarks" / "table_causes.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_banded_layers_see_only_their_last_keys():
+    """``table_causes.banded``: a band as wide as the sequence reads as the model does; a band of one key in every
+    layer makes each position's logits independent of the tokens before it; afterwards the model is itself again."""
+    import torch
+    import transformers
+
+    table_causes = _table_causes()
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=50, n_positions=16, n_embd=32, n_layer=2, n_head=2,
+                                     attn_implementation="eager")
+    model = transformers.GPT2LMHeadModel(config).eval()
+    ids = torch.randint(50, (2, 16))
+    changed = ids.clone()
+    changed[:, :8] = (changed[:, :8] + 1) % 50
+    with torch.no_grad():
+        plain = model(input_ids=ids).logits
+        with table_causes.banded({0, 1}, 16):
+            assert torch.allclose(model(input_ids=ids).logits, plain, atol=1e-5)
+        with table_causes.banded({0, 1}, 1):
+            alone, alone_changed = model(input_ids=ids).logits, model(input_ids=changed).logits
+        with table_causes.banded({0}, 1):
+            first_only = model(input_ids=changed).logits
+        again = model(input_ids=ids).logits
+    assert torch.allclose(alone[:, 8:], alone_changed[:, 8:], atol=1e-5)  # the changed tokens are out of reach
+    assert not torch.allclose(first_only[:, 8:], alone_changed[:, 8:], atol=1e-3)  # layer 1 still reads them
+    assert torch.equal(again, plain)
 
 
 def test_table_lr_gives_the_table_its_own_group():
     """``table_causes.table_lr``: within the block the optimizer holds the table at ``factor`` x the lr and the rest
     at the lr; after it, one group again; a model without one table of that many rows is refused."""
-    import importlib.util
-
     import torch
 
     from posextend.training import setup
 
-    spec = importlib.util.spec_from_file_location("table_causes", ROOT / "benchmarks" / "table_causes.py")
-    table_causes = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(table_causes)
+    table_causes = _table_causes()
     table, other = torch.nn.Parameter(torch.zeros(12, 4)), torch.nn.Parameter(torch.zeros(5, 4))
     with table_causes.table_lr(10.0, 12):
         groups = setup._adamw([other, table], 1e-3).param_groups
@@ -282,7 +319,21 @@ def test_seq2seq_quick(tmp_path, request):
                           "interpolate, untrained", "interpolate + seq2seq fine-tune (defaults)"]
     assert all(math.isfinite(v) and v > 1 for r in rows.values() for v in r.values())
     assert result["reference"]["last_loss"] < result["reference"]["first_loss"]  # pretraining learned
-    assert "| model | near (0-63) | far (192-255) | far / source |" in out
+    assert "| model | near (0-63) | far (192-255) | far / source | itself in 64-token windows | far / itself |" in out
+    tuned = [name for name in rows if "fine-tune" in name]
+    assert all("self" in rows[name] for name in tuned)  # every fine-tune read against its own old windows
+    row = rows["tile + seq2seq fine-tune (defaults)"]
+    assert f"| {row['far'] / row['self']:.3f} |" in out
+
+
+def test_seq2seq_recipes_parse():
+    """``--recipes``: a strategy and the options that differ from the defaults, numbers as numbers."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from seq2seq import recipe
+
+    assert recipe("tile") == ("tile", {})
+    assert recipe("tile:anchor=1,lr=1e-3") == ("tile", {"anchor": 1, "lr": 0.001})
+    assert recipe("interpolate:schedule=constant,steps=600") == ("interpolate", {"schedule": "constant", "steps": 600})
 
 
 def test_image_text_quick(tmp_path):
