@@ -187,11 +187,11 @@ def read(model, seqs: torch.Tensor, old: int) -> dict:
             "in_place": far_in_place(model, seqs, old)}
 
 
-def why(path: Path, seqs: torch.Tensor, old: int) -> dict:
+def why(model, seqs: torch.Tensor, old: int) -> dict:
     """Which layers use keys past the old window at the far positions: the far range with the first layer, and
     with the later layers, made to see only the last ``old`` keys; the first layer's attention entropy at the old
-    window's last position and the new length's (a head averaging its whole prefix spreads with the position)."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
+    window's last position and the new length's (a head averaging its whole prefix spreads with the position).
+    ``model``: loaded with eager attention, the path :func:`table_causes.banded` patches."""
     layers = model.config.n_layer
     with banded({0}, old):
         first, _ = ranges(model, seqs, old)
@@ -204,10 +204,11 @@ def why(path: Path, seqs: torch.Tensor, old: int) -> dict:
 
 def scored(path: Path, texts: dict[str, torch.Tensor], old: int, source: dict) -> dict:
     model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    eager = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
     out = {}
     for label, seqs in texts.items():
         r = read(model, seqs, old)
-        r["why"] = why(path, seqs, old)
+        r["why"] = why(eager, seqs, old)
         r["whole_over_source"] = r["whole"] / source[label]["window"]
         r["original_change"] = r["original"] / source[label]["original"] - 1
         out[label] = r

@@ -17,6 +17,7 @@ reading it in windows of the old length (``self``: issue 60's target is far / se
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shutil
 import time
@@ -97,8 +98,15 @@ def recipe(text: str) -> tuple[str, dict]:
     options = {}
     for item in filter(None, rest.split(",")):
         key, _, value = item.partition("=")
-        options[key] = int(value) if value.isdigit() else float(value) if value.replace(".", "").replace("e-", "").isdigit() else value
+        options[key] = _number(value)
     return strategy, options
+
+
+def _number(value: str) -> int | float | str:
+    for kind in (int, float):
+        with contextlib.suppress(ValueError):
+            return kind(value)
+    return value
 
 
 def ranges(report, old: int, new: int) -> dict[str, float]:
