@@ -93,7 +93,7 @@ RECIPES = ["tile", "tile:anchor=1", "interpolate"]
 
 
 def recipe(text: str) -> tuple[str, dict]:
-    """``"tile:anchor=1,lr=1e-3"`` -> ``("tile", {"anchor": 1.0, "lr": 0.001})`` (numbers as numbers)."""
+    """``"tile:anchor=1,lr=1e-3"`` -> ``("tile", {"anchor": 1, "lr": 0.001})``: each value an int, else a float, else text."""
     strategy, _, rest = text.partition(":")
     options = {}
     for item in filter(None, rest.split(",")):
