@@ -2,6 +2,7 @@
 
 - :func:`table_lr`: the position table trained at a multiple of the run's lr (new rows trained on fewer updates
   than old ones).
+- :func:`first_layer_logits`: a GPT-2's first-layer attention logits from its position rows alone.
 - :func:`previous_token`: how much of each first-layer head's attention goes to the previous token from the
   positions alone (the first half of an induction head), before and past the old length: what a strategy keeps of
   the source's local attention before any training.
@@ -43,18 +44,25 @@ def table_lr(factor: float, rows: int) -> Iterator[None]:
         setup._adamw = adamw
 
 
+def first_layer_logits(model, rows: torch.Tensor) -> torch.Tensor:
+    """[heads, n, n]: a GPT-2's first-layer attention logits from position rows alone (``ln_1``, the query and key
+    projections, their scaling), the future masked."""
+    block, width, heads = model.transformer.h[0], model.config.n_embd, model.config.n_head
+    n = rows.shape[0]
+    qkv = block.attn.c_attn(block.ln_1(rows))
+    q, k = (qkv[:, i * width:(i + 1) * width].view(n, heads, -1).transpose(0, 1) for i in (0, 1))
+    z = q @ k.transpose(1, 2) / math.sqrt(width // heads)
+    return z.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), -math.inf)
+
+
 @torch.no_grad()
 def previous_token(model, length: int, old: int, head: int | None = None) -> dict[str, float]:
     """A GPT-2's first-layer heads read from its position rows alone (``ln_1`` of ``wpe``, the query and key
     projections, their scaling, the causal mask): the largest mean softmax weight a head gives position ``p - 1``, over
     ``p < old`` and over ``old <= p < length`` (0 when ``length <= old``), or head ``head``'s (the source's
     previous-token head, read on a resized copy)."""
-    block, width = model.transformer.h[0], model.config.n_embd
     heads = model.config.n_head
-    qkv = block.attn.c_attn(block.ln_1(model.transformer.wpe.weight[:length]))
-    q, k = (qkv[:, i * width:(i + 1) * width].view(length, heads, -1).transpose(0, 1) for i in (0, 1))
-    future = torch.ones(length, length, dtype=torch.bool).triu(1)
-    scores = (q @ k.transpose(1, 2) / math.sqrt(width // heads)).masked_fill(future, -math.inf)
+    scores = first_layer_logits(model, model.transformer.wpe.weight[:length])
     weight = scores.softmax(-1)[:, torch.arange(1, length), torch.arange(length - 1)]  # [heads, length - 1]: on p-1
     near, far = weight[:, : old - 1].mean(1), weight[:, old - 1:].mean(1) if length > old else torch.zeros(heads)
     best = int(near.argmax()) if head is None else head

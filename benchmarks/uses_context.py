@@ -1,7 +1,7 @@
 """A model that uses its context, so an extension's gain can be shown: a synthetic language of repeats.
 
-    python benchmarks/uses_context.py --json docs/uses_context.json     # ~5 min on one CPU core
-    python benchmarks/uses_context.py --quick                            # ~15 s (used by the tests)
+    python benchmarks/uses_context.py --json docs/uses_context.json     # over 45 min on one CPU core
+    python benchmarks/uses_context.py --quick                            # ~25 s (used by the tests)
 
 No LM pretrained here on real text reads past its window (``context_probe.py``: a repeated passage reads as
 badly whole as windowed), so no extension of one can show that the longer context helps. This script makes one
@@ -22,16 +22,20 @@ that does, on a task where the far tokens carry what a window cannot see:
   falls from the vocabulary's perplexity to near 1 in a phase change (here after about 1,800 steps: the curve
   is printed). The probe is shown first, *within its window*: a passage repeated 40 tokens later, whole against
   a 16-token window.
-- **The extension.** ``posextend.finetune(SRC, DST, [train.jsonl], length=4 x OLD, budget=...)``: the length,
-  the data, the seed and a budget, nothing else. The training documents are 1,024 words long with copies up
-  to 4 x OLD back: most of them farther back than the old window reaches.
+- **The extension.** ``posextend.finetune(SRC, DST, [train.jsonl], length=4 x OLD)``: the length, the data and
+  the seed, nothing else (the defaults' own budget, 15 minutes; ``--budget`` gives another); or, with
+  ``--strategies``, recipes (``STRATEGY[:KEY=VALUE,...]``: ``interpolate:steps=6000`` trains exactly 6,000 steps,
+  which no held-out check stops; ``anchor=0``; ``keep-local``, :mod:`local_rows`'s strategy). The training
+  documents are 1,024 words long with copies up to 4 x OLD back: most of them farther back than the old window
+  reaches.
 - **The reading**, on held-out documents (the settings here were chosen on them) and on documents kept aside
   (never trained on, never used to choose anything), packed into sequences of ``4 x OLD``: the far range
   (positions ``2 x OLD .. 4 x OLD - 1``) with the whole context, against the same model through its old
-  ``OLD``-token window (``self``: the control), and against the source through its window (``source``);
-  and the probe (:func:`posextend.scoring.context_use.context_use`) before and after: a passage repeated
-  beyond the old window, read whole and windowed. Issue 60's target for a model that passes the probe:
-  far range <= 0.97 x its own window.
+  ``OLD``-token window (``self``: the control), against the exact control through its window (``exact``: the
+  source fine-tuned at ``OLD`` on the same documents and as many tokens, ``worth_it.train_exact``), and against
+  the source through its window (``source``); and the probe (:func:`posextend.scoring.context_use.context_use`)
+  before and after: a passage repeated beyond the old window, read whole and windowed. Issue 60's target for a
+  model that passes the probe: far range <= 0.97 x its own window and <= 0.97 x the exact control.
 - **Why**, per run: the source's previous-token head (``table_causes.previous_token``: the first layer's attention
   from the position rows alone, its weight on the previous token within the old length and past it) in the
   source, in the untrained resize and in the fine-tuned model.
@@ -52,15 +56,18 @@ import torch
 import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import local_rows  # noqa: E402, F401  (registers keep-local, a strategy --strategies may name)
 import quality_grid  # noqa: E402, F401  (registers byparts, a strategy --strategies may name)
 from quality import machine  # noqa: E402
+from seq2seq import recipe  # noqa: E402
 from table_causes import previous_token  # noqa: E402
-from worth_it import ranges  # noqa: E402
+from worth_it import ranges, train_exact  # noqa: E402
 
 import posextend  # noqa: E402
 from posextend.scoring.context_use import context_use  # noqa: E402
 from posextend.data.text import read_documents  # noqa: E402
 from posextend.scoring.text import pack  # noqa: E402
+from posextend.training.options import DEFAULT_BUDGET  # noqa: E402
 
 OLD = 64
 EOS, UNK = "<|endoftext|>", "<unk>"
@@ -73,7 +80,7 @@ MODEL = dict(n_layer=2, n_embd=64, n_head=4, n_inner=128, resid_pdrop=0.0, embd_
 LAST_SKIPS = 0.8  # the share of pretraining steps with skip rows in their batches (the induction head forms first)
 SETTINGS = {
     "full": dict(pretrain_steps=2500, prelude=300, batch=32, lr=3e-3, warmup=100, train_docs=800, eval_docs=40, doc_words=1024,
-                 budget="180s", eval_sequences=32),
+                 budget=DEFAULT_BUDGET, eval_sequences=32),
     "quick": dict(pretrain_steps=150, prelude=50, batch=16, lr=3e-3, warmup=20, train_docs=40, eval_docs=6, doc_words=1024,
                   budget="8s", eval_sequences=8),
 }
@@ -205,21 +212,25 @@ def probe(model, tok, old: int, length: int, rows: torch.Tensor | None = None) -
     return context_use(model, tok, old_length=old, length=length, text=rows, sequences=8).to_dict()
 
 
-def read(tuned, source, seqs: torch.Tensor) -> dict:
-    """The far range whole, the controls through the old window, and the original range against the source's."""
+def read(tuned, source, exact, seqs: torch.Tensor) -> dict:
+    """The far range whole; the controls through the old window (the same model, the exact control, the source);
+    the original range against the source's."""
     far, original = ranges(tuned, seqs, OLD)
     self_window, _ = ranges(tuned, seqs, OLD, window=OLD)
+    exact_window, _ = ranges(exact, seqs, OLD, window=OLD)
     source_window, source_original = ranges(source, seqs, OLD, window=OLD)
-    return {"far": far, "self_window": self_window, "self_ratio": far / self_window, "source_window": source_window,
-            "source_ratio": far / source_window, "original": original, "source_original": source_original,
+    return {"far": far, "self_window": self_window, "self_ratio": far / self_window, "exact_window": exact_window,
+            "exact_ratio": far / exact_window, "source_window": source_window, "source_ratio": far / source_window,
+            "original": original, "source_original": source_original,
             "original_change": original / source_original - 1, "sequences": len(seqs)}
 
 
 def table(rows: dict[str, dict]) -> str:
-    lines = ["| text | far range, whole | / itself through 64 | / the source through 64 | original Δ |",
-             "|---|---|---|---|---|"]
+    lines = ["| text | far range, whole | / itself through 64 | / the exact control through 64 | "
+             "/ the source through 64 | original Δ |", "|---|---|---|---|---|---|"]
     for label, r in rows.items():
         lines.append(f"| {label} | {r['far']:.2f} | {r['self_window']:.2f} = **{r['self_ratio']:.3f}** | "
+                     f"{r['exact_window']:.2f} = **{r['exact_ratio']:.3f}** | "
                      f"{r['source_window']:.2f} = {r['source_ratio']:.3f} | {100 * r['original_change']:+.1f}% |")
     return "\n".join(lines)
 
@@ -231,24 +242,38 @@ def probe_line(name: str, p: dict) -> str:
             f"{p['passkey_window']:.2f} windowed")
 
 
+def finetune_options(text: str | None, src: Path, budget: str) -> dict:
+    """``finetune``'s options for a recipe ``STRATEGY[:KEY=VALUE,...]`` (``seq2seq.recipe``; None or ``defaults``:
+    the defaults): the strategy, the options given, ``budget`` unless ``steps`` is given, and ``keep-local``'s
+    source."""
+    if text in (None, "defaults"):
+        return {"budget": budget}
+    strategy, options = recipe(text)
+    if strategy == "keep-local":
+        options["params"] = {"source": str(src), **options.get("params", {})}
+    return {"strategy": strategy, **({} if "steps" in options else {"budget": budget}), **options}
+
+
 def extend_and_read(src: Path, work: Path, corpora: dict, tok, source, s: dict, budget: str, seed: int,
                     strategy: str | None) -> dict:
-    """Extend ``src`` to 4x with ``finetune`` (its defaults, or ``strategy``), and read the far range and the probe
-    on the held-out and kept-aside corpora; print them."""
+    """Extend ``src`` to 4x with ``finetune`` (its defaults, or the recipe ``strategy``), and read the far range and
+    the probe on the held-out and kept-aside corpora; print them."""
     new = 4 * OLD
-    dst = work / f"extended-{strategy or 'defaults'}"
+    dst = work / f"extended-{(strategy or 'defaults').replace(':', '-').replace(',', '-')}"
     t0 = time.perf_counter()
-    report = posextend.finetune(src, dst, [corpora["train"]], length=new, budget=budget, seed=seed, overwrite=True,
-                                **({"strategy": strategy} if strategy else {}))
+    report = posextend.finetune(src, dst, [corpora["train"]], length=new, seed=seed, overwrite=True,
+                                **finetune_options(strategy, src, budget))
     seconds = time.perf_counter() - t0
     tuned = transformers.AutoModelForCausalLM.from_pretrained(dst).eval()
-    posextend.resize_checkpoint(src, work / "untrained", new, report.strategy, seed=seed, overwrite=True)
+    exact = train_exact(src, dst, report, OLD, [corpora["train"]], corpora["held-out"], seed)
+    posextend.resize_checkpoint(src, work / "untrained", new, report.strategy, seed=seed, overwrite=True,
+                                **(report.config.params or {}))
     head = previous_token(source, OLD, OLD)["head"]
     local = {"source": previous_token(source, OLD, OLD),
              "resized": previous_token(transformers.AutoModelForCausalLM.from_pretrained(work / "untrained"), new, OLD,
                                        head),
              "fine-tuned": previous_token(tuned, new, OLD, head)}
-    rows = {name: read(tuned, source, pack(tok, read_documents([path]), new)[: s["eval_sequences"]])
+    rows = {name: read(tuned, source, exact, pack(tok, read_documents([path]), new)[: s["eval_sequences"]])
             for name, path in corpora.items() if name != "train"}
     aside = pack(tok, read_documents([corpora["kept aside"]]), new)
     after = {"random words": probe(tuned, tok, OLD, new), "kept-aside text": probe(tuned, tok, OLD, new, aside)}
@@ -269,12 +294,15 @@ def extend_and_read(src: Path, work: Path, corpora: dict, tok, source, s: dict, 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a short pretraining and an 8 s budget (the tests)")
-    ap.add_argument("--budget", help="the fine-tune's budget (default: 180s; --quick: 8s)")
+    ap.add_argument("--budget", help=f"the fine-tune's budget (default: the defaults' own, {DEFAULT_BUDGET}; "
+                                     "--quick: 8s)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workdir", type=Path, default=Path(".bench/uses_context"), help="corpora and models")
     ap.add_argument("--json", type=Path, help="write the results here")
-    ap.add_argument("--strategies", nargs="+", default=[None], metavar="NAME",
-                    help="fine-tune the source once per strategy named, each with the same budget (default: the "
+    ap.add_argument("--strategies", nargs="+", default=[None], metavar="STRATEGY[:KEY=VALUE,...]",
+                    help="fine-tune the source once per recipe: a strategy and finetune's options (steps=3000 "
+                         "trains that many steps in place of the budget; anchor=0; keep-local, this folder's "
+                         "strategy, takes its source) or 'defaults', each with the same budget (default: the "
                          "defaults' own)")
     args = ap.parse_args()
     torch.set_num_threads(1)

@@ -66,7 +66,7 @@ def run_cell(name: str, settings: dict, factor: int, args, train_files: list[Pat
     tok = transformers.AutoTokenizer.from_pretrained(ref)
     source = transformers.AutoModelForCausalLM.from_pretrained(ref).eval()
     tuned = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
-    exact = train_exact(ref, out, report, old, args, train_files) if args.exact else None
+    exact = train_exact(ref, out, report, old, train_files, args.data / args.tuned, args.seed) if args.exact else None
     row = {"size": name, "factor": factor, "seconds": seconds, "steps": report.steps, "tokens": report.tokens,
            "verdict": report.verdict.to_dict() if report.verdict else None}
     for label, docs in texts.items():
@@ -84,14 +84,15 @@ def run_cell(name: str, settings: dict, factor: int, args, train_files: list[Pat
     return row
 
 
-def train_exact(ref: Path, out: Path, report, old: int, args, train_files: list[Path]):
+def train_exact(ref: Path, out: Path, report, old: int, train_files: list[Path], eval_file: Path, seed: int):
     """The exact control: the source fine-tuned at its own length on the training texts and as many tokens as the
-    run trained on (its lr, schedule and batch), held out nothing (the texts scored are not training texts)."""
+    run trained on (its lr, schedule and batch), held out nothing (``eval_file``, not a training text, is what its
+    run reads; the texts scored are not training texts)."""
     steps = max(1, round(report.tokens / (report.batch_size * old)))
     control = out.with_name(out.name + "-exact")
     posextend.finetune(ref, control, train_files, steps=steps, lr=report.lr, schedule=report.schedule,
-                       batch_size=report.batch_size, seed=args.seed, overwrite=True,
-                       eval_data=[args.data / args.tuned], eval_sequences=2)
+                       batch_size=report.batch_size, seed=seed, overwrite=True, eval_data=[eval_file],
+                       eval_sequences=2)
     model = transformers.AutoModelForCausalLM.from_pretrained(control).eval()
     shutil.rmtree(control, ignore_errors=True)
     return model

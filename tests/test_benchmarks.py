@@ -206,6 +206,46 @@ def test_banded_layers_see_only_their_last_keys():
     assert torch.equal(again, plain)
 
 
+def test_keep_local_fits_the_new_rows_to_the_first_layers_offsets(tmp_path):
+    """``local_rows.keep_local``: the old rows come out bit-exact, the new rows move from ``tile``'s and make the
+    first layer attend from them closer to the source's pattern at the same offsets than ``tile`` does; a source
+    whose table is not the one resized is refused."""
+    import torch
+    import transformers
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import local_rows
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    from posextend.tables.strategies import tile
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=20, n_positions=16, n_embd=32, n_layer=1, n_head=2, bos_token_id=0,
+                                     eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    with torch.no_grad():  # attention from the positions alone that is sharp, not the initialisation's uniform
+        model.transformer.wpe.weight.normal_()
+        model.transformer.h[0].attn.c_attn.weight.normal_()
+    model.save_pretrained(tmp_path / "src")
+    table, gen = model.transformer.wpe.weight.detach().clone(), torch.Generator().manual_seed(0)
+    goal = local_rows.targets(model, 16, 48)
+
+    def cross_entropy(rows):
+        with torch.no_grad():
+            logp = local_rows.first_layer_logits(model, rows)[:, 16:].log_softmax(-1).clamp(min=-1e4)
+        return float(-(goal * logp).sum(-1).mean())
+
+    tiled = tile(table, 48, generator=gen)
+    fitted = local_rows.keep_local(table, 48, generator=gen, source=str(tmp_path / "src"), steps=100)
+    assert fitted.shape == (48, 32) and torch.equal(fitted[:16], table)
+    assert cross_entropy(fitted) < 0.9 * cross_entropy(tiled)
+    assert torch.allclose(goal.sum(-1), torch.ones(2, 32))  # every new query's target is a distribution
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "other")
+    with pytest.raises(ValueError, match="not the model whose table"):
+        local_rows.keep_local(table, 48, generator=gen, source=str(tmp_path / "other"), steps=1)
+
+
 def test_table_lr_gives_the_table_its_own_group():
     """``table_causes.table_lr``: within the block the optimizer holds the table at ``factor`` x the lr and the rest
     at the lr; after it, one group again; a model without one table of that many rows is refused."""
@@ -352,16 +392,24 @@ def test_image_text_quick(tmp_path):
 
 def test_uses_context_quick(tmp_path):
     """The synthetic-language benchmark as written: a source pretrained here, the probe within its window, the
-    default fine-tune, and the far range against both windows on the held-out and the kept-aside documents."""
+    default fine-tune and a recipe (``keep-local`` for a fixed number of steps, no anchor), and the far range against
+    the three windows on the held-out and the kept-aside documents."""
     out = _run(ROOT / "benchmarks" / "uses_context.py", "--quick", "--workdir", tmp_path / "w", "--json",
-               tmp_path / "u.json", cwd=tmp_path)
+               tmp_path / "u.json", "--strategies", "defaults", "keep-local:steps=12,anchor=0", cwd=tmp_path)
     data = json.loads((tmp_path / "u.json").read_text())
+    kept = data["runs"]["keep-local:steps=12,anchor=0"]
+    assert (kept["finetune"]["strategy"], kept["finetune"]["steps"]) == ("keep-local", 12)
+    assert kept["previous_token"]["resized"]["past"] != data["previous_token"]["resized"]["past"]  # not the default's rows
+    assert "keep-local:steps=12,anchor=0: fine-tuned 64 -> 256: 12 steps" in out
     assert set(data["rows"]) == {"held-out", "kept aside"}
     for label, row in data["rows"].items():
-        assert all(math.isfinite(row[k]) and row[k] > 1 for k in ("far", "self_window", "source_window", "original"))
-        assert row["self_ratio"] == pytest.approx(row["far"] / row["self_window"])
-        assert row["source_ratio"] == pytest.approx(row["far"] / row["source_window"])
-        assert f"| {label} | {row['far']:.2f} | {row['self_window']:.2f} = **{row['self_ratio']:.3f}** |" in out
+        assert all(math.isfinite(row[k]) and row[k] > 1
+                   for k in ("far", "self_window", "exact_window", "source_window", "original"))
+        for control in ("self", "exact", "source"):
+            assert row[f"{control}_ratio"] == pytest.approx(row["far"] / row[f"{control}_window"])
+        assert row["exact_window"] != row["source_window"]  # the exact control trained
+        assert (f"| {label} | {row['far']:.2f} | {row['self_window']:.2f} = **{row['self_ratio']:.3f}** | "
+                f"{row['exact_window']:.2f} = **{row['exact_ratio']:.3f}** |") in out
     before, after = data["probe_before"], data["probe_after"]["random words"]
     assert (before["old_length"], before["length"], after["old_length"], after["length"]) == (16, 64, 64, 256)
     for probe in (before, after, data["probe_after"]["kept-aside text"]):
@@ -371,7 +419,8 @@ def test_uses_context_quick(tmp_path):
     assert set(local) == {"source", "resized", "fine-tuned"} and local["source"]["past"] == 0
     assert len({v["head"] for v in local.values()}) == 1 and all(0 < v["within"] < 1 for v in local.values())
     assert f"source {local['source']['within']:.2f} / 0.00; resized {local['resized']['within']:.2f}" in out
-    assert "| text | far range, whole | / itself through 64 | / the source through 64 | original Δ |" in out
+    assert ("| text | far range, whole | / itself through 64 | / the exact control through 64 | / the source through 64 "
+            "| original Δ |") in out
     import transformers  # the corpora's text reads back as the words the source was pretrained on: none unknown
 
     tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "w" / "source")
