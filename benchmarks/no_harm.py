@@ -3,6 +3,14 @@ through its old window, and which change fixes it? (issue 60, item 1)
 
     python benchmarks/no_harm.py --data ../shared/data/austen --json docs/no_harm.json   # ~30 min on 1 CPU core (+15 to pretrain the reference once)
     python benchmarks/no_harm.py --data ../shared/data/austen --quick                      # ~30 s
+    python benchmarks/no_harm.py --data ../shared/data/austen --candidates defaults "no window anchor" \
+        --budget 15min --exact                                                             # ~35 min on 2 cores
+
+``--budget`` gives every candidate the same wall-clock budget (``finetune``'s own: it stops early once its held-out
+reading stops improving), two candidates side by side on one core each, so that a candidate whose step costs more
+trains fewer of them on the same machine at the same time. ``--exact`` also trains each candidate's exact control
+(``worth_it.train_exact``: the source fine-tuned at its own length on the same novels and as many tokens) and reads
+the far range against it through its window (``whole / exact``; the issue's second target, <= 1.00).
 
 A small GPT-2 is pretrained here at ``length`` positions (``quality.py``'s ``build_reference``, cached) on the
 ``--train`` novels, extended 4x and fine-tuned on the same novels, every candidate for the same number of
@@ -28,7 +36,10 @@ only the last ``old`` keys (``table_causes.banded``), and the first layer's atte
 Candidates (``--candidates`` picks some):
 
 - ``defaults``: ``finetune(src, dst, data, length=4*old)``, nothing else (interpolate, train all, lr 1e-3 cosine,
-  anchor 1);
+  anchor 1, window anchor 1: the new range pulled toward the model's own reading through its old window, the
+  default since the ninth session; the candidates below keep it unless they say otherwise);
+- ``no window anchor``: the defaults with ``window_anchor=0`` (the defaults before the ninth session: every row of
+  the first two sessions' tables was trained so);
 - ``temperature``: the interpolated table with YaRN's attention temperature folded into the query and key
   projections (each scaled by 0.1 ln s + 1, s the length factor: the logits by its square), then the same
   fine-tune (anchored to the source);
@@ -51,8 +62,10 @@ Candidates (``--candidates`` picks some):
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import json
+import multiprocessing
 import math
 import shutil
 import time
@@ -63,7 +76,7 @@ import transformers
 from quality import SETTINGS, build_reference, machine
 from quality_grid import WindowTeacher, plugin_objective
 from table_causes import banded, entropy_by_position, table_lr
-from worth_it import ranges
+from worth_it import ranges, train_exact
 
 import posextend
 from posextend.scoring.by_position import evaluating, token_losses, windows
@@ -83,6 +96,7 @@ FACTOR = 4
 # label: (strategy, fold the temperature, finetune's options besides length/steps/seed)
 CANDIDATES = {
     "defaults": ("interpolate", False, {}),
+    "no window anchor": ("interpolate", False, {"window_anchor": 0.0}),
     "temperature": ("interpolate", True, {}),
     "tile": ("tile", False, {}),
     "no-anchor": ("interpolate", False, {"anchor": 0.0}),
@@ -99,8 +113,9 @@ CANDIDATES = {
     "self teacher": ("interpolate", False, {"objective": "self-teacher"}),
 }
 TABLE_LR = {"table lr x10": 10.0, "table lr x0.1": 0.1}  # the position table at this multiple of the run's lr
-# a step's cost over the defaults' (the others: 1; no-anchor's is lower, given 1); the self teacher's, measured side
-# by side with the defaults' on one core each: 1,030-1,181 tokens/s against 2,149
+# a step's cost over the defaults' before the window anchor (the others: 1; no-anchor's is lower, given 1), for runs of
+# fixed steps; the self teacher's, measured side by side with the defaults' on one core each: 1,030-1,181 tokens/s
+# against 2,149. --budget needs none: every candidate gets the same time
 COST = {"window teacher": 1.6, "self teacher": 1.9}
 
 
@@ -202,7 +217,9 @@ def why(model, seqs: torch.Tensor, old: int) -> dict:
             "entropy": entropy_by_position(model, seqs[:16], [old - 1, n - 1])}
 
 
-def scored(path: Path, texts: dict[str, torch.Tensor], old: int, source: dict) -> dict:
+def scored(path: Path, texts: dict[str, torch.Tensor], old: int, source: dict, exact=None) -> dict:
+    """Each text read by the model at ``path`` (:func:`read`, :func:`why`), against the source's window and, when
+    given, the exact control's (``exact``: a model at the old length)."""
     model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
     eager = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
     out = {}
@@ -211,12 +228,17 @@ def scored(path: Path, texts: dict[str, torch.Tensor], old: int, source: dict) -
         r["why"] = why(eager, seqs, old)
         r["whole_over_source"] = r["whole"] / source[label]["window"]
         r["original_change"] = r["original"] / source[label]["original"] - 1
+        if exact is not None:
+            r["exact"], _ = ranges(exact, seqs, old, window=old)
+            r["whole_over_exact"] = r["whole"] / r["exact"]
         out[label] = r
     return out
 
 
 def table(rows: dict, source: dict, labels: list[str]) -> str:
-    head = " | ".join(f"{t}: whole / self = ratio; whole / source; in place; original Δ" for t in labels)
+    exact = any("exact" in r for row in rows.values() for r in row.get("trained", {}).values())
+    head = " | ".join(f"{t}: whole / self = ratio;{' whole / exact;' if exact else ''} whole / source; in place; "
+                      "original Δ" for t in labels)
     lines = [f"| candidate | steps | seconds | {head} |", "|---|---|---|" + "---|" * len(labels)]
     lines.append("| source (its own window) | – | – | " + " | ".join(
         f"far {source[t]['window']:.1f}; original {source[t]['original']:.1f}" for t in labels) + " |")
@@ -225,7 +247,9 @@ def table(rows: dict, source: dict, labels: list[str]) -> str:
             if when not in row:
                 continue
             cells = [f"{row[when][t]['whole']:.1f} / {row[when][t]['self']:.1f} = **{row[when][t]['whole_over_self']:.3f}**;"
-                     f" {row[when][t]['whole_over_source']:.3f}; {row[when][t]['in_place']:.1f};"
+                     + (f" {row[when][t]['exact']:.1f} = **{row[when][t]['whole_over_exact']:.3f}**;"
+                        if "exact" in row[when][t] else " –;" if exact else "")
+                     + f" {row[when][t]['whole_over_source']:.3f}; {row[when][t]['in_place']:.1f};"
                      f" {100 * row[when][t]['original_change']:+.1f}%"
                      for t in labels]
             steps, secs = (row["steps"], f"{row['seconds']:.0f}") if when == "trained" else (0, "–")
@@ -257,6 +281,37 @@ def progress(step: int, total: int, loss: float, tps: float) -> None:
         print(f"    step {step}/{total}: loss {loss:.3f} ({tps:,.0f} tok/s)", flush=True)
 
 
+def run_candidate(name: str, job: dict) -> dict:
+    """One candidate: its untrained start read, its fine-tune (``job["steps"]`` over its ``COST``, or
+    ``job["budget"]``), its trained model read (and against its exact control when ``job["exact"]``); its working
+    folders under ``job["out"] / name`` removed after."""
+    torch.set_num_threads(1)
+    strategy, fold, options = CANDIDATES[name]
+    ref, texts, source, old, new, seed = (job[k] for k in ("ref", "texts", "source", "old", "new", "seed"))
+    work = job["out"] / name.replace(" ", "-").replace(",", "")
+    start = start_model(ref, work / "start", new, strategy, fold, seed)
+    row = {"strategy": strategy, "temperature": temperature(FACTOR) if fold else None, "options": dict(options),
+           "untrained": scored(start, texts, old, source)}
+    if options.get("objective") == "window-teacher":
+        options = {**options, "objective": plugin_objective(WindowTeacher, "causal-window-teacher")}
+    if options.get("objective") == "self-teacher":
+        options = {**options, "objective": plugin_objective(SelfTeacher, "causal-self-teacher")}
+    cost = {"budget": job["budget"]} if job["budget"] else {"steps": max(1, round(job["steps"] / COST.get(name, 1)))}
+    t0 = time.perf_counter()
+    with table_lr(TABLE_LR[name], new) if name in TABLE_LR else contextlib.nullcontext():
+        report = _finetune(ref, start, work / "tuned", job["train_files"], new, strategy, fold, old, seed,
+                           {**options, **cost})
+    row.update(steps=report.steps, tokens=report.tokens, seconds=time.perf_counter() - t0, lr=report.lr,
+               schedule=report.schedule, window_anchor=report.window_anchor, budget=job["budget"])
+    exact = (train_exact(ref, work / "tuned", report, old, job["train_files"], job["eval_file"], seed)
+             if job["exact"] else None)
+    row["trained"] = scored(work / "tuned", texts, old, source, exact)
+    print(f"  {name}: {json.dumps({k: v for k, v in row.items() if k in ('untrained', 'trained', 'seconds')})}",
+          flush=True)
+    shutil.rmtree(work, ignore_errors=True)
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", type=Path, required=True, help="directory of the novels (.txt)")
@@ -268,6 +323,10 @@ def main() -> None:
                     "longer context does on text the model trained on (a diagnosis; '' leaves it out)")
     ap.add_argument("--quick", action="store_true", help="a tiny model and a few steps (the tests)")
     ap.add_argument("--steps", type=int, help="fine-tune steps of every candidate (default: the mode's)")
+    ap.add_argument("--budget", help="in place of steps, every candidate the same wall-clock budget (finetune's, "
+                    "e.g. 15min: it stops once its held-out reading stops improving), two side by side")
+    ap.add_argument("--exact", action="store_true", help="also each candidate's exact control: the source fine-tuned "
+                    "at its own length on the same novels and as many tokens, read through its window")
     ap.add_argument("--candidates", nargs="+", choices=list(CANDIDATES), help="only these (default: all)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cache", type=Path, default=Path(".cache/quality"), help="reference model cache")
@@ -294,35 +353,22 @@ def main() -> None:
         window, original = ranges(src_model, seqs, old, window=old)
         source[label] = {"window": window, "original": original}
     print(f"source: {json.dumps(source)}", flush=True)
-    rows: dict[str, dict] = {}
     args.out.mkdir(parents=True, exist_ok=True)
-    for name in args.candidates or CANDIDATES:
-        strategy, fold, options = CANDIDATES[name]
-        start = start_model(ref, args.out / "start", new, strategy, fold, args.seed)
-        row = {"strategy": strategy, "temperature": temperature(FACTOR) if fold else None, "options": dict(options),
-               "untrained": scored(start, texts, old, source)}
-        if options.get("objective") == "window-teacher":
-            options = {**options, "objective": plugin_objective(WindowTeacher, "causal-window-teacher")}
-        if options.get("objective") == "self-teacher":
-            options = {**options, "objective": plugin_objective(SelfTeacher, "causal-self-teacher")}
-        options = {**options, "steps": max(1, round(steps / COST.get(name, 1)))}
-        t0 = time.perf_counter()
-        with table_lr(TABLE_LR[name], new) if name in TABLE_LR else contextlib.nullcontext():
-            report = _finetune(ref, start, args.out / "tuned", train_files, new, strategy, fold, old, args.seed, options)
-        row.update(steps=report.steps, tokens=report.tokens, seconds=time.perf_counter() - t0, lr=report.lr,
-                   schedule=report.schedule)
-        row["trained"] = scored(args.out / "tuned", texts, old, source)
-        rows[name] = row
-        print(f"  {name}: {json.dumps({k: v for k, v in row.items() if k in ('untrained', 'trained', 'seconds')})}",
-              flush=True)
-        shutil.rmtree(args.out / "tuned", ignore_errors=True)
-    shutil.rmtree(args.out / "start", ignore_errors=True)
+    names = args.candidates or list(CANDIDATES)
+    job = dict(ref=ref, texts=texts, source=source, train_files=train_files, eval_file=args.data / args.tuned,
+               old=old, new=new, seed=args.seed, out=args.out, exact=args.exact,
+               budget=args.budget, steps=None if args.budget else steps)
+    if args.budget:  # the same wall-clock budget for each: two at a time, side by side, one core each
+        with concurrent.futures.ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
+            rows = dict(zip(names, pool.map(run_candidate, names, [job] * len(names))))
+    else:
+        rows = {name: run_candidate(name, job) for name in names}
     labels = list(texts)
     text = table(rows, source, labels)
     causes = why_table(rows, labels)
     hardware = machine()
     meta = {"mode": mode, "settings": s, "reference": info, "old_length": old, "new_length": new,
-            "steps": steps, "train": args.train, "tuned": args.tuned, "aside": args.aside,
+            "steps": None if args.budget else steps, "budget": args.budget, "train": args.train, "tuned": args.tuned, "aside": args.aside,
             "eval_tokens": {k: int(v.numel()) for k, v in texts.items()}, "seed": args.seed,
             "wall_seconds": time.perf_counter() - t_start, "hardware": hardware, "torch": torch.__version__,
             "threads": torch.get_num_threads(), "posextend": posextend.__version__}

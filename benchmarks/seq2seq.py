@@ -3,8 +3,8 @@
 A small BART (byte-level BPE of 4k trained on the training text, BART's special tokens) is pretrained here
 with gap-sentence generation (``posextend finetune --objective seq2seq`` at its own length), then extended
 ``--factor`` times with ``tile`` (LED's copies) and ``interpolate``, each scored untrained and after the
-default fine-tune (``posextend.finetune(src, dst, data, length=...)``: 200 steps, lr 1e-4 cosine, no anchor;
-``tile`` also with the anchor at 1). The
+default fine-tune (``posextend.finetune(src, dst, data, length=...)``: lr 1e-4 cosine within the defaults'
+15-minute budget, no anchor, no window anchor; ``tile`` also with the anchor at 1). The
 score is the masked-sentence perplexity of held-out text (one novel, ``--heldout``), by where each masked
 sentence sat in the source: near (the original range) and far (the last ``1 / factor`` of the new length),
 against the source reading the same text in windows of its own length, and against the same fine-tuned model
@@ -12,6 +12,7 @@ reading it in windows of the old length (``self``: issue 60's target is far / se
 
     python benchmarks/seq2seq.py --data ../shared/data/austen [--quick] [--json docs/seq2seq.json]
     python benchmarks/seq2seq.py --data ../shared/data/austen --recipes tile:lr=3e-4 tile:steps=600   # other options
+    python benchmarks/seq2seq.py --data ../shared/data/austen --recipes tile tile:window_anchor=1     # the window anchor
 """
 
 from __future__ import annotations

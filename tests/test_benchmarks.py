@@ -169,6 +169,26 @@ def test_no_harm_quick(tmp_path, austen):
     assert "Which layers read past the old window" in out
 
 
+def test_no_harm_budget_side_by_side_with_exact_controls(tmp_path, austen):
+    """``no_harm.py --budget --exact``: the defaults (window anchor 1: this source does not copy within its window)
+    and the defaults before (window anchor 0) each given the same wall-clock budget, side by side, each read against
+    its own window and its exact control."""
+    out = _run(ROOT / "benchmarks" / "no_harm.py", "--data", austen, "--quick", "--candidates", "defaults",
+               "no window anchor", "--budget", "8s", "--exact", "--seen", "", "--cache", tmp_path / "c", "--out",
+               tmp_path / "o", "--json", tmp_path / "n.json", cwd=tmp_path)
+    data = json.loads((tmp_path / "n.json").read_text())
+    rows = data["rows"]
+    assert data["meta"]["budget"] == "8s" and data["meta"]["steps"] is None
+    assert (rows["defaults"]["window_anchor"], rows["no window anchor"]["window_anchor"]) == (1.0, 0.0)
+    for row in rows.values():
+        assert row["budget"] == "8s" and row["steps"] >= 1
+        for r in row["trained"].values():
+            assert r["exact"] > 1 and r["whole_over_exact"] == pytest.approx(r["whole"] / r["exact"])
+        assert all("exact" not in r for r in row["untrained"].values())
+    assert "whole / self = ratio; whole / exact;" in out and f"| defaults | {rows['defaults']['steps']} |" in out
+    assert not any((tmp_path / "o").iterdir())  # each candidate's folders removed
+
+
 def _table_causes():
     import importlib.util
 
@@ -206,18 +226,20 @@ def test_banded_layers_see_only_their_last_keys():
     assert torch.equal(again, plain)
 
 
-def test_keep_local_fits_the_new_rows_to_the_first_layers_offsets(tmp_path):
+def test_keep_local_fits_the_new_rows_to_the_first_layers_offsets(tmp_path, monkeypatch):
     """``local_rows.keep_local``: the old rows come out bit-exact, the new rows move from ``tile``'s and make the
     first layer attend from them closer to the source's pattern at the same offsets than ``tile`` does; a source
     whose table is not the one resized is refused."""
     import torch
     import transformers
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import local_rows
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    from posextend.tables import strategies
+
+    # importing the module registers ``keep-local``: keep that registration inside this test
+    monkeypatch.setattr(strategies._REGISTRY, "items", dict(strategies._REGISTRY.items))
+    monkeypatch.delitem(sys.modules, "local_rows", raising=False)
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import local_rows
     from posextend.tables.strategies import tile
 
     torch.manual_seed(0)

@@ -338,7 +338,74 @@ def test_anchor_weight_is_checked(gpt, bert, corpus, tmp_path):
         finetune(gpt, tmp_path / "a", [corpus], length=64, steps=1, anchor=-1)
     with pytest.raises(posextend.TrainingError, match="The masked objective has no anchor term"):
         finetune(bert, tmp_path / "b", [corpus], length=64, steps=1, anchor=1.0)
+    with pytest.raises(posextend.TrainingError, match="The window anchor weight must be a finite number >= 0, got nan"):
+        finetune(gpt, tmp_path / "a", [corpus], length=64, steps=1, window_anchor=float("nan"))
+    with pytest.raises(posextend.TrainingError, match="The masked objective has no window anchor term to weight"):
+        finetune(bert, tmp_path / "b", [corpus], length=64, steps=1, window_anchor=1.0)
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_own_window_kl_is_the_kl_from_the_models_own_windowed_reading():
+    """``own_window_kl``: the KL, over the tokens past the old length, of the whole reading's predictions from the
+    same model's through the sliding window the control reads with (``by_position.windows``), computed here one
+    window at a time, with or without ``logits_to_keep``: the mean over every token, or (the default) the sum over
+    the tokens the window gives the higher probability over all of them; 0 for a sequence no longer than the old
+    length."""
+    from posextend.scoring.by_position import windows
+    from posextend.training.objectives.causal import keeps_logits, own_window_kl
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=50, n_positions=48, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
+                                     embd_pdrop=0.0, attn_pdrop=0.0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    batch = torch.randint(0, 50, (3, 48))
+    with torch.no_grad():
+        whole = model(input_ids=batch).logits
+    kls = []
+    for first, start, end in windows(48, 16):
+        if start < 16:
+            continue
+        with torch.no_grad():
+            read = model(input_ids=batch[:, first:end]).logits[:, start - 1 - first:end - 1 - first]
+        kls.append(torch.nn.functional.kl_div(whole[:, start - 1:end - 1].log_softmax(-1), read.log_softmax(-1),
+                                              log_target=True, reduction="none").sum(-1))
+    expected = torch.cat(kls, 1)
+    assert expected.shape == (3, 32)  # tokens 16..47, each once
+    assert keeps_logits(model)
+    for keep in (True, False):
+        every = own_window_kl(model, batch, whole, 16, keep_logits=keep, harm_only=False)
+        assert float(every) == pytest.approx(float(expected.mean()), rel=1e-5)
+    # by default only the tokens the window reads better count (the sum over them, over all 32)
+    token = batch[:, 16:, None]
+    whole_p = whole[:, 15:47].log_softmax(-1).gather(-1, token)[..., 0]
+    window_p = torch.cat([model(input_ids=batch[:, first:end]).logits[:, start - 1 - first:end - 1 - first]
+                          for first, start, end in windows(48, 16) if start >= 16], 1).log_softmax(-1).gather(-1, token)[..., 0]
+    harmed = (window_p > whole_p).float()
+    assert 0 < float(harmed.mean()) < 1
+    assert float(own_window_kl(model, batch, whole, 16)) == pytest.approx(float((expected * harmed).sum() / 96), rel=1e-4)
+    assert float(expected.mean()) > 1e-3  # the whole reading is not the windowed one here
+    assert float(own_window_kl(model, batch[:, :16], whole[:, :16], 16)) == 0.0  # nothing past the old length
+
+
+def test_window_anchor_holds_the_new_range_to_the_models_own_window(gpt, corpus, tmp_path):
+    """The default causal fine-tune weights its window anchor 1 (the report says so); after the same steps, its new
+    range's predictions are closer to its own reading through the old window than the same run's without it."""
+    from posextend.training.objectives.causal import own_window_kl
+
+    kwargs = dict(length=128, steps=8, batch_size=2, lr=3e-3, eval_sequences=2, seed=0)
+    held = finetune(gpt, tmp_path / "held", [corpus], **kwargs)
+    free = finetune(gpt, tmp_path / "free", [corpus], window_anchor=0, **kwargs)
+    assert (held.window_anchor, free.window_anchor, held.anchor, free.anchor) == (1.0, 0.0, 1.0, 1.0)
+    assert held.to_dict()["window_anchor"] == 1.0 and held.steps == free.steps == 8
+    tok = transformers.AutoTokenizer.from_pretrained(gpt)
+    ids = tok(corpus.read_text()[-20000:], return_tensors="pt")["input_ids"][:, :128]
+
+    def kl(path):
+        model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+        with torch.no_grad():
+            return float(own_window_kl(model, ids, model(input_ids=ids).logits, 32))
+
+    assert kl(tmp_path / "held") < kl(tmp_path / "free")
 
 
 def test_the_objectives_hooks_are_called_in_the_order_setup_writes_down(gpt, corpus, tmp_path, monkeypatch):
@@ -368,3 +435,36 @@ def test_the_objectives_hooks_are_called_in_the_order_setup_writes_down(gpt, cor
     first = list(dict.fromkeys(called))
     assert {"documents", "load", "size_processor", "samples", "baseline", "loss", "evaluate", "notes"} <= set(first)
     assert [h for h in documented if h in first] == first, (documented, first)
+
+
+class _Induction(torch.nn.Module):
+    """A causal LM that copies: after a token it saw before, it predicts what followed its last earlier occurrence
+    (an induction head written out), else a uniform guess; with ``copies=False`` always the uniform guess."""
+
+    def __init__(self, vocab: int, copies: bool = True):
+        super().__init__()
+        self.vocab, self.copies, self.unused = vocab, copies, torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, input_ids, **kwargs):
+        logits = torch.zeros(*input_ids.shape, self.vocab)
+        for b, row in enumerate(input_ids.tolist()):
+            last: dict[int, int] = {}
+            for t, token in enumerate(row):
+                if self.copies and token in last and last[token] + 1 < len(row):
+                    logits[b, t, row[last[token] + 1]] = 20.0
+                last[token] = t
+        return transformers.modeling_outputs.CausalLMOutput(logits=logits)
+
+
+def test_the_window_anchor_is_off_for_a_source_that_copies_within_its_window(gpt):
+    """``CausalLM.window_anchor_for``: a source that copies a passage repeated within its window (the probe read
+    within it) may learn to copy past it, so the window anchor is off, and the line says why; one that reads no
+    context keeps the objective's weight; an old length too short for the probe keeps it too, with nothing said."""
+    tok = transformers.AutoTokenizer.from_pretrained(gpt)
+    held_out = torch.randint(0, len(tok), (4, 256))
+    causal = get_objective("causal")
+    weight, note = causal.window_anchor_for(_Induction(len(tok)), tok, held_out, 128)
+    assert weight == 0.0 and note.startswith("window anchor off: the source uses its context within its window (")
+    weight, note = causal.window_anchor_for(_Induction(len(tok), copies=False), tok, held_out, 128)
+    assert weight == 1.0 and note.startswith("window anchor 1: the source does not use its context within its window")
+    assert causal.window_anchor_for(_Induction(len(tok)), tok, held_out, 16) == (1.0, "")

@@ -170,6 +170,7 @@ def test_the_reports_hold_their_options_and_read_them_as_before():
     assert list(report.to_dict()) == [
         "dst", "train", "objective", "steps", "old_length", "new_length", "lr", "batch_size", "grad_accum", "precision", "items", "tokens",
         "seconds", "tokens_per_second", "losses", "eval_losses", "before", "after", "processes", "main_process",
-        "strategy", "anchor", "schedule", "anchor_source", "anchor_note", "notes", "verdict", "written_step", "held_out",
-        "context_use"]
+        "strategy", "anchor", "window_anchor", "schedule", "anchor_source", "anchor_note", "notes", "verdict",
+        "written_step", "held_out", "context_use"]
     assert report.to_dict()["anchor"] == 1.0 and "config" not in report.to_dict() and report.to_dict()["precision"] == "no"
+    assert report.window_anchor == report.to_dict()["window_anchor"] == 0.0  # none resolved: no such term

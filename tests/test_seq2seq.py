@@ -225,3 +225,52 @@ def test_a_bert_to_bert_encoder_decoder_extends_its_encoder(corpus, tmp_path):
     assert model.encoder.embeddings.position_embeddings.weight.shape[0] == 2 * OLD
     assert model.decoder.bert.embeddings.position_embeddings.weight.shape[0] == OLD
     assert (model.config.encoder.max_position_embeddings, model.config.decoder.max_position_embeddings) == (2 * OLD, OLD)
+
+
+def test_own_window_kl_reads_each_masked_sentence_in_its_old_length_window(bart, corpus):
+    """``seq2seq.own_window_kl``: each masked sentence of a source four times the old length is read again by the model
+    from the window of the old length its mask falls in (that window's text in the framing tokens, its target the
+    sentences masked there, in order): computed here window by window, with no padding, the mean KL over every
+    target token is the function's; by default only the tokens the window reads better count."""
+    from types import SimpleNamespace
+
+    from posextend.training.objectives import get_objective
+    from posextend.training.objectives.seq2seq import Gaps, framing, own_window_kl
+
+    tok = transformers.AutoTokenizer.from_pretrained(bart)
+    model = transformers.BartForConditionalGeneration.from_pretrained(bart).eval()
+    posextend.extend_model(model, 4 * OLD, "tile")
+    objective = get_objective("seq2seq")
+    rows = objective.samples(tok, [corpus.read_text()[:60000]], 4 * OLD)[:4]
+    run = SimpleNamespace(tokenizer=tok, state=Gaps(), model=model, unwrapped=model,
+                          sizes=SimpleNamespace(length=SimpleNamespace(old=OLD, new=4 * OLD), decoder=None),
+                          accelerator=SimpleNamespace(device=torch.device("cpu")))
+    inputs, wheres = objective.batch(run, rows, [torch.Generator().manual_seed(i) for i in range(4)])
+    with torch.no_grad():
+        logits = model(**inputs).logits
+    before, after = framing(tok)
+    inner = OLD - len(before) - len(after)
+    kls, harmed = [], []
+    for r, where in enumerate(wheres):
+        labels = inputs["labels"][r]
+        for c in range(4 * OLD // inner + 1):
+            tokens = [t for t, pos in enumerate(where) if pos >= 0 and labels[t] != -100
+                      and (pos - len(before)) // inner == c]
+            if not tokens:
+                continue
+            text = inputs["input_ids"][r, len(before) + c * inner: len(before) + (c + 1) * inner].tolist()
+            target = torch.tensor([before + [int(labels[t]) for t in tokens] + after])
+            with torch.no_grad():
+                read = model(input_ids=torch.tensor([before + text + after]), labels=target).logits[0]
+            teacher = read[len(before):len(before) + len(tokens)].log_softmax(-1)
+            student = logits[r, tokens].log_softmax(-1)
+            kls.append(torch.nn.functional.kl_div(student, teacher, log_target=True, reduction="none").sum(-1))
+            truth = labels[tokens][:, None]
+            harmed.append((teacher.gather(-1, truth) > student.gather(-1, truth))[:, 0].float())
+    kl, harm = torch.cat(kls), torch.cat(harmed)
+    assert len({(pos - len(before)) // inner for where in wheres for pos in where if pos >= 0}) >= 2  # two windows
+    assert float(own_window_kl(run, inputs, wheres, logits, harm_only=False)) == pytest.approx(float(kl.mean()),
+                                                                                              rel=1e-4)
+    assert float(own_window_kl(run, inputs, wheres, logits)) == pytest.approx(float((kl * harm).sum() / len(kl)),
+                                                                               rel=1e-4)
+    assert 0 < float(harm.mean()) < 1

@@ -22,12 +22,12 @@ from posextend.terminal import (
     progress_bar,
     without_library_bars,
 )
-from posextend.training.options import EVALUATION, MOST, FinetuneConfig
+from posextend.training.options import DEFAULTED, EVALUATION, MOST, FinetuneConfig
 
 
 class _ListsObjectives(Command):
     """A command whose ``--objective`` help ends with the registered objectives (plug-ins included), each with
-    its help line, and whose ``--lr``, ``--schedule``, ``--strategy`` and ``--anchor`` help end with each one's
+    its help line, and whose ``--lr``, ``--schedule``, ``--strategy``, ``--anchor`` and ``--window-anchor`` help end with each one's
     default (:func:`~posextend.training.objectives.defaults_help`): made from the registry when the command runs or
     shows its help, since the objectives import torch."""
 
@@ -44,7 +44,7 @@ class _ListsObjectives(Command):
                 from posextend.training.objectives.help import data_help
 
                 param.help, param.lists_objectives = f"{param.help}\n\n{data_help()}", True
-            elif param.name in ("lr", "schedule", "strategy", "anchor") and self.name == "finetune":
+            elif param.name in DEFAULTED and self.name == "finetune":
                 from posextend.training.objectives import defaults_help
 
                 param.help, param.lists_objectives = f"{param.help}\n\n{defaults_help(param.name)}", True

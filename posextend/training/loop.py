@@ -261,7 +261,9 @@ def finetune(
             ``steps``, ``train`` (``all``, ``positions``, ``new-rows``: only the rows beyond the old length
             train, everything else stays bit-identical), ``lr``, ``objective``, ``anchor`` (the weight of the
             term keeping the source's outputs on inputs within the old length: causal 1, contrastive 2,
-            seq2seq 0), ``source`` (the original the anchor holds to, for a checkpoint extended earlier:
+            seq2seq 0), ``window_anchor`` (the weight of the term holding the new positions to the model's own
+            reading through its old window: causal 1), ``source`` (the original the anchor holds to, for a
+            checkpoint extended earlier:
             default, the one its provenance records), ``eval_data``, ``seed`` …; those left out take the
             objective's defaults. ``batch_size`` is per process: under ``torchrun`` / ``accelerate launch``
             with N processes the global batch is N × ``batch_size``, and the result equals a one-process run
@@ -283,6 +285,8 @@ def finetune(
     objective = get_objective(given.objective or default_objective(checkpoint))
     if given.anchor is not None:
         objective = objective.with_anchor(given.anchor)
+    if given.window_anchor is not None:
+        objective = objective.with_window_anchor(given.window_anchor)
     config = given.resolved(objective)
     dst = Path(dst).expanduser()
     check_destination(checkpoint.directory, dst, overwrite=config.overwrite)

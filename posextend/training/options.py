@@ -25,6 +25,7 @@ TrainMode = Literal["new-rows", "positions", "all", "lora"]
 TRAIN_MODES = get_args(TrainMode)
 SCHEDULES = ("constant", "cosine")
 PRECISIONS = ("no", "fp16", "bf16", "auto")
+DEFAULTED = ("lr", "schedule", "strategy", "anchor", "window_anchor")  # the options whose defaults are each objective's
 DEFAULT_BUDGET = "15min"  # what a run that extends may spend to become worth it, when neither steps nor budget is given
 # an option's help and flag are in its field (:func:`posextend.options.option`): the CLI's ``finetune`` shows each
 # field, ``eval`` the ones whose help names it; ``finetune --help`` groups them in these panels (a field that names
@@ -41,6 +42,7 @@ class Defaults(Protocol):
 
     name: str
     anchor: float | None
+    window_anchor: float | None
     steps: int
     eval_sequences: int
     schedule: dict[str, str]
@@ -90,6 +92,10 @@ class FinetuneConfig:
       default: the one the registry prefers for the checkpoint, :func:`posextend.training.objectives.default_objective`).
     - ``anchor``: weight of the objective's term that keeps the source's outputs on inputs within the
       old length (causal 1, contrastive 2, seq2seq 0; 0 turns it off).
+    - ``window_anchor``: weight of the objective's term that holds the new positions to the model's own reading
+      through its old window (the control the verdict reads), so that the longer context does not read worse than
+      that window (0 turns it off; None: the objective's, :meth:`~posextend.training.objectives.base.Objective.window_anchor_for`:
+      causal 1, or 0 for a source that uses its context within its window).
     - ``source``: the original model the anchor holds to, for a checkpoint extended earlier.
     - ``eval_sequences``, ``buckets``: the held-out evaluation's size (contrastive: the documents of each
       retrieval task its verdict reads) and position buckets.
@@ -177,6 +183,12 @@ class FinetuneConfig:
         None, "How strongly training keeps the outputs on inputs within the old length as they were (0 turns it off "
         "and saves a copy of the model in memory; see docs/concepts/training.md; default: by objective, listed "
         "below).", panel=TRAINING)
+    window_anchor: float | None = _option(
+        None, "How strongly training pulls the new positions' predictions toward the model's own reading of the same "
+        "text through a window of its old length (the control the verdict reads), so that the longer context does not "
+        "read worse than that window (0 turns it off; a step costs about 1.5x with it; default: by objective, listed "
+        "below, and off for a source that uses its context within its window, which the extension may learn to use "
+        "past it; see docs/concepts/training.md).", panel=TRAINING)
     source: str | Path | None = _option(
         None, "The original model the anchor compares with, when SRC was resized earlier (default: the model "
         "SRC was resized from, as posextend recorded in SRC's files, when it is still there).", metavar="PATH")
@@ -201,7 +213,8 @@ class FinetuneConfig:
         return cls(**options)
 
     def resolved(self, objective: Defaults) -> FinetuneConfig:
-        """The options with ``objective``'s defaults filled in (objective, anchor, schedule), checked.
+        """The options with ``objective``'s defaults filled in (objective, anchor, schedule), checked; the window
+        anchor's, where none is given, once the run has read its source (:func:`posextend.training.setup.setup`).
         ``steps`` stays None unless given: the run's budget decides them (:mod:`posextend.training.budget`). ``lr``
         stays None until the table's width is known (:meth:`with_lr`), ``strategy`` (None: not named) until the
         tables that grow are (:meth:`with_strategy`)."""

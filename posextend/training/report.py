@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 # the report's keys as plain data (:meth:`FinetuneReport.to_dict`), its options among its own fields
 _KEYS = ("dst", "train", "objective", "steps", "old_length", "new_length", "lr", "batch_size", "grad_accum", "precision",
          "items", "tokens", "seconds", "tokens_per_second", "losses", "eval_losses", "before", "after", "processes", "main_process",
-         "strategy", "anchor", "schedule", "anchor_source", "anchor_note", "notes", "verdict", "written_step", "held_out",
+         "strategy", "anchor", "window_anchor", "schedule", "anchor_source", "anchor_note", "notes", "verdict", "written_step", "held_out",
          "context_use")
 
 
@@ -55,8 +55,8 @@ class Trained:
 @dataclass
 class FinetuneReport:
     """What ``finetune`` did. ``config``: its options as resolved (the objective's defaults and the lr filled
-    in), which ``train``, ``objective``, ``steps``, ``lr``, ``batch_size``, ``grad_accum``, ``schedule`` and
-    ``anchor`` read."""
+    in), which ``train``, ``objective``, ``steps``, ``lr``, ``batch_size``, ``grad_accum``, ``schedule``,
+    ``anchor`` and ``window_anchor`` read."""
 
     dst: str
     config: FinetuneConfig
@@ -97,6 +97,8 @@ class FinetuneReport:
     grad_accum = property(lambda self: self.config.grad_accum)
     schedule = property(lambda self: self.config.schedule)
     anchor = property(lambda self: float(self.config.anchor or 0.0), doc="The anchor's weight (0: none).")
+    window_anchor = property(lambda self: float(self.config.window_anchor or 0.0),
+                             doc="The window anchor's weight (0: none).")
     precision_note = property(lambda self: "" if self.precision == "no" else f", {self.precision}",
                               doc="``, bf16`` after the run's other settings when it did not compute in fp32.")
 
@@ -125,7 +127,7 @@ def finetune_report(run: Run, dst: Path, evaluations: tuple[EvalReport | None, E
         main_process=run.accelerator.is_main_process, strategy=config.strategy if run.extended else None,
         anchor_source=run.anchor_original.original.name if run.anchor_original.original else None,
         anchor_note=run.anchor_original.note,
-        notes=run.objective.notes(run), verdict=verdict, precision=run.accelerator.mixed_precision,
+        notes=([run.window_note] if run.window_note else []) + run.objective.notes(run), verdict=verdict, precision=run.accelerator.mixed_precision,
         written_step=written_step, held_out=run.held_out_note,
         context_use=run.objective.context_use(run),  # read once, on the fine-tuned model
     )

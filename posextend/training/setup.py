@@ -66,6 +66,7 @@ class Run(RunContext):
     judge: Judge = field(default_factory=lambda: Judge(Budget("0 steps", steps=0), early=False))  # steps, checks, verdict
     train_documents: Sequence[Any] = ()  # the documents the training samples were cut from (a control trains on them)
     held_out_note: str = ""  # what the verdict is judged on (:func:`posextend.data.heldout.held_out_note`)
+    window_note: str = ""  # why the window anchor has the weight it has, when the run chose it (:func:`_window_anchor`)
     best_weights: BestWeights | None = None  # the best check's weights, when the run writes them (a budget)
 
     extended = property(lambda self: self.sizes.resized,
@@ -170,11 +171,12 @@ def setup(checkpoint: Checkpoint, dst: Path, data: Sequence[str | Path], config:
     The objective's hooks, in the order a fine-tune calls them (setup here, then the loop, the report and the save):
 
     0. :func:`~posextend.training.loop.finetune`: ``accepts`` (each objective's, when none is named), ``with_anchor``
-       (an anchor weight given);
+       (an anchor weight given; a window anchor's given weight likewise, else step 2);
     1. ``documents`` (the data, then ``eval_data``), ``for_data``; ``load`` (which calls ``load_model``,
        ``auto_class`` and ``check``; ``with_anchor(0)`` first when an original may replace its frozen copy), then ``read_reference`` (the original) or ``copy_reference``, and
        ``copy_reference`` or ``read_reference`` again for the baseline's unextended model when the anchor keeps none;
     2. ``size_processor``, ``split`` (unless the held-out data is given), ``samples`` (held-out, then training);
+       ``window_anchor_for`` (a run that extends and gives no window anchor), ``with_window_anchor``;
        ``default_lr`` (through ``config.with_lr``, when no lr is given), ``State``;
     3. ``baseline`` and ``baseline_name`` (a run that grows), ``count`` (one batch: tokens per step), ``control_name``;
     4. the loop (:mod:`posextend.training.loop`): ``evaluate``; ``reading`` at step 0; each step ``loss`` and ``count``
@@ -205,6 +207,8 @@ def setup(checkpoint: Checkpoint, dst: Path, data: Sequence[str | Path], config:
     samples = _samples(objective, loaded.processor, (docs, given_held_out), length.new, config)
     accelerator = make_accelerator(config.mixed_precision, config.grad_accum,
                                    unused_parameters=objective.unused_parameters)
+    objective, config, window_note = _window_anchor(objective, config, unextended, loaded.processor, samples.held_out,
+                                                    sizes)
     tables, keep = _trained_tables(loaded, sizes)
     config = config.with_lr(objective, tables[0].shape[-1])
     # the run is a function of the global batch, so a resume may use another number of processes
@@ -219,7 +223,7 @@ def setup(checkpoint: Checkpoint, dst: Path, data: Sequence[str | Path], config:
                  objective=objective, checkpoint=checkpoint, loaded=loaded,
                  trainable=replace(trainable, optimizer=optimizer, scheduler=scheduler),
                  state_dir=dst.with_name(dst.name + ".state"), fingerprint=fingerprint, anchor_original=anchor_original,
-                 train_documents=samples.train_documents, held_out_note=samples.note)
+                 train_documents=samples.train_documents, held_out_note=samples.note, window_note=window_note)
     baseline = _baseline(run, unextended)
     del unextended
     _, tokens = objective.count(batch_rows(0, config.batch_size, samples.train, config.seed, stream=objective.stream))
@@ -297,6 +301,21 @@ def _judge(objective: Objective, config: FinetuneConfig, baseline: tuple[Reading
     return Judge(budget, early, baseline=reading, baseline_name=name, margin=config.margin, tolerance=config.tolerance,
                  eval_every=config.eval_every, tokens_per_step=tokens_per_step,
                  keep_best=config.steps is None and reading is not None, **control)
+
+
+def _window_anchor(objective: Objective, config: FinetuneConfig, unextended: torch.nn.Module | None, processor: Any,
+                   held_out: Any, sizes: Sizes) -> tuple[Objective, FinetuneConfig, str]:
+    """The objective and config with the window anchor's weight where none is given and the run extends
+    (:meth:`Objective.window_anchor_for`, which may read the source), and the line that says why; else as given."""
+    if config.window_anchor is not None or objective.window_anchor is None or unextended is None \
+            or sizes.length.old >= sizes.length.new:
+        return objective, config, ""
+    weight, note = objective.window_anchor_for(unextended, processor, held_out, sizes.length.old)
+    if weight is None:
+        return objective, config, note
+    if note:
+        log.info("%s", note)
+    return objective.with_window_anchor(weight), replace(config, window_anchor=weight), note
 
 
 def _baseline(run: Run, unextended: torch.nn.Module | None) -> tuple[Reading, str] | None:

@@ -128,6 +128,8 @@ class Objective:
                                           "lora": "constant"}
     strategy: ClassVar[dict[str, str]] = {"new-rows": "tile", "positions": "tile", "all": "tile", "lora": "tile"}
     anchor: ClassVar[float | None] = None  # weight of a term keeping the source's outputs (None: no such term)
+    # weight of a term holding the new positions to the model's own reading through its old window (None: no such term)
+    window_anchor: ClassVar[float | None] = None
 
     def accepts(self, checkpoint: CheckpointFacts) -> bool:
         """Whether this objective is a default for ``checkpoint`` (of those that are, the one of the highest
@@ -194,12 +196,28 @@ class Objective:
 
     def with_anchor(self, weight: float) -> Objective:
         """This objective with its anchor term weighted ``weight`` (0: off, and no frozen source copy)."""
-        if self.anchor is None:
-            raise TrainingError(f"The {self.name} objective has no anchor term to weight; leave the anchor unset.")
+        return self._weighted("anchor", "anchor", weight)
+
+    def with_window_anchor(self, weight: float) -> Objective:
+        """This objective with its window anchor (the new positions held to the model's own reading through its old
+        window) weighted ``weight`` (0: off)."""
+        return self._weighted("window_anchor", "window anchor", weight)
+
+    def window_anchor_for(self, unextended: torch.nn.Module, processor: Any, held_out: Any, old: int
+                          ) -> tuple[float | None, str]:
+        """The window anchor's weight for a run that extends and gives none, and a line saying why (empty: nothing
+        to say): ``window_anchor`` by default. ``unextended``: the source at its own length; ``held_out``: the
+        run's held-out samples; ``old``: the old length."""
+        return self.window_anchor, ""
+
+    def _weighted(self, term: str, said: str, weight: float) -> Objective:
+        """A copy with the weight of its term ``term`` (``said`` in messages) set to ``weight``, checked."""
+        if getattr(self, term) is None:
+            raise TrainingError(f"The {self.name} objective has no {said} term to weight; leave the {said} unset.")
         if not (isinstance(weight, (int, float)) and math.isfinite(weight) and weight >= 0):
-            raise TrainingError(f"The anchor weight must be a finite number >= 0, got {weight!r}.")
+            raise TrainingError(f"The {said} weight must be a finite number >= 0, got {weight!r}.")
         changed = copy.copy(self)
-        changed.anchor = float(weight)
+        setattr(changed, term, float(weight))
         return changed
 
     def documents(self, paths: Sequence[str | Path]) -> Sequence[Any]:

@@ -23,19 +23,19 @@ def data_help() -> str:
     return "\n\n".join(f"{', '.join(names)}: {kind}." for kind, names in kinds.items())
 
 
-DEFAULTED = ("lr", "schedule", "strategy", "anchor")  # the options whose defaults are each objective's
 _MODES = ("all", "lora", "positions", "new-rows")  # the train modes, as the defaults' help lists them
 _FALLBACK = {"schedule": "constant", "strategy": "tile"}  # what a run takes where an objective's table lacks a mode
 
 
 def defaults_help(option: str) -> str:
-    """Each registered objective's default for ``option`` (one of :data:`DEFAULTED`), plug-ins included, one paragraph
+    """Each registered objective's default for ``option`` (one of :data:`posextend.training.options.DEFAULTED`), plug-ins included, one paragraph
     each: ``finetune --help`` shows it under the option, made from the registry as the run resolves it (so an
     installed plug-in shows up with its defaults, and adding one edits no prose)."""
     lines = []
     for name, objective in available_objectives().items():
-        if option == "anchor":
-            value = "none (no anchor term)" if objective.anchor is None else f"{objective.anchor:g}"
+        if option in ("anchor", "window_anchor"):
+            weight = getattr(objective, option)
+            value = f"none (no {option.replace('_', ' ')} term)" if weight is None else f"{weight:g}"
         else:
             table = getattr(objective, option)
             fallback = Objective.lr if option == "lr" else {}
@@ -44,7 +44,7 @@ def defaults_help(option: str) -> str:
             if option == "lr" and objective.lr_width:
                 value += f" (all: times {objective.lr_width} / width on models wider than {objective.lr_width})"
         lines.append(f"{name}: {value}")
-    head = "Defaults by objective:" if option == "anchor" else "Defaults by objective and train mode:"
+    head = "Defaults by objective:" if option in ("anchor", "window_anchor") else "Defaults by objective and train mode:"
     return head + "\n\n" + ";\n\n".join(lines) + "."
 
 

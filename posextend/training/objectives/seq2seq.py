@@ -39,6 +39,10 @@ ENDS = (".", "!", "?")  # a token whose text ends so (closing quotes aside) ends
 # the anchor's default weight: off. On the small BART of benchmarks/seq2seq.py (256 -> 1024, tile, 200 steps) anchor 1
 # left the original range where anchor 0 did (631.0 both) and the far range worse (626.8 vs 621.7); --anchor 1 turns it on
 ANCHOR = 0.0
+# the window anchor's default weight (the masked sentences held to the model's own reading of each old-length window):
+# off. On benchmarks/seq2seq.py (256 -> 1024, tile, 15 minutes each) weight 1 read far / itself 1.017 against 1.022
+# but the far range 8% worse (373.5 vs 346.5, 1,777 steps vs 2,295); at 600 steps each 1.052 vs 1.055
+WINDOW_ANCHOR = 0.0
 METRICS = {False: "masked-sentence perplexity", True: "target perplexity by source length"}  # raw text, pairs
 HELD_OUT = 10**9  # held-out window i draws its gaps from sample HELD_OUT + i's generator (no training sample's)
 
@@ -150,6 +154,7 @@ class GapSentences(Objective):
     lr = {"new-rows": 3e-3, "positions": 1e-3, "all": 1e-4, "lora": 1e-3}
     schedule = {"new-rows": "constant", "positions": "constant", "all": "cosine", "lora": "cosine"}
     anchor = ANCHOR
+    window_anchor = WINDOW_ANCHOR
 
     def accepts(self, checkpoint: CheckpointFacts) -> bool:
         """An encoder-decoder family with a generation head."""
@@ -217,10 +222,15 @@ class GapSentences(Objective):
     def loss(self, run: RunContext, positions: range, batch: torch.Tensor) -> tuple[torch.Tensor, int]:
         """The masked sentences' loss, plus (when set: off by default) ``anchor`` × the KL divergence of the model's predictions from the
         frozen source's on a second sample of each window cut to the old length (inputs the source reads as
-        it was trained to), so that training the new range keeps the old one."""
-        inputs, _ = self.batch(run, batch, [run.generator(p) for p in positions])
-        loss = run.model(**inputs).loss
+        it was trained to), so that training the new range keeps the old one; plus ``window_anchor`` × the
+        KL divergence of the masked sentences' predictions from the model's own, each window of the old length
+        read alone (:func:`own_window_kl`)."""
+        inputs, wheres = self.batch(run, batch, [run.generator(p) for p in positions])
+        out = run.model(**inputs)
+        loss = out.loss
         old, new = run.sizes.length.old, run.sizes.length.new
+        if self.window_anchor and old < new and batch.dim() == 2:
+            loss = loss + self.window_anchor * own_window_kl(run, inputs, wheres, out.logits)
         if run.reference is not None and not run.short_inputs_fixed and old < new:
             short, _ = self.batch(run, batch, [run.generator(p) for p in positions], length=old)
             keep = (short["labels"] != -100).float()  # the target tokens
@@ -309,3 +319,43 @@ class GapSentences(Objective):
         start = far_start(new, old)
         far, original = (float(total[a:b].sum() / count[a:b].sum().clamp(min=1)) for a, b in ((start, new), (0, old)))
         return Reading(far=math.exp(min(far, 50)), original=math.exp(min(original, 50)), metric=METRICS[False])
+
+
+def own_window_kl(run: RunContext, inputs: dict[str, torch.Tensor], wheres: list[list[int]], logits: torch.Tensor,
+                  *, harm_only: bool = True) -> torch.Tensor:
+    """The KL divergence of the masked sentences' predictions (``logits``: the model's, reading each source whole)
+    from the same model's reading each window of the old length alone: the source cut into windows of the old
+    length (its framing tokens around each), each window's target the sentences whose masks fall in it, in
+    order (no gradient; eval mode). Summed over the target tokens where the window gives the token the higher
+    probability (every one unless ``harm_only``), over all of them; the run's control reads the held-out text
+    in such windows. ``wheres``: each target token's mask position in the source (-1: framing)."""
+    tok, (before, after) = run.tokenizer, run.state.framing
+    inner = run.sizes.length.old - len(before) - len(after)  # a window's text
+    ids, labels = inputs["input_ids"].tolist(), inputs["labels"]
+    sources, targets, places = [], [], []  # per window: its source, target, and (row, token) of each target token
+    for r, where in enumerate(wheres):
+        chunks: dict[int, list[int]] = {}
+        for t, pos in enumerate(where):
+            if pos >= 0 and int(labels[r, t]) != -100:
+                chunks.setdefault((pos - len(before)) // inner, []).append(t)
+        for c, tokens in sorted(chunks.items()):
+            text = ids[r][len(before) + c * inner: len(before) + (c + 1) * inner]
+            sources.append(before + text + after)
+            targets.append(before + [int(labels[r, t]) for t in tokens] + after)
+            places.append([(r, t) for t in tokens])
+    if not sources:
+        return logits.new_zeros((), dtype=torch.float32)
+    windowed = _collate(sources, targets, tok.pad_token_id, logits.device)
+    with evaluating(run.model), torch.no_grad():
+        read = run.model(**windowed).logits
+    rows = torch.tensor([r for p in places for r, _ in p], device=logits.device)
+    cols = torch.tensor([t for p in places for _, t in p], device=logits.device)
+    wrows = torch.tensor([w for w, p in enumerate(places) for _ in p], device=logits.device)
+    wcols = torch.tensor([len(before) + i for p in places for i in range(len(p))], device=logits.device)
+    student = logits[rows, cols].float().log_softmax(-1)
+    teacher = read[wrows, wcols].float().log_softmax(-1)
+    kl = torch.nn.functional.kl_div(student, teacher, log_target=True, reduction="none").sum(-1)
+    if harm_only:
+        token = labels[rows, cols][:, None]
+        kl = kl * (teacher.gather(-1, token) > student.detach().gather(-1, token))[:, 0]
+    return kl.sum() / len(kl)
