@@ -388,8 +388,9 @@ def test_own_window_kl_is_the_kl_from_the_models_own_windowed_reading():
 
 
 def test_window_anchor_holds_the_new_range_to_the_models_own_window(gpt, corpus, tmp_path):
-    """The default causal fine-tune weights its window anchor 1 (the report says so); after the same steps, its new
-    range's predictions are closer to its own reading through the old window than the same run's without it."""
+    """The default causal fine-tune weights its window anchor 1 (the report says so; 0 for a run at the old length,
+    which adds no term); after the same steps, its new range's predictions are closer to its own reading through the
+    old window than the same run's without it."""
     from posextend.training.objectives.causal import own_window_kl
 
     kwargs = dict(length=128, steps=8, batch_size=2, lr=3e-3, eval_sequences=2, seed=0)
@@ -397,6 +398,8 @@ def test_window_anchor_holds_the_new_range_to_the_models_own_window(gpt, corpus,
     free = finetune(gpt, tmp_path / "free", [corpus], window_anchor=0, **kwargs)
     assert (held.window_anchor, free.window_anchor, held.anchor, free.anchor) == (1.0, 0.0, 1.0, 1.0)
     assert held.to_dict()["window_anchor"] == 1.0 and held.steps == free.steps == 8
+    same = finetune(gpt, tmp_path / "same", [corpus], **{**kwargs, "length": 32, "steps": 1})
+    assert same.window_anchor == 0.0  # no new positions: no term, and the report does not claim one
     tok = transformers.AutoTokenizer.from_pretrained(gpt)
     ids = tok(corpus.read_text()[-20000:], return_tensors="pt")["input_ids"][:, :128]
 

@@ -26,10 +26,10 @@ from posextend.training.options import DEFAULTED, EVALUATION, MOST, FinetuneConf
 
 
 class _ListsObjectives(Command):
-    """A command whose ``--objective`` help ends with the registered objectives (plug-ins included), each with
-    its help line, and whose ``--lr``, ``--schedule``, ``--strategy``, ``--anchor`` and ``--window-anchor`` help end with each one's
-    default (:func:`~posextend.training.objectives.defaults_help`): made from the registry when the command runs or
-    shows its help, since the objectives import torch."""
+    """A command whose ``--objective`` help ends with the registered objectives (plug-ins included), each with its help
+    line, and whose ``--lr``, ``--schedule``, ``--strategy``, ``--anchor`` and ``--window-anchor`` help end with
+    each one's default (:func:`~posextend.training.objectives.defaults_help`): made from the registry when the
+    command runs or shows its help, since the objectives import torch."""
 
     def get_params(self, ctx: Any) -> list[Any]:
         params = super().get_params(ctx)

@@ -94,8 +94,9 @@ class FinetuneConfig:
       old length (causal 1, contrastive 2, seq2seq 0; 0 turns it off).
     - ``window_anchor``: weight of the objective's term that holds the new positions to the model's own reading
       through its old window (the control the verdict reads), so that the longer context does not read worse than
-      that window (0 turns it off; None: the objective's, :meth:`~posextend.training.objectives.base.Objective.window_anchor_for`:
-      causal 1, or 0 for a source that uses its context within its window).
+      that window (0 turns it off; None: the objective's,
+      :meth:`~posextend.training.objectives.base.Objective.window_anchor_for`: causal 1, or 0 for a source that uses
+      its context within its window).
     - ``source``: the original model the anchor holds to, for a checkpoint extended earlier.
     - ``eval_sequences``, ``buckets``: the held-out evaluation's size (contrastive: the documents of each
       retrieval task its verdict reads) and position buckets.

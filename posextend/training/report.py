@@ -36,8 +36,8 @@ log = logging.getLogger(__name__)
 # the report's keys as plain data (:meth:`FinetuneReport.to_dict`), its options among its own fields
 _KEYS = ("dst", "train", "objective", "steps", "old_length", "new_length", "lr", "batch_size", "grad_accum", "precision",
          "items", "tokens", "seconds", "tokens_per_second", "losses", "eval_losses", "before", "after", "processes", "main_process",
-         "strategy", "anchor", "window_anchor", "schedule", "anchor_source", "anchor_note", "notes", "verdict", "written_step", "held_out",
-         "context_use")
+         "strategy", "anchor", "window_anchor", "schedule", "anchor_source", "anchor_note", "notes", "verdict",
+         "written_step", "held_out", "context_use")
 
 
 @dataclass
@@ -127,7 +127,8 @@ def finetune_report(run: Run, dst: Path, evaluations: tuple[EvalReport | None, E
         main_process=run.accelerator.is_main_process, strategy=config.strategy if run.extended else None,
         anchor_source=run.anchor_original.original.name if run.anchor_original.original else None,
         anchor_note=run.anchor_original.note,
-        notes=([run.window_note] if run.window_note else []) + run.objective.notes(run), verdict=verdict, precision=run.accelerator.mixed_precision,
+        notes=([run.window_note] if run.window_note else []) + run.objective.notes(run), verdict=verdict,
+        precision=run.accelerator.mixed_precision,
         written_step=written_step, held_out=run.held_out_note,
         context_use=run.objective.context_use(run),  # read once, on the fine-tuned model
     )

@@ -305,12 +305,14 @@ def _judge(objective: Objective, config: FinetuneConfig, baseline: tuple[Reading
 
 def _window_anchor(objective: Objective, config: FinetuneConfig, unextended: torch.nn.Module | None, processor: Any,
                    held_out: Any, sizes: Sizes) -> tuple[Objective, FinetuneConfig, str]:
-    """The objective and config with the window anchor's weight where none is given and the run extends
-    (:meth:`Objective.window_anchor_for`, which may read the source), and the line that says why; else as given."""
-    if config.window_anchor is not None or objective.window_anchor is None or unextended is None \
-            or sizes.length.old >= sizes.length.new:
-        return objective, config, ""
-    weight, note = objective.window_anchor_for(unextended, processor, held_out, sizes.length.old)
+    """The objective and config with the window anchor's weight where none is given (where the run extends,
+    :meth:`Objective.window_anchor_for`, which may read the source) and the line that says why; else as given."""
+    if config.window_anchor is not None or objective.window_anchor is None or sizes.length.old >= sizes.length.new:
+        return objective, config, ""  # given, no such term, or no new positions to hold (the term is not added)
+    if unextended is None:  # no source to read: the objective's weight
+        weight, note = objective.window_anchor, ""
+    else:
+        weight, note = objective.window_anchor_for(unextended, processor, held_out, sizes.length.old)
     if weight is None:
         return objective, config, note
     if note:

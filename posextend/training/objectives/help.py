@@ -28,12 +28,12 @@ _FALLBACK = {"schedule": "constant", "strategy": "tile"}  # what a run takes whe
 
 
 def defaults_help(option: str) -> str:
-    """Each registered objective's default for ``option`` (one of :data:`posextend.training.options.DEFAULTED`), plug-ins included, one paragraph
-    each: ``finetune --help`` shows it under the option, made from the registry as the run resolves it (so an
-    installed plug-in shows up with its defaults, and adding one edits no prose)."""
-    lines = []
+    """Each registered objective's default for ``option`` (one of :data:`posextend.training.options.DEFAULTED`),
+    plug-ins included, one paragraph each: ``finetune --help`` shows it under the option, made from the registry as
+    the run resolves it (so an installed plug-in shows up with its defaults, and adding one edits no prose)."""
+    lines, weights = [], option in ("anchor", "window_anchor")
     for name, objective in available_objectives().items():
-        if option in ("anchor", "window_anchor"):
+        if weights:
             weight = getattr(objective, option)
             value = f"none (no {option.replace('_', ' ')} term)" if weight is None else f"{weight:g}"
         else:
@@ -44,7 +44,7 @@ def defaults_help(option: str) -> str:
             if option == "lr" and objective.lr_width:
                 value += f" (all: times {objective.lr_width} / width on models wider than {objective.lr_width})"
         lines.append(f"{name}: {value}")
-    head = "Defaults by objective:" if option in ("anchor", "window_anchor") else "Defaults by objective and train mode:"
+    head = "Defaults by objective:" if weights else "Defaults by objective and train mode:"
     return head + "\n\n" + ";\n\n".join(lines) + "."
 
 
