@@ -30,18 +30,37 @@ def austen(tmp_path_factory) -> Path:
     return root
 
 
+@contextlib.contextmanager
+def _kept_to_itself(folder: Path):
+    """What a benchmark module registers (a strategy, an objective) and the modules of ``folder`` it imports last as
+    long as the block: the next test in this process sees the registries as they were and imports them afresh."""
+    from posextend.tables import strategies
+    from posextend.training.objectives import base
+
+    registries = [(r, dict(r.items), r.plugins_loaded) for r in (strategies._REGISTRY, base._REGISTRY)]
+    modules = set(sys.modules)
+    try:
+        yield
+    finally:
+        for registry, items, loaded in registries:
+            registry.items, registry.plugins_loaded = items, loaded
+        for name in set(sys.modules) - modules:
+            if str(getattr(sys.modules[name], "__file__", None) or "").startswith(str(folder)):
+                del sys.modules[name]
+
+
 def _run(*args, cwd):
     """``python SCRIPT ARGS`` in ``cwd``: its stdout. A benchmark script runs as its ``__main__`` in this process
-    (torch and transformers imported once per test process, not once a script); ``-c`` code in a process of its
-    own."""
+    (torch and transformers imported once per test process, not once a script), what it registers kept to itself;
+    ``-c`` code in a process of its own."""
     if args[0] == "-c":
         r = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, cwd=cwd)
         assert r.returncode == 0, r.stderr[-3000:]
         return r.stdout
-    out, argv, path = io.StringIO(), sys.argv, list(sys.path)
-    sys.argv, sys.path[:0] = list(map(str, args)), [str(Path(args[0]).parent)]  # as python puts a script's folder
+    out, argv, path, folder = io.StringIO(), sys.argv, list(sys.path), Path(args[0]).parent
+    sys.argv, sys.path[:0] = list(map(str, args)), [str(folder)]  # as python puts a script's folder
     try:
-        with in_process(cwd), contextlib.redirect_stdout(out):
+        with in_process(cwd), contextlib.redirect_stdout(out), _kept_to_itself(folder):
             runpy.run_path(str(args[0]), run_name="__main__")
     except SystemExit as exc:
         assert not exc.code, f"{args[0]} exited {exc.code}\n{out.getvalue()[-3000:]}"
@@ -230,16 +249,15 @@ def test_keep_local_fits_the_new_rows_to_the_first_layers_offsets(tmp_path, monk
     """``local_rows.keep_local``: the old rows come out bit-exact, the new rows move from ``tile``'s and make the
     first layer attend from them closer to the source's pattern at the same offsets than ``tile`` does; a source
     whose table is not the one resized is refused."""
+    with _kept_to_itself(ROOT / "benchmarks"):  # importing the module registers ``keep-local``
+        monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+        _keep_local_fits(tmp_path)
+
+
+def _keep_local_fits(tmp_path):
+    import local_rows
     import torch
     import transformers
-
-    from posextend.tables import strategies
-
-    # importing the module registers ``keep-local``: keep that registration inside this test
-    monkeypatch.setattr(strategies._REGISTRY, "items", dict(strategies._REGISTRY.items))
-    monkeypatch.delitem(sys.modules, "local_rows", raising=False)
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    import local_rows
     from posextend.tables.strategies import tile
 
     torch.manual_seed(0)

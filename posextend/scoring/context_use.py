@@ -149,25 +149,22 @@ def passkey_sequences(tokenizer: Any, old_length: int, length: int, *, keys: int
     return torch.tensor(rows), answers, distances, numbers
 
 
-def repeat_reading(model: torch.nn.Module, tokenizer: Any, *, old_length: int, length: int,
-                   text: torch.Tensor | None = None, sequences: int = 4, seed: int = 0, batch_size: int = 4,
-                   device: torch.device | str | None = None) -> tuple[float, float, int]:
-    """``(whole, windowed, passage)``: the perplexity of the second copy of a repeated passage (but its first token;
-    :func:`repeated_passages`, ``passage`` tokens long) read with the whole context and through a sliding window
-    of ``old_length`` tokens: the half of the probe its rule reads (:func:`uses_context`)."""
+def repeat_reading(model: torch.nn.Module, repeats: torch.Tensor, passage: int, old_length: int, *,
+                   batch_size: int = 4, device: torch.device | str | None = None) -> tuple[float, float]:
+    """``(whole, windowed)``: the perplexity of the second copy of each repeated passage of ``repeats`` (but its
+    first token; :func:`repeated_passages`, ``passage`` tokens long) read with the whole context and through a
+    sliding window of ``old_length`` tokens: the half of the probe its rule reads (:func:`uses_context`)."""
     from posextend.scoring.by_position import evaluating, position_losses
 
     device = device or next(model.parameters()).device
-    repeats, passage = repeated_passages(old_length, length, text=text, tokenizer=tokenizer, sequences=sequences,
-                                         seed=seed)
-    second = slice(length - passage + 1, length)  # the second copy but its first token
+    second = slice(repeats.shape[1] - passage + 1, repeats.shape[1])  # the second copy but its first token
 
     def repeat(window: int | None) -> float:
         total, count = position_losses(model, repeats, "causal", batch_size=batch_size, device=device, window=window)
         return math.exp(min(float(total[second].sum() / count[second].sum()), 50))
 
     with evaluating(model):
-        return repeat(None), repeat(old_length), passage
+        return repeat(None), repeat(old_length)
 
 
 @torch.no_grad()
@@ -223,8 +220,9 @@ def context_use(model: torch.nn.Module, tokenizer: Any, *, old_length: int, leng
     device = device or next(model.parameters()).device
     text = text if text is not None and len(text) else None
     keyed, answers, distances, _ = passkey_sequences(tokenizer, old_length, length, keys=keys, seed=seed)
-    whole, windowed, passage = repeat_reading(model, tokenizer, old_length=old_length, length=length, text=text,
-                                              sequences=sequences, seed=seed, batch_size=batch_size, device=device)
+    repeats, passage = repeated_passages(old_length, length, text=text, tokenizer=tokenizer, sequences=sequences,
+                                         seed=seed)
+    whole, windowed = repeat_reading(model, repeats, passage, old_length, batch_size=batch_size, device=device)
     with evaluating(model):
         key_whole = _answers(model, keyed, answers, None, device, batch_size)
         key_window = _answers(model, keyed, answers, old_length, device, batch_size)

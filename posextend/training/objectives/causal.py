@@ -71,14 +71,14 @@ class CausalLM(LanguageModel):
         """``window_anchor``, or 0 for a source that uses its context within its own window (the repeated passage of
         :func:`~posextend.scoring.context_use.context_use`, its rule, read within it, over a quarter of it, on the
         held-out text): such a model may learn to read past its old window, which the window anchor would hold back."""
-        from posextend.scoring.context_use import repeat_reading, uses_context
+        from posextend.scoring.context_use import repeat_reading, repeated_passages, uses_context
 
         window = old // 4
         try:
-            whole, windowed, passage = repeat_reading(unextended, processor, old_length=window, length=old,
-                                                      text=held_out[:, :old])
+            repeats, passage = repeated_passages(window, old, text=held_out[:, :old], tokenizer=processor)
         except DataError:  # too short an old length to read the probe in: the default
             return self.window_anchor, ""
+        whole, windowed = repeat_reading(unextended, repeats, passage, window)
         read = (f"a passage repeated {old - passage} tokens later reads at perplexity {whole:.1f} with its whole "
                 f"context against {windowed:.1f} through a {window}-token window")
         if uses_context(whole, windowed):
