@@ -65,8 +65,8 @@ import argparse
 import concurrent.futures
 import contextlib
 import json
-import multiprocessing
 import math
+import multiprocessing
 import shutil
 import time
 from pathlib import Path
