@@ -5,6 +5,7 @@ through its old window, and which change fixes it? (issue 60, item 1)
     python benchmarks/no_harm.py --data ../shared/data/austen --quick                      # ~30 s
     python benchmarks/no_harm.py --data ../shared/data/austen --candidates defaults "no window anchor" \
         --budget 15min --exact                                                             # ~35 min on 2 cores
+    python benchmarks/no_harm.py --data ../shared/data/austen --reference grid-2x128 ...   # another source (below)
 
 ``--budget`` gives every candidate the same wall-clock budget (``finetune``'s own: it stops early once its held-out
 reading stops improving), two candidates side by side on one core each, so that a candidate whose step costs more
@@ -30,6 +31,10 @@ after training and untrained (step 0):
 Why, per candidate (a second table): the far range with the first layer, and with the later layers, made to see
 only the last ``old`` keys (``table_causes.banded``), and the first layer's attention entropy at positions
 ``old - 1`` and ``4 * old - 1`` (a head averaging its whole prefix spreads as the log of the position).
+
+``--reference`` picks the source: ``issue60`` (the default, the model above), ``grid-2x128`` (``worth_it.py``'s and
+``quality_grid.py``'s 2 x 128 at 128 positions, extended to 512: the same cached reference) or ``16rows`` (3 x 128 at
+16 positions, extended to 64: a table too short for the window anchor's probe, which then keeps its weight).
 
 ``--seen`` scores a training novel too (not a target: what the longer context does on text trained on).
 
@@ -74,22 +79,30 @@ from pathlib import Path
 import torch
 import transformers
 from quality import SETTINGS, build_reference, machine
-from quality_grid import WindowTeacher, plugin_objective
+from quality_grid import SIZES, WindowTeacher, plugin_objective
 from table_causes import banded, entropy_by_position, table_lr
 from worth_it import ranges, train_exact
 
 import posextend
-from posextend.scoring.by_position import evaluating, token_losses, windows
-from posextend.training.objectives.causal import CausalLM
 from posextend.data.text import read_documents
+from posextend.scoring.by_position import evaluating, token_losses, windows
 from posextend.scoring.text import pack
 from posextend.scoring.verdict import far_start
+from posextend.training.objectives.causal import CausalLM
 
 MODES = {
     # the reference: 3 layers x 128 at 64 positions (issue 60's model), pretrained on --train
     "full": dict(SETTINGS["full"], length=64, n_layer=3, n_embd=128, pretrain_steps=2000, eval_sequences=128),
     "quick": dict(SETTINGS["quick"], length=32, n_layer=2, n_embd=48, pretrain_steps=60, eval_sequences=4,
                   train_chars=200_000),
+}
+# --reference: the source extended in full mode (each pretrained once on --train, cached). Not the defaults' own
+# model: the grid's 2 x 128 at 128 positions (worth_it.py's and quality_grid.py's, the same cached reference) and
+# a table of 16 rows (its probe window, 4 tokens, is too short to read: the window anchor keeps its weight)
+REFERENCES = {
+    "issue60": MODES["full"],
+    "grid-2x128": dict(SETTINGS["full"], **SIZES["full"]["2x128"]),
+    "16rows": dict(MODES["full"], length=16, pretrain_steps=4000, eval_sequences=512),
 }
 STEPS = {"full": 500, "quick": 6}  # fine-tune steps of every candidate (batch 4 x the new length)
 FACTOR = 4
@@ -322,6 +335,9 @@ def main() -> None:
     ap.add_argument("--seen", default="prideprejudice.txt", help="a training novel, scored as well: what the "
                     "longer context does on text the model trained on (a diagnosis; '' leaves it out)")
     ap.add_argument("--quick", action="store_true", help="a tiny model and a few steps (the tests)")
+    ap.add_argument("--reference", choices=list(REFERENCES), default="issue60",
+                    help="the source (full mode): issue 60's 3 x 128 at 64 positions, the grid's 2 x 128 at 128, "
+                    "or a 3 x 128 table of 16 rows")
     ap.add_argument("--steps", type=int, help="fine-tune steps of every candidate (default: the mode's)")
     ap.add_argument("--budget", help="in place of steps, every candidate the same wall-clock budget (finetune's, "
                     "e.g. 15min: it stops once its held-out reading stops improving), two side by side")
@@ -335,7 +351,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     mode = "quick" if args.quick else "full"
-    s, steps = MODES[mode], args.steps or STEPS[mode]
+    s, steps = MODES["quick"] if args.quick else REFERENCES[args.reference], args.steps or STEPS[mode]
     train_files = [args.data / n for n in args.train]
     t_start = time.perf_counter()
     ref, info = build_reference(args.cache, train_files, s, args.seed)
@@ -367,7 +383,7 @@ def main() -> None:
     text = table(rows, source, labels)
     causes = why_table(rows, labels)
     hardware = machine()
-    meta = {"mode": mode, "settings": s, "reference": info, "old_length": old, "new_length": new,
+    meta = {"mode": mode, "reference_name": None if args.quick else args.reference, "settings": s, "reference": info, "old_length": old, "new_length": new,
             "steps": None if args.budget else steps, "budget": args.budget, "train": args.train, "tuned": args.tuned, "aside": args.aside,
             "eval_tokens": {k: int(v.numel()) for k, v in texts.items()}, "seed": args.seed,
             "wall_seconds": time.perf_counter() - t_start, "hardware": hardware, "torch": torch.__version__,
