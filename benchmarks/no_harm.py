@@ -6,12 +6,17 @@ through its old window, and which change fixes it? (issue 60, item 1)
     python benchmarks/no_harm.py --data ../shared/data/austen --candidates defaults "no window anchor" \
         --budget 15min --exact                                                             # ~35 min on 2 cores
     python benchmarks/no_harm.py --data ../shared/data/austen --reference grid-2x128 ...   # another source (below)
+    python benchmarks/no_harm.py --data ../shared/data/austen --candidates defaults --budget 15min --budget-control
 
 ``--budget`` gives every candidate the same wall-clock budget (``finetune``'s own: it stops early once its held-out
 reading stops improving), two candidates side by side on one core each, so that a candidate whose step costs more
 trains fewer of them on the same machine at the same time. ``--exact`` also trains each candidate's exact control
 (``worth_it.train_exact``: the source fine-tuned at its own length on the same novels and as many tokens) and reads
-the far range against it through its window (``whole / exact``; the issue's second target, <= 1.00).
+the far range against it through its window (``whole / exact``; the issue's second target, <= 1.00). That control
+trains a fixed number of steps and can overfit; ``--budget-control`` (with ``--budget``) trains what a user would run
+instead of extending, side by side with the candidates: the source fine-tuned at its own length with the same budget
+and ``finetune``'s defaults (its own held-out tail, its early stop), read through its window (``whole / budget
+control``, a table of its own).
 
 A small GPT-2 is pretrained here at ``length`` positions (``quality.py``'s ``build_reference``, cached) on the
 ``--train`` novels, extended 4x and fine-tuned on the same novels, every candidate for the same number of
@@ -297,6 +302,38 @@ def progress(step: int, total: int, loss: float, tps: float) -> None:
         print(f"    step {step}/{total}: loss {loss:.3f} ({tps:,.0f} tok/s)", flush=True)
 
 
+def run_budget_control(job: dict) -> dict:
+    """The source fine-tuned at its own length with ``job["budget"]`` and ``finetune``'s defaults (what a user would
+    run instead of extending), read through its window on every text; its folder removed after."""
+    torch.set_num_threads(1)
+    work = job["out"] / "budget-control"
+    t0 = time.perf_counter()
+    report = posextend.finetune(job["ref"], work, job["train_files"], budget=job["budget"], seed=job["seed"],
+                                overwrite=True, progress=progress)
+    seconds = time.perf_counter() - t0
+    model = transformers.AutoModelForCausalLM.from_pretrained(work).eval()
+    read_texts = {}
+    for label, seqs in job["texts"].items():
+        window, original = ranges(model, seqs, job["old"], window=job["old"])
+        read_texts[label] = {"window": window, "original": original}
+    shutil.rmtree(work, ignore_errors=True)
+    print(f"  budget control: {json.dumps(read_texts)} ({report.steps} steps, {seconds:.0f} s)", flush=True)
+    return {"steps": report.steps, "tokens": report.tokens, "seconds": seconds, "texts": read_texts}
+
+
+def control_table(rows: dict, control: dict, labels: list[str]) -> str:
+    """Each candidate's far range, whole, against the same budget spent on the source at its own length."""
+    lines = [f"| candidate | {' | '.join(f'{t}: whole / budget control' for t in labels)} |",
+             "|---|" + "---|" * len(labels),
+             f"| the budget control ({control['steps']} steps, {control['seconds']:.0f} s): its window | "
+             + " | ".join(f"{control['texts'][t]['window']:.1f}" for t in labels) + " |"]
+    for name, row in rows.items():
+        lines.append(f"| {name} | " + " | ".join(
+            f"{row['trained'][t]['whole']:.1f} / {control['texts'][t]['window']:.1f} = "
+            f"**{row['trained'][t]['whole_over_budget_control']:.3f}**" for t in labels) + " |")
+    return "\n".join(lines)
+
+
 def run_candidate(name: str, job: dict) -> dict:
     """One candidate: its untrained start read, its fine-tune (``job["steps"]`` over its ``COST``, or
     ``job["budget"]``), its trained model read (and against its exact control when ``job["exact"]``); its working
@@ -346,12 +383,16 @@ def main() -> None:
                     "e.g. 15min: it stops once its held-out reading stops improving), two side by side")
     ap.add_argument("--exact", action="store_true", help="also each candidate's exact control: the source fine-tuned "
                     "at its own length on the same novels and as many tokens, read through its window")
+    ap.add_argument("--budget-control", action="store_true", help="with --budget: also the source fine-tuned at its "
+                    "own length with the same budget and finetune's defaults, side by side, read through its window")
     ap.add_argument("--candidates", nargs="+", choices=list(CANDIDATES), help="only these (default: all)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cache", type=Path, default=Path(".cache/quality"), help="reference model cache")
     ap.add_argument("--out", type=Path, default=Path(".bench/no_harm"), help="scratch models go here")
     ap.add_argument("--json", type=Path, help="write the results here")
     args = ap.parse_args()
+    if args.budget_control and not args.budget:
+        ap.error("--budget-control needs --budget (the control spends the candidates' budget)")
     torch.set_num_threads(1)
     mode = "quick" if args.quick else "full"
     s, steps = MODES["quick"] if args.quick else REFERENCES[args.reference], args.steps or STEPS[mode]
@@ -379,11 +420,17 @@ def main() -> None:
                budget=args.budget, steps=None if args.budget else steps)
     if args.budget:  # the same wall-clock budget for each: two at a time, side by side, one core each
         with concurrent.futures.ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
+            control = pool.submit(run_budget_control, job) if args.budget_control else None
             rows = dict(zip(names, pool.map(run_candidate, names, [job] * len(names))))
+            control = control.result() if control else None
     else:
-        rows = {name: run_candidate(name, job) for name in names}
+        rows, control = {name: run_candidate(name, job) for name in names}, None
     labels = list(texts)
-    text = table(rows, source, labels)
+    for row in rows.values() if control else ():
+        for t in labels:
+            row["trained"][t]["whole_over_budget_control"] = row["trained"][t]["whole"] / control["texts"][t]["window"]
+    against = f"\n\nAgainst the same budget spent at the old length:\n\n{control_table(rows, control, labels)}" if control else ""
+    text = table(rows, source, labels) + against
     causes = why_table(rows, labels)
     hardware = machine()
     meta = {"mode": mode, "reference_name": None if args.quick else args.reference, "settings": s, "reference": info, "old_length": old, "new_length": new,
@@ -396,7 +443,7 @@ def main() -> None:
           f"{meta['wall_seconds'] / 60:.1f} min on {hardware}, {torch.get_num_threads()} thread(s)")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"meta": meta, "source": source, "rows": rows, "table": text, "why": causes}, indent=2) + "\n")
+        args.json.write_text(json.dumps({"meta": meta, "source": source, "rows": rows, "budget_control": control, "table": text, "why": causes}, indent=2) + "\n")
         print(f"written: {args.json}")
 
 

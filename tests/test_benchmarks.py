@@ -208,6 +208,28 @@ def test_no_harm_budget_side_by_side_with_exact_controls(tmp_path, austen):
     assert not any((tmp_path / "o").iterdir())  # each candidate's folders removed
 
 
+def test_no_harm_budget_control_spends_the_same_budget_at_the_old_length(tmp_path, austen):
+    """``no_harm.py --budget --budget-control``: the source fine-tuned at its own length with the candidates' budget
+    (finetune's defaults), side by side with them, and each candidate's whole context read against its window."""
+    out = _run(ROOT / "benchmarks" / "no_harm.py", "--data", austen, "--quick", "--candidates", "defaults",
+               "--budget", "6s", "--budget-control", "--seen", "", "--cache", tmp_path / "c", "--out",
+               tmp_path / "o", "--json", tmp_path / "n.json", cwd=tmp_path)
+    data = json.loads((tmp_path / "n.json").read_text())
+    control, row = data["budget_control"], data["rows"]["defaults"]
+    assert control["steps"] >= 1 and control["seconds"] < 60
+    assert set(control["texts"]) == set(row["trained"]) == set(data["source"])
+    for label, r in row["trained"].items():
+        window = control["texts"][label]["window"]
+        assert window > 1 and window != data["source"][label]["window"]  # trained, not the source
+        assert r["whole_over_budget_control"] == pytest.approx(r["whole"] / window)
+    assert "Against the same budget spent at the old length" in out
+    assert f"| the budget control ({control['steps']} steps" in out
+    assert not any((tmp_path / "o").iterdir())
+    bad = subprocess.run([sys.executable, ROOT / "benchmarks" / "no_harm.py", "--data", austen, "--quick",
+                          "--budget-control"], capture_output=True, text=True, cwd=tmp_path)
+    assert bad.returncode == 2 and "--budget-control needs --budget" in bad.stderr
+
+
 def _table_causes():
     import importlib.util
 
