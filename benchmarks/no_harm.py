@@ -105,7 +105,7 @@ MODES = {
 # --reference: the source extended in full mode (each pretrained once on --train, cached). Not the defaults' own
 # model: the grid's 2 x 128 at 128 positions (worth_it.py's and quality_grid.py's, the same cached reference),
 # a table of 16 rows (its probe window, 4 tokens, is too short to read: the window anchor keeps its weight) and
-# issue 60's model pretrained twice as long (a source already good at its size: the exact control gains less)
+# issue 60's model pretrained twice as long (a source already good at its size)
 REFERENCES = {
     "issue60": MODES["full"],
     "grid-2x128": dict(SETTINGS["full"], **SIZES["full"]["2x128"]),
@@ -302,6 +302,15 @@ def progress(step: int, total: int, loss: float, tps: float) -> None:
         print(f"    step {step}/{total}: loss {loss:.3f} ({tps:,.0f} tok/s)", flush=True)
 
 
+def window_readings(model, texts: dict[str, torch.Tensor], old: int) -> dict:
+    """Each text read by ``model`` through its ``old``-token window: the far range and the original range."""
+    readings = {}
+    for label, seqs in texts.items():
+        window, original = ranges(model, seqs, old, window=old)
+        readings[label] = {"window": window, "original": original}
+    return readings
+
+
 def run_budget_control(job: dict) -> dict:
     """The source fine-tuned at its own length with ``job["budget"]`` and ``finetune``'s defaults (what a user would
     run instead of extending), read through its window on every text; its folder removed after."""
@@ -311,11 +320,8 @@ def run_budget_control(job: dict) -> dict:
     report = posextend.finetune(job["ref"], work, job["train_files"], budget=job["budget"], seed=job["seed"],
                                 overwrite=True, progress=progress)
     seconds = time.perf_counter() - t0
-    model = transformers.AutoModelForCausalLM.from_pretrained(work).eval()
-    read_texts = {}
-    for label, seqs in job["texts"].items():
-        window, original = ranges(model, seqs, job["old"], window=job["old"])
-        read_texts[label] = {"window": window, "original": original}
+    read_texts = window_readings(transformers.AutoModelForCausalLM.from_pretrained(work).eval(), job["texts"],
+                                 job["old"])
     shutil.rmtree(work, ignore_errors=True)
     print(f"  budget control: {json.dumps(read_texts)} ({report.steps} steps, {seconds:.0f} s)", flush=True)
     return {"steps": report.steps, "tokens": report.tokens, "seconds": seconds, "texts": read_texts}
@@ -393,6 +399,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.budget_control and not args.budget:
         ap.error("--budget-control needs --budget (the control spends the candidates' budget)")
+    if args.quick and args.reference != "issue60":
+        ap.error("--reference picks a full-mode source; --quick has its own tiny one")
     torch.set_num_threads(1)
     mode = "quick" if args.quick else "full"
     s, steps = MODES["quick"] if args.quick else REFERENCES[args.reference], args.steps or STEPS[mode]
@@ -407,11 +415,7 @@ def main() -> None:
              **({f"seen {args.seen.removesuffix('.txt')}": args.seen} if args.seen else {})}
     texts = {label: pack(tok, read_documents([args.data / name]), new)[: s["eval_sequences"]]
              for label, name in texts.items()}
-    src_model = transformers.AutoModelForCausalLM.from_pretrained(ref).eval()
-    source = {}
-    for label, seqs in texts.items():
-        window, original = ranges(src_model, seqs, old, window=old)
-        source[label] = {"window": window, "original": original}
+    source = window_readings(transformers.AutoModelForCausalLM.from_pretrained(ref).eval(), texts, old)
     print(f"source: {json.dumps(source)}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     names = args.candidates or list(CANDIDATES)
