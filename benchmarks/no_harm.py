@@ -112,7 +112,8 @@ REFERENCES = {
     "16rows": dict(MODES["full"], length=16, pretrain_steps=4000, eval_sequences=512),
     "pretrained-longer": dict(MODES["full"], pretrain_steps=4000),
 }
-STEPS = {"full": 500, "quick": 6}  # fine-tune steps of every candidate (batch 4 x the new length)
+STEPS = {"full": 500, "quick": 6}  # fine-tune steps of every candidate (the defaults' batch: before 2026-12-08 4 x the
+# new length, since then 1)
 FACTOR = 4
 # label: (strategy, fold the temperature, finetune's options besides length/steps/seed)
 CANDIDATES = {
@@ -132,6 +133,9 @@ CANDIDATES = {
     "table lr x0.1": ("interpolate", False, {}),
     "byparts": ("byparts", False, {}),
     "self teacher": ("interpolate", False, {"objective": "self-teacher"}),
+    # the defaults before 2026-12-08: 4 sequences of the new length a step (the defaults now take as many tokens a step
+    # as 4 sequences of the old length: 1 sequence at 4x, so 4x the updates on the same tokens)
+    "batch 4": ("interpolate", False, {"batch_size": 4}),
 }
 TABLE_LR = {"table lr x10": 10.0, "table lr x0.1": 0.1}  # the position table at this multiple of the run's lr
 # a step's cost over the defaults' before the window anchor (the others: 1; no-anchor's is lower, given 1), for runs of

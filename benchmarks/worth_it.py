@@ -43,6 +43,7 @@ from posextend.scoring.by_position import position_losses
 from posextend.data.text import read_documents
 from posextend.scoring.text import pack
 from posextend.scoring.verdict import MARGIN, TOLERANCE, far_start
+from posextend.training.objectives.causal import CausalLM
 
 TUNED, ASIDE = "emma.txt", "northangerabbey.txt"
 
@@ -86,12 +87,14 @@ def run_cell(name: str, settings: dict, factor: int, args, train_files: list[Pat
 
 def train_exact(ref: Path, out: Path, report, old: int, train_files: list[Path], eval_file: Path, seed: int):
     """The exact control: the source fine-tuned at its own length on the training texts and as many tokens as the
-    run trained on (its lr, schedule and batch), held out nothing (``eval_file``, not a training text, is what its
-    run reads; the texts scored are not training texts)."""
-    steps = max(1, round(report.tokens / (report.batch_size * old)))
+    run trained on (its lr and schedule, the causal objective's batch at the old length: what a user fine-tuning
+    there runs, whatever batch the run took), held out nothing (``eval_file``, not a training text, is what its run reads;
+    the texts scored are not training texts)."""
+    batch = CausalLM.batch_size
+    steps = max(1, round(report.tokens / (batch * old)))
     control = out.with_name(out.name + "-exact")
     posextend.finetune(ref, control, train_files, steps=steps, lr=report.lr, schedule=report.schedule,
-                       batch_size=report.batch_size, seed=seed, overwrite=True, eval_data=[eval_file],
+                       batch_size=batch, seed=seed, overwrite=True, eval_data=[eval_file],
                        eval_sequences=2)
     model = transformers.AutoModelForCausalLM.from_pretrained(control).eval()
     shutil.rmtree(control, ignore_errors=True)

@@ -70,7 +70,8 @@ def test_strategy_parameters_are_checked_against_the_strategy_named():
 
 
 def test_the_fingerprint_follows_what_is_computed_not_how_it_runs():
-    base = FinetuneConfig(length=64).resolved(get_objective("causal")).with_lr(get_objective("causal"), 64)
+    causal = get_objective("causal")
+    base = FinetuneConfig(length=64).resolved(causal).with_lr(causal, 64).with_batch_size(causal, 64, 64)
     key = dict(src=Path("/m"), data=["/d"], anchor_source=None, precision="no")
     same = base.fingerprint(processes=1, **key)
     # the global batch, not the per-process one; evaluation and saving settings may change on resume

@@ -19,6 +19,8 @@ from posextend.scoring.text import pack
 from posextend.scoring.verdict import Point, Reading, Verdict, beats, far_start, holds, plot_verdict
 from posextend.training.budget import PATIENCE, Budget, Judge, Schedule, parse_budget
 from posextend.training.loop import finetune
+from posextend.training.objectives import get_objective
+from posextend.training.options import FinetuneConfig
 
 QUICK = dict(batch_size=2, train="all", eval_sequences=4, buckets=2, seed=0)
 
@@ -234,6 +236,32 @@ def test_the_exact_control_is_the_source_fine_tuned_at_its_length_on_the_same_to
     assert f"and {report.verdict.controls[name].far:.1f} for {name}" in report.verdict.text
     with pytest.raises(TrainingError, match="its control is the source itself"):
         finetune(gpt, tmp_path / "x", [corpus], length=64, steps=1, train="new-rows", train_control=True)
+
+
+def test_an_extended_lm_takes_as_many_tokens_per_step_as_four_sequences_of_its_old_length(gpt, corpus, tmp_path):
+    """No batch given: at 4x one sequence a step (4 x 32 tokens), at 2x two, at its own length the objective's 4; with
+    the window anchor off (a source that copies within its window) 4; a batch given is kept. The exact control trains at the old length as a user would there (4 x 32): as many tokens
+    in as many steps, the same model as a plain fine-tune of the source with those steps."""
+    causal, masked = get_objective("causal"), get_objective("masked")
+    assert [causal.batch_size_for(32, new) for new in (32, 64, 128, 256, 48)] == [4, 2, 1, 1, 3]
+    assert masked.batch_size_for(32, 128) == 4 and causal.with_window_anchor(0).batch_size_for(32, 128) == 4
+    assert FinetuneConfig(batch_size=8).with_batch_size(causal, 32, 128).batch_size == 8
+    held = tmp_path / "held.txt"
+    held.write_text(corpus.read_text()[-8000:])
+    common = dict(eval_data=[held], anchor=0, lr=3e-3, schedule="cosine", train="all", eval_sequences=4, buckets=2)
+    report = finetune(gpt, tmp_path / "out", [corpus], length=128, steps=3, train_control=True, **common)
+    assert (report.batch_size, report.tokens) == (1, 3 * 1 * 128)
+    off = finetune(gpt, tmp_path / "off", [corpus], length=128, steps=1, window_anchor=0, **common)
+    assert (off.batch_size, off.tokens) == (4, 4 * 128)
+    plain = finetune(gpt, tmp_path / "plain", [corpus], steps=3, **common)
+    assert (plain.batch_size, plain.tokens, plain.new_length) == (4, report.tokens, 32)
+    trained = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "plain")
+    seqs = pack(transformers.AutoTokenizer.from_pretrained(gpt), read_documents([held]), 128)[:4]
+    total, count = position_losses(trained, seqs, "causal", window=32)
+    start = far_start(128, 32)
+    far = math.exp(float(total[start:].sum() / count[start:].sum()))
+    name = "the source fine-tuned at its own length on the same tokens, read the same way"
+    assert report.verdict.controls[name].far == pytest.approx(far, rel=1e-3)
 
 
 def test_the_control_is_read_once_the_baseline_is_beaten_and_must_be_beaten_too(tmp_path):

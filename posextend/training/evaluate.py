@@ -77,7 +77,7 @@ def evaluate(
     length: int | None = None,
     objective: str | None = None,
     buckets: int = 8,
-    batch_size: int = 4,
+    batch_size: int | None = None,
     max_sequences: int | None = 64,
     seed: int = 0,
     json_path: str | Path | None = None,
@@ -102,7 +102,7 @@ def evaluate(
             (:func:`~posextend.training.objectives.available_objectives` lists them; default: the checkpoint's).
         buckets: position buckets to report; with an old length on record, the original range is
             the first bucket and the new range is split into the rest.
-        batch_size: samples per forward pass.
+        batch_size: samples per forward pass (default 4).
         max_sequences: score at most this many samples (``None``: all).
         seed: seeds what the objective draws (a masked LM's masks), so runs compare.
         json_path: also write the report as JSON here.
@@ -133,7 +133,7 @@ def evaluate(
     device = reading_device()
     loaded.model.to(device)
     sizes = read_sizes(loaded, length)
-    config = FinetuneConfig(batch_size=batch_size, buckets=buckets, seed=seed, objective=objective.name,
+    config = FinetuneConfig(batch_size=batch_size or objective.batch_size, buckets=buckets, seed=seed, objective=objective.name,
                             eval_sequences=objective.eval_sequences)
     run = RunContext.of(loaded, objective, config, sizes, Samples(samples[:0], samples, held_out_documents=docs),
                         accelerator=_OneProcess(device))

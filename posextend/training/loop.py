@@ -203,14 +203,15 @@ def _final_reading(run: Run, steps: int) -> tuple[Reading | None, int]:
     return reading, written
 
 
-def _train_control(run: Run, tokens: int,
+def _train_control(run: Run, tokens: int, batch_size: int | None,
                    progress: Callable[[int, int, float, float], None] | None) -> None:
     """The exact control: the source fine-tuned at its own length on the run's training documents and as many
-    tokens (its lr, schedule, batch and anchor), read as the baseline reads the source (its window, or chunks) on
+    tokens (its lr, schedule and anchor; ``batch_size``, the one the run was given, else what a run at the old
+    length takes: the objective's), read as the baseline reads the source (its window, or chunks) on
     the run's held-out data; kept among the judge's controls, which the verdict asks the far range to beat. What the
     user would get by fine-tuning without extending. The run's optimizer state is let go first (its memory)."""
     config = dataclasses.replace(run.config, length=None, decoder_length=None, budget=None, eval_every=0,
-                                 save_every=0, resume=False, train_control=False, steps=1)
+                                 save_every=0, resume=False, train_control=False, steps=1, batch_size=batch_size)
     run.trainable.optimizer.zero_grad(set_to_none=True)
     getattr(run.trainable.optimizer, "optimizer", run.trainable.optimizer).state.clear()
     control = setup(run.checkpoint, run.state_dir.with_name(run.state_dir.name + "-control"), [], config, run.objective,
@@ -305,7 +306,7 @@ def finetune(
     reading, written = _final_reading(run, steps)  # the best check's weights put back, when it is not the last step
     after = run.evaluate()
     if config.train_control and reading is not None:
-        _train_control(run, trained.tokens, progress)
+        _train_control(run, trained.tokens, given.batch_size, progress)
     verdict = run.judge.verdict(reading)
     run.accelerator.wait_for_everyone()
     run.config = dataclasses.replace(run.config, steps=steps)  # the steps it trained

@@ -26,6 +26,7 @@ TRAIN_MODES = get_args(TrainMode)
 SCHEDULES = ("constant", "cosine")
 PRECISIONS = ("no", "fp16", "bf16", "auto")
 DEFAULTED = ("lr", "schedule", "strategy", "anchor", "window_anchor")  # the options whose defaults are each objective's
+DEFAULT_BATCH = 4  # sequences per micro-batch where none is given (an objective may take fewer: Objective.batch_size_for)
 DEFAULT_BUDGET = "15min"  # what a run that extends may spend to become worth it, when neither steps nor budget is given
 # an option's help and flag are in its field (:func:`posextend.options.option`): the CLI's ``finetune`` shows each
 # field, ``eval`` the ones whose help names it; ``finetune --help`` groups them in these panels (a field that names
@@ -49,6 +50,8 @@ class Defaults(Protocol):
     strategy: dict[str, str]
 
     def default_lr(self, train: str, width: int) -> float: ...
+
+    def batch_size_for(self, old: int, new: int) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -141,8 +144,11 @@ class FinetuneConfig:
     schedule: Literal["constant", "cosine"] | None = _option(
         None, "Learning rate after a 10% warm-up: constant, or cosine down to 10% (default: by objective and --train, "
         "listed below).", metavar="NAME", panel=TRAINING)
-    batch_size: int = _option(4, {"finetune": "Sequences per micro-batch (per process).",
-                                  "eval": "Sequences per batch."}, panel={"finetune": TRAINING})
+    batch_size: int | None = _option(
+        None, {"finetune": f"Sequences per micro-batch (per process; default {DEFAULT_BATCH}, and for a language model "
+                           f"extended with the window anchor on as many tokens as {DEFAULT_BATCH} sequences of its old "
+                           "length: 1 at 4x the length, 2 at 2x).",
+               "eval": f"Sequences per batch (default {DEFAULT_BATCH})."}, panel={"finetune": TRAINING})
     grad_accum: int = _option(1, "Micro-batches per optimizer step (a larger batch in the same memory).",
                               panel=TRAINING)
     mixed_precision: Literal["auto", "no", "fp16", "bf16"] = _option(
@@ -248,6 +254,11 @@ class FinetuneConfig:
                 f", but this run resizes only {' and '.join(what[r] for r in sorted(grows))}: name one that does "
                 f"({fitting}), or none for the default.")
         return self
+
+    def with_batch_size(self, objective: Defaults, old: int, new: int) -> FinetuneConfig:
+        """The config with ``batch_size`` set: the given one, else ``objective``'s for a run from ``old`` to ``new``
+        positions (:meth:`~posextend.training.objectives.base.Objective.batch_size_for`)."""
+        return self if self.batch_size is not None else replace(self, batch_size=objective.batch_size_for(old, new))
 
     def with_lr(self, objective: Defaults, width: int) -> FinetuneConfig:
         """The config with ``lr`` set: the given one, else ``objective``'s for the train mode and ``width``."""

@@ -177,7 +177,7 @@ def setup(checkpoint: Checkpoint, dst: Path, data: Sequence[str | Path], config:
        ``copy_reference`` or ``read_reference`` again for the baseline's unextended model when the anchor keeps none;
     2. ``size_processor``, ``split`` (unless the held-out data is given), ``samples`` (held-out, then training);
        ``window_anchor_for`` (a run that extends and gives no window anchor), ``with_window_anchor``;
-       ``default_lr`` (through ``config.with_lr``, when no lr is given), ``State``;
+       ``batch_size_for`` (through ``config.with_batch_size``, when no batch is given); ``default_lr`` (through ``config.with_lr``, when no lr is given), ``State``;
     3. ``baseline`` and ``baseline_name`` (a run that grows), ``count`` (one batch: tokens per step), ``control_name``;
     4. the loop (:mod:`posextend.training.loop`): ``evaluate``; ``reading`` at step 0; each step ``loss`` and ``count``
        per micro-batch; each check ``evaluate`` (``eval_every``), ``reading`` and ``control``; at the end ``reading``
@@ -209,6 +209,7 @@ def setup(checkpoint: Checkpoint, dst: Path, data: Sequence[str | Path], config:
                                    unused_parameters=objective.unused_parameters)
     objective, config, window_note = _window_anchor(objective, config, unextended, loaded.processor, samples.held_out,
                                                     sizes)
+    config = config.with_batch_size(objective, length.old, length.new)  # after the window anchor: it may read it
     tables, keep = _trained_tables(loaded, sizes)
     config = config.with_lr(objective, tables[0].shape[-1])
     # the run is a function of the global batch, so a resume may use another number of processes

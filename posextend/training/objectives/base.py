@@ -49,6 +49,7 @@ from posextend.files.checkpoint import Checkpoint
 from posextend.registry import Registry
 from posextend.training.context import RunContext
 from posextend.training.loading import Loaded, load_headed_model, stack_specs
+from posextend.training.options import DEFAULT_BATCH
 
 if TYPE_CHECKING:
     from posextend.families.specs import ArchitectureSpec
@@ -110,6 +111,7 @@ class Objective:
     State: ClassVar[type] = NoState  # its per-run state (``run.state``), a dataclass made empty for each run
     unused_parameters: ClassVar[bool] = False  # some trainable parameters get no gradient from the loss
     steps: ClassVar[int] = 200  # default number of optimizer steps
+    batch_size: ClassVar[int] = DEFAULT_BATCH  # default sequences per micro-batch (see :meth:`batch_size_for`)
     eval_sequences: ClassVar[int] = 16  # held-out samples each check reads, unless the run sets them
     early_stop: ClassVar[bool] = True  # a budget's run may stop once its reading stops improving (False: it trains
     # the whole budget)
@@ -209,6 +211,11 @@ class Objective:
         to say): ``window_anchor`` by default. ``unextended``: the source at its own length; ``held_out``: the
         run's held-out samples; ``old``: the old length."""
         return self.window_anchor, ""
+
+    def batch_size_for(self, old: int, new: int) -> int:
+        """The micro-batch of a run that gives none, from its old and new length: :attr:`batch_size`, whatever
+        the lengths."""
+        return self.batch_size
 
     def _weighted(self, term: str, said: str, weight: float) -> Objective:
         """A copy with the weight of its term ``term`` (``said`` in messages) set to ``weight``, checked."""
