@@ -133,8 +133,8 @@ def evaluate(
     device = reading_device()
     loaded.model.to(device)
     sizes = read_sizes(loaded, length)
-    config = FinetuneConfig(batch_size=batch_size or objective.batch_size, buckets=buckets, seed=seed, objective=objective.name,
-                            eval_sequences=objective.eval_sequences)
+    config = FinetuneConfig(batch_size=batch_size or objective.batch_size, buckets=buckets, seed=seed,
+                            objective=objective.name, eval_sequences=objective.eval_sequences)
     run = RunContext.of(loaded, objective, config, sizes, Samples(samples[:0], samples, held_out_documents=docs),
                         accelerator=_OneProcess(device))
     report = dataclasses.replace(objective.evaluate(run), verdict=_verdict(objective, checkpoint, run),
